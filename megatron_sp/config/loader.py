@@ -1,0 +1,351 @@
+"""Load, merge, override, validate and resolve a config.
+
+``load(conf_files, overrides, world_size)`` is the one entry point: YAML/JSON files merged in order
+(later wins), then dotted ``section.key=value`` overrides parsed to each field's type, then
+``finalize`` fills the derived values and runs every cross-field check in one place. Every error
+is a ``ConfigError`` naming the key, the bad value and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+from .schema import SECTIONS, Config
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _did_you_mean(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert ``value`` (from YAML or a command-line string) to the field type ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in {"none", "null", "~"}):
+            return None
+        return _coerce(key, value, args[0])
+    if value is None:
+        raise ConfigError(f"{key}: null is not allowed (expected {getattr(tp, '__name__', tp)})")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{key}: '{value}' is not a boolean; use true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: '{value}' is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                try:
+                    f = float(value)
+                except ValueError:
+                    f = math.nan
+                if math.isfinite(f) and f.is_integer():
+                    return int(f)
+        raise ConfigError(f"{key}: '{value}' is not an integer; give a whole number like 8")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: '{value}' is not a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: '{value}' is not a number; give e.g. 3e-4")
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__}")
+        return str(value)
+    if tp is list or origin is list:
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+            value = parsed
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got '{value}'; write [a, b] in YAML or a,b on the command line")
+        return list(value)
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _apply_section(cfg: Config, section: str, values: Any, source: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"{source}: unknown section '{section}'{_did_you_mean(section, list(SECTIONS))}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got '{values}'")
+    target = getattr(cfg, section)
+    types_ = _field_types(type(target))
+    for key, value in values.items():
+        if key not in types_:
+            known = [f"{section}.{k}" for k in types_]
+            raise ConfigError(f"{source}: unknown key '{section}.{key}'{_did_you_mean(f'{section}.{key}', known)}")
+        setattr(target, key, _coerce(f"{section}.{key}", value, types_[key]))
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """Read one YAML or JSON config file into a dict of sections."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' not found; pass an existing file to --conf (see configs/)")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"config file '{p}' is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, parallel:, ...)")
+    return data
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    """Apply one ``section.key=value`` command-line override."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like section.key=value, e.g. parallel.tp=2")
+    dotted, value = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override '{item}': the key must be section.key, e.g. train.iters=50")
+    _apply_section(cfg, parts[0], {parts[1]: value}, f"override '{item}'")
+
+
+def load(conf_files: list[str | Path] | None = None, overrides: list[str] | None = None,
+         world_size: int | None = None, finalize_config: bool = True) -> Config:
+    """Build the config: defaults ← each file in order ← dotted overrides; then ``finalize``.
+
+    ``world_size`` is the number of ranks actually launched (torchrun's WORLD_SIZE) or None when
+    not launched yet; it determines ``parallel.dp`` when that is not set.
+    """
+    cfg = Config()
+    for path in conf_files or []:
+        for section, values in read_file(path).items():
+            _apply_section(cfg, str(section), values, f"{path}")
+    for item in overrides or []:
+        apply_override(cfg, item)
+    if finalize_config:
+        finalize(cfg, world_size)
+    return cfg
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}{_did_you_mean(value, list(options))}")
+
+
+def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
+    for dotted in keys:
+        section, key = dotted.split(".")
+        v = getattr(getattr(cfg, section), key)
+        if v is None:
+            continue
+        if v < 0 or (v == 0 and not allow_zero):
+            raise ConfigError(f"{dotted}: {v} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def finalize(cfg: Config, world_size: int | None = None) -> Config:
+    """Fill derived values once and run every cross-field check. Idempotent."""
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    _choice("model.arch", m.arch, ("neox", "llama"))
+    _choice("parallel.cp_algo", p.cp_algo, ("ring", "zigzag", "llama3", "ulysses", "usp"))
+    _choice("parallel.pp_schedule", p.pp_schedule, ("1f1b", "interleaved", "zero_bubble"))
+    _choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
+    _choice("train.lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
+    _choice("tokenizer.type", cfg.tokenizer.type, ("sentencepiece", "byte"))
+    _choice("logging.level", cfg.logging.level, ("debug", "info", "warning"))
+    _positive(cfg, "model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads",
+              "model.ffn_hidden_size", "model.seq_length", "model.ffn_multiple_of", "model.make_vocab_size_divisible_by",
+              "parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp", "parallel.virtual_stages",
+              "parallel.timeout_s", "train.iters", "train.micro_batch_size", "train.global_batch_size",
+              "train.eval_iters", "logging.interval", "train.sample_tokens", "tokenizer.vocab_size")
+    _positive(cfg, "train.lr", "train.min_lr", "train.lr_warmup_iters", "train.weight_decay", "train.clip_grad",
+              "train.eval_interval", "checkpoint.interval", "checkpoint.keep", "logging.dump_grads_step",
+              "model.hidden_dropout", "model.attention_dropout", allow_zero=True)
+    for key in ("hidden_dropout", "attention_dropout"):
+        if getattr(m, key) >= 1.0:
+            raise ConfigError(f"model.{key}: {getattr(m, key)} must be below 1")
+
+    # --- model shape ---
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size {m.hidden_size} must be divisible by model.num_heads {m.num_heads}")
+    if m.num_kv_heads is None:
+        m.num_kv_heads = m.num_heads
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_kv_heads {m.num_kv_heads} must divide model.num_heads {m.num_heads}")
+    if m.arch == "neox" and m.num_kv_heads != m.num_heads:
+        raise ConfigError("model.num_kv_heads: grouped-query attention needs model.arch=llama (neox has one kv head per head)")
+    if m.ffn_hidden_size is None:
+        if m.arch == "neox":
+            m.ffn_hidden_size = 4 * m.hidden_size
+        else:
+            raw = int(2 * 4 * m.hidden_size / 3)
+            m.ffn_hidden_size = m.ffn_multiple_of * math.ceil(raw / m.ffn_multiple_of)
+    if m.rotary_pct is None:
+        m.rotary_pct = 0.25 if m.arch == "neox" else 1.0
+    head_dim = m.hidden_size // m.num_heads
+    if not 0.0 < m.rotary_pct <= 1.0:
+        raise ConfigError(f"model.rotary_pct: {m.rotary_pct} must be in (0, 1]")
+    if int(head_dim * m.rotary_pct) % 2:
+        raise ConfigError(f"model.rotary_pct: {m.rotary_pct} × head dim {head_dim} must give an even number of rotary dims")
+
+    # --- layout ---
+    mp = p.tp * p.pp * p.cp
+    if p.dp is None:
+        if world_size is None:
+            p.dp = 1
+        elif world_size % mp:
+            raise ConfigError(f"world size {world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp} = {mp}; "
+                              "launch a multiple of that many ranks")
+        else:
+            p.dp = world_size // mp
+    derived_world = mp * p.dp
+    if p.world_size is not None and p.world_size != derived_world:
+        raise ConfigError(f"parallel.world_size {p.world_size} != tp·pp·cp·dp = {p.tp}·{p.pp}·{p.cp}·{p.dp} = {derived_world}")
+    p.world_size = derived_world
+    if world_size is not None and world_size != derived_world:
+        raise ConfigError(f"launched {world_size} ranks but tp·pp·cp·dp = {p.tp}·{p.pp}·{p.cp}·{p.dp} = {derived_world}; "
+                          "fix parallel.dp or the number of ranks")
+    if m.num_heads % p.tp:
+        raise ConfigError(f"model.num_heads {m.num_heads} must be divisible by parallel.tp {p.tp}")
+    if m.num_layers % (p.pp * p.virtual_stages):
+        raise ConfigError(f"model.num_layers {m.num_layers} must be divisible by parallel.pp·virtual_stages = "
+                          f"{p.pp}·{p.virtual_stages}")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set parallel.sequence_parallel=false")
+    if p.zero not in (0, 1):
+        raise ConfigError(f"parallel.zero: {p.zero} must be 0 or 1")
+    # Dimensions whose implementation has not landed yet are refused here, not deep inside a layer.
+    for key, value, issue in (("parallel.tp", p.tp, "tensor parallelism"), ("parallel.pp", p.pp, "pipeline parallelism"),
+                              ("parallel.cp", p.cp, "context parallelism")):
+        if value != 1:
+            raise ConfigError(f"{key}={value}: {issue} is not available in this version yet; use {key}=1 "
+                              "(data parallelism via parallel.dp works)")
+    if p.zero:
+        raise ConfigError("parallel.zero=1 is not available in this version yet; use parallel.zero=0")
+    if p.virtual_stages != 1:
+        raise ConfigError("parallel.virtual_stages > 1 needs pipeline parallelism, not available yet; use 1")
+    if t.precision == "fp16":
+        raise ConfigError("train.precision=fp16 (loss scaling) is not available in this version yet; use bf16 or fp32")
+    if p.device is None:
+        from .. import device as _device
+        p.device = _device.default_device_type()
+    _choice("parallel.device", p.device, ("cpu", "cuda"))
+    if p.backend is None:
+        from .. import device as _device
+        p.backend = _device.default_backend(p.device)
+    _choice("parallel.backend", p.backend, ("gloo", "nccl"))
+    if p.backend == "nccl" and p.device != "cuda":
+        raise ConfigError("parallel.backend=nccl needs parallel.device=cuda; use parallel.backend=gloo on CPU")
+
+    # --- batch ---
+    per_step = t.micro_batch_size * p.dp
+    if t.global_batch_size is None:
+        t.global_batch_size = per_step * (t.grad_accum_steps or 1)
+    if t.global_batch_size % per_step:
+        raise ConfigError(f"train.global_batch_size {t.global_batch_size} must be a multiple of "
+                          f"train.micro_batch_size·dp = {t.micro_batch_size}·{p.dp} = {per_step}")
+    accum = t.global_batch_size // per_step
+    if t.grad_accum_steps is not None and t.grad_accum_steps != accum:
+        raise ConfigError(f"train.grad_accum_steps {t.grad_accum_steps} != global_batch_size / (micro_batch_size·dp) "
+                          f"= {t.global_batch_size} / {per_step} = {accum}; drop one of them")
+    t.grad_accum_steps = accum
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.iters
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr {t.min_lr} must not exceed train.lr {t.lr}")
+    if t.lr_warmup_iters > t.lr_decay_iters:
+        raise ConfigError(f"train.lr_warmup_iters {t.lr_warmup_iters} must not exceed train.lr_decay_iters {t.lr_decay_iters}")
+
+    # --- data / tokenizer ---
+    try:
+        ratios = [float(x) for x in d.split.split(",")]
+    except ValueError:
+        raise ConfigError(f"data.split: '{d.split}' must be comma-separated ratios like 98,2,0") from None
+    if not 1 <= len(ratios) <= 3 or any(r < 0 for r in ratios) or sum(ratios) <= 0:
+        raise ConfigError(f"data.split: '{d.split}' must be 1 to 3 non-negative ratios with a positive sum, like 98,2,0")
+    if d.build_demo:
+        demo = Path(d.demo_dir)
+        if not d.paths:
+            d.paths = [str(demo / "demo_text_document")]
+        if cfg.tokenizer.type == "sentencepiece" and cfg.tokenizer.model is None:
+            cfg.tokenizer.model = str(demo / "tokenizer.model")
+    if not d.paths:
+        raise ConfigError("data.paths is empty; give a dataset prefix (data.paths=[path/to/prefix]) or set data.build_demo=true")
+    if len(d.paths) != 1:
+        raise ConfigError(f"data.paths: {len(d.paths)} entries given; blending several datasets is not available yet, give one prefix")
+    if cfg.tokenizer.type == "sentencepiece" and not cfg.tokenizer.model:
+        raise ConfigError("tokenizer.model is not set; give the SentencePiece .model path, or set tokenizer.type=byte")
+    if cfg.checkpoint.save is None and cfg.checkpoint.interval:
+        raise ConfigError("checkpoint.interval is set but checkpoint.save is not; set checkpoint.save=DIR")
+    return cfg
+
+
+def set_vocab(cfg: Config, vocab_size: int) -> None:
+    """Record the tokenizer's vocabulary size and derive the padded embedding size."""
+    m = cfg.model
+    if m.vocab_size is not None and m.vocab_size != vocab_size:
+        raise ConfigError(f"model.vocab_size {m.vocab_size} does not match the tokenizer's {vocab_size}; "
+                          "drop model.vocab_size or use the matching tokenizer")
+    m.vocab_size = vocab_size
+    multiple = m.make_vocab_size_divisible_by * cfg.parallel.tp
+    padded = multiple * math.ceil(vocab_size / multiple)
+    if m.padded_vocab_size is not None and m.padded_vocab_size != padded:
+        raise ConfigError(f"model.padded_vocab_size {m.padded_vocab_size} != {padded} (vocab {vocab_size} padded to a "
+                          f"multiple of {multiple}); drop model.padded_vocab_size")
+    m.padded_vocab_size = padded
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as nested plain dicts (for YAML, JSON and checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def save(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomic: temp name then rename)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(p)
+
+
+def help_text() -> str:
+    """Every key with its type, default and documentation, for ``train.py --help``."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"{section}:  {cls.__doc__}")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            tname = getattr(hints[f.name], "__name__", str(hints[f.name]))
+            lines.append(f"  {section}.{f.name} ({tname}, default {default!r}): {f.metadata.get('doc', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""The typed config tree: one dataclass per section, one documented field per key.
+
+Fields whose default is ``None`` and whose doc starts with "Derived" are filled in by
+``megatron_sp.config.loader.finalize`` (once); a user may set them, and then they are checked for
+consistency instead of computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def doc(default: Any, text: str) -> Any:
+    """A dataclass field with a default and its documentation (shown by ``train.py --help``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class ModelConfig:
+    """The GPT architecture."""
+
+    arch: str = doc("neox", "Architecture: 'neox' (LayerNorm, partial rotary, parallel residual, GeLU, "
+                            "biases, untied output) or 'llama' (RMSNorm, rotary, SwiGLU, GQA, no biases).")
+    num_layers: int = doc(2, "Number of transformer layers.")
+    hidden_size: int = doc(128, "Model width h.")
+    num_heads: int = doc(4, "Attention (query) heads.")
+    num_kv_heads: int | None = doc(None, "Derived (= num_heads) unless set: key/value heads for grouped-query "
+                                         "attention (llama). Must divide num_heads.")
+    ffn_hidden_size: int | None = doc(None, "Derived unless set: MLP width. neox: 4h; llama: 8h/3 rounded up "
+                                            "to a multiple of ffn_multiple_of.")
+    ffn_multiple_of: int = doc(256, "llama: the derived ffn_hidden_size is rounded up to a multiple of this.")
+    seq_length: int = doc(128, "Training sequence length in tokens.")
+    rotary_pct: float | None = doc(None, "Derived unless set: fraction of the head dim that gets rotary "
+                                         "embeddings (neox 0.25, llama 1.0).")
+    rotary_base: float = doc(10000.0, "Rotary embedding base (theta).")
+    norm_eps: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.")
+    hidden_dropout: float = doc(0.0, "Dropout on the attention and MLP outputs before the residual add.")
+    attention_dropout: float = doc(0.0, "Dropout on the attention probabilities.")
+    tie_embeddings: bool = doc(False, "Share the input embedding with the output layer (llama option).")
+    init_std: float = doc(0.02, "Standard deviation of the normal initialisation of weights.")
+    scaled_init: bool = doc(True, "Scale the init std of the output projections (attention out, MLP out) by "
+                                  "1/sqrt(2·num_layers), as Megatron and GPT-2 do.")
+    make_vocab_size_divisible_by: int = doc(128, "The embedding rows are padded to a multiple of this × tp.")
+    vocab_size: int | None = doc(None, "Derived from the tokenizer: its number of tokens (unpadded).")
+    padded_vocab_size: int | None = doc(None, "Derived: vocab_size padded to make_vocab_size_divisible_by × tp.")
+
+
+@dataclass
+class ParallelConfig:
+    """The layout: world = tp · pp · cp · dp, rank order tp-cp-dp-pp (TP innermost)."""
+
+    tp: int = doc(1, "Tensor-parallel size.")
+    pp: int = doc(1, "Pipeline-parallel size (stages).")
+    cp: int = doc(1, "Context-parallel size (the sequence is split over cp ranks).")
+    dp: int | None = doc(None, "Derived unless set: data-parallel size = world / (tp·pp·cp). Without torchrun "
+                               "it defaults to 1 and sets the number of local ranks train.py starts.")
+    sequence_parallel: bool = doc(False, "Megatron sequence parallelism inside the TP group (needs tp > 1).")
+    cp_algo: str = doc("ring", "Context-parallel attention: ring | zigzag | llama3 | ulysses | usp.")
+    pp_schedule: str = doc("1f1b", "Pipeline schedule: 1f1b | interleaved | zero_bubble.")
+    virtual_stages: int = doc(1, "Model chunks per pipeline rank (interleaved schedule).")
+    zero: int = doc(0, "ZeRO stage: 0 (off) or 1 (optimizer state sharded over DP).")
+    backend: str | None = doc(None, "Derived unless set: torch.distributed backend, 'nccl' on CUDA, 'gloo' on CPU.")
+    device: str | None = doc(None, "Derived unless set: 'cuda' when a GPU is visible, else 'cpu'.")
+    timeout_s: float = doc(600.0, "Collective timeout in seconds: a hung or dead rank ends the run after this.")
+    world_size: int | None = doc(None, "Derived: tp · pp · cp · dp.")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and the step loop."""
+
+    iters: int = doc(100, "Number of optimizer steps to train for.")
+    micro_batch_size: int = doc(1, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: int | None = doc(None, "Derived (= micro_batch_size · dp) unless set: samples per "
+                                              "optimizer step over all ranks. Must be a multiple of "
+                                              "micro_batch_size · dp.")
+    grad_accum_steps: int | None = doc(None, "Derived: micro-batches per rank per step = global_batch_size / "
+                                             "(micro_batch_size · dp).")
+    seed: int = doc(1234, "Seed of the model initialisation, data order and dropout.")
+    precision: str = doc("fp32", "fp32 | bf16 (bf16 autocast, fp32 params and grads) | fp16.")
+    lr: float = doc(3e-4, "Peak learning rate.")
+    min_lr: float = doc(3e-5, "Learning rate at the end of the decay.")
+    lr_warmup_iters: int = doc(0, "Linear warm-up steps from 0 to lr.")
+    lr_decay_style: str = doc("cosine", "cosine | linear | constant, from lr to min_lr after warm-up.")
+    lr_decay_iters: int | None = doc(None, "Derived (= iters) unless set: the step at which the decay reaches min_lr.")
+    weight_decay: float = doc(0.1, "AdamW weight decay (not applied to biases and norm weights).")
+    adam_beta1: float = doc(0.9, "AdamW beta1.")
+    adam_beta2: float = doc(0.95, "AdamW beta2.")
+    adam_eps: float = doc(1e-8, "AdamW epsilon.")
+    clip_grad: float = doc(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    eval_interval: int = doc(0, "Run validation every this many steps (0: never).")
+    eval_iters: int = doc(4, "Global batches per validation run.")
+    sample_prompt: str | None = doc(None, "If set, print a greedy sample continuing this prompt at the end.")
+    sample_tokens: int = doc(48, "Tokens generated for sample_prompt.")
+
+
+@dataclass
+class DataConfig:
+    """Training data: Megatron mmap indexed datasets (.bin + .idx)."""
+
+    paths: list = doc([], "Dataset prefixes (each names PREFIX.bin and PREFIX.idx). One prefix for now.")
+    split: str = doc("98,2,0", "train,valid,test ratios over documents, Megatron style.")
+    eod_mask_loss: bool = doc(False, "Exclude end-of-document targets from the loss.")
+    build_demo: bool = doc(False, "If the data or tokenizer files are absent, build the demo corpus (from the "
+                                  "Python standard library's sources), train the tokenizer and preprocess it.")
+    demo_dir: str = doc("data/demo", "Where build_demo writes the corpus, tokenizer and dataset.")
+    cache_dir: str | None = doc(None, "Derived (= the dataset's directory) unless set: where the "
+                                      "document/sample/shuffle index caches are written.")
+
+
+@dataclass
+class TokenizerConfig:
+    """How text becomes token ids."""
+
+    type: str = doc("sentencepiece", "sentencepiece | byte (raw UTF-8 bytes, 256 ids + EOD).")
+    model: str | None = doc(None, "Path of the SentencePiece .model file (type sentencepiece).")
+    vocab_size: int = doc(4096, "Vocabulary size when build_demo trains the tokenizer.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: str | None = doc(None, "Directory to save checkpoints into (none: no checkpoints).")
+    load: str | None = doc(None, "Directory to resume from (its 'latest' checkpoint).")
+    interval: int = doc(0, "Save every this many steps (0: only at the end).")
+    keep: int = doc(0, "Keep only the newest this many checkpoints (0: keep all).")
+    save_at_end: bool = doc(True, "Save a checkpoint after the last step (needs save).")
+
+
+@dataclass
+class LoggingConfig:
+    """Run directory, console and metrics."""
+
+    dir: str = doc("runs/default", "Run directory: receives config.yml and metrics.jsonl.")
+    interval: int = doc(10, "Log a progress line and a metrics record every this many steps.")
+    wandb: bool = doc(False, "Also log to Weights & Biases (needs the 'logging' extra; WANDB_MODE=offline works).")
+    wandb_project: str = doc("megatron_sp", "wandb project name.")
+    tensorboard: bool = doc(False, "Also log to TensorBoard under dir/tensorboard (needs the 'logging' extra).")
+    level: str = doc("info", "Console log level: debug | info | warning.")
+    dump_grads_step: int = doc(0, "If > 0, write every parameter's full (unsharded) gradient after that step's "
+                                  "reduction and before clipping to dir/grads_step<N>.pt (parity checks).")
+
+
+@dataclass
+class Config:
+    """The whole config tree."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]

@@ -1,0 +1,205 @@
+"""The rank grid and every process group, built once.
+
+Rank order is ``tp-cp-dp-pp`` with TP innermost (fastest varying), as Megatron's RankGenerator:
+
+    rank = tp_rank + tp · (cp_rank + cp · (dp_rank + dp · pp_rank))
+
+so the ranks of one TP group are neighbours (one node, fastest links), and PP is outermost (the
+cheapest traffic crosses nodes). Groups:
+
+==============  ============================  =====================================================
+name            varies along                  used for
+==============  ============================  =====================================================
+tp              tp                            tensor/sequence-parallel collectives
+cp              cp                            context-parallel attention
+dp              dp                            (ZeRO) data-parallel optimizer sharding
+pp              pp                            pipeline point-to-point
+dp_cp           cp, dp                        gradient reduction and the loss/token-count reduction
+mp              tp, pp                        model-parallel (one full model replica slice per cp)
+embedding       first + last pp stage         tied input/output embedding gradients
+==============  ============================  =====================================================
+
+Nothing here reads environment switches: a ``ParallelState`` is built from ``ParallelDims`` and
+passed explicitly to whatever needs a group.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+AXES = ("tp", "cp", "dp", "pp")  # innermost first
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of each parallel axis; validates that they multiply to the world size."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            if getattr(self, axis) < 1:
+                raise ConfigError(f"parallel.{axis} = {getattr(self, axis)} must be >= 1")
+        product = self.tp * self.cp * self.dp * self.pp
+        if self.world_size is None:
+            object.__setattr__(self, "world_size", product)
+        elif product != self.world_size:
+            raise ConfigError(f"tp·cp·dp·pp = {self.tp}·{self.cp}·{self.dp}·{self.pp} = {product} "
+                              f"!= world size {self.world_size}")
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The (tp, cp, dp, pp) coordinates of a global rank."""
+        out = {}
+        for axis in AXES:
+            size = getattr(self, axis)
+            out[axis] = rank % size
+            rank //= size
+        return out
+
+    def rank_of(self, **coords: int) -> int:
+        """The global rank at the given coordinates (missing axes are 0)."""
+        rank, stride = 0, 1
+        for axis in AXES:
+            rank += coords.get(axis, 0) * stride
+            stride *= getattr(self, axis)
+        return rank
+
+    def groups_along(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks that differ only along ``axes``, in a fixed order (each sorted)."""
+        fixed = [a for a in AXES if a not in axes]
+        result = []
+        for fixed_vals in itertools.product(*(range(getattr(self, a)) for a in fixed)):
+            base = dict(zip(fixed, fixed_vals))
+            ranks = sorted(self.rank_of(**base, **dict(zip(axes, vals)))
+                           for vals in itertools.product(*(range(getattr(self, a)) for a in axes)))
+            result.append(ranks)
+        return sorted(result)
+
+    def embedding_groups(self) -> list[list[int]]:
+        """Per (tp, cp, dp) position: the first and last pipeline stage (one rank when pp == 1)."""
+        return [sorted({ranks[0], ranks[-1]}) for ranks in self.groups_along(("pp",))]
+
+
+GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
+    "dp_cp": ("cp", "dp"), "mp": ("tp", "pp"),
+}
+
+
+@dataclass
+class ParallelState:
+    """This rank's place in the grid and its process groups. Build with ``initialize``."""
+
+    dims: ParallelDims
+    rank: int
+    groups: dict[str, Any] = field(default_factory=dict)
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.dims.coords(self.rank)
+
+    # sizes and ranks along each axis
+    @property
+    def tp_size(self) -> int: return self.dims.tp
+    @property
+    def cp_size(self) -> int: return self.dims.cp
+    @property
+    def dp_size(self) -> int: return self.dims.dp
+    @property
+    def pp_size(self) -> int: return self.dims.pp
+    @property
+    def dp_cp_size(self) -> int: return self.dims.dp * self.dims.cp
+    @property
+    def tp_rank(self) -> int: return self.coords["tp"]
+    @property
+    def cp_rank(self) -> int: return self.coords["cp"]
+    @property
+    def dp_rank(self) -> int: return self.coords["dp"]
+    @property
+    def pp_rank(self) -> int: return self.coords["pp"]
+    @property
+    def dp_cp_rank(self) -> int: return self.group_ranks["dp_cp"].index(self.rank)
+
+    # groups
+    @property
+    def tp_group(self) -> Any: return self.groups["tp"]
+    @property
+    def cp_group(self) -> Any: return self.groups["cp"]
+    @property
+    def dp_group(self) -> Any: return self.groups["dp"]
+    @property
+    def pp_group(self) -> Any: return self.groups["pp"]
+    @property
+    def dp_cp_group(self) -> Any: return self.groups["dp_cp"]
+    @property
+    def mp_group(self) -> Any: return self.groups["mp"]
+    @property
+    def embedding_group(self) -> Any: return self.groups["embedding"]
+
+    @property
+    def is_first_stage(self) -> bool: return self.pp_rank == 0
+    @property
+    def is_last_stage(self) -> bool: return self.pp_rank == self.dims.pp - 1
+
+    def describe(self) -> str:
+        c = self.coords
+        return f"rank {self.rank}: tp {c['tp']}/{self.dims.tp} cp {c['cp']}/{self.dims.cp} " \
+               f"dp {c['dp']}/{self.dims.dp} pp {c['pp']}/{self.dims.pp}"
+
+    def destroy(self) -> None:
+        """Destroy this state's groups (the default group is left to ``destroy_process_group``)."""
+        for name, group in list(self.groups.items()):
+            if group is not None and group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+            del self.groups[name]
+
+
+def init_default_group(backend: str, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group from torchrun-style environment variables, once."""
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"torch.distributed environment variables missing: {missing}; launch with torchrun "
+                           "or train.py")
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def initialize(dims: ParallelDims, timeout_s: float = 600.0) -> ParallelState:
+    """Build every group of the grid. The default process group must be initialised already.
+
+    Every rank creates every group in the same order (a torch.distributed requirement) and keeps
+    the ones it belongs to.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != dims.world_size:
+        raise ConfigError(f"launched {world} ranks but tp·cp·dp·pp = {dims.world_size}; fix parallel.* or the launch")
+    state = ParallelState(dims=dims, rank=rank)
+    timeout = timedelta(seconds=timeout_s)
+    layouts = {name: dims.groups_along(axes) for name, axes in GROUP_AXES.items()}
+    layouts["embedding"] = dims.embedding_groups()
+    for name, all_ranks in layouts.items():
+        for ranks in all_ranks:
+            if len(ranks) == world:
+                group = dist.GroupMember.WORLD
+            else:
+                group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                state.groups[name] = group
+                state.group_ranks[name] = ranks
+    return state

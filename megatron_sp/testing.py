@@ -1,0 +1,133 @@
+"""Run a function on several gloo ranks: the multi-rank test harness.
+
+``run_distributed(fn, world_size, **kwargs)`` starts ``world_size`` processes from a
+``forkserver`` whose server process has torch (and megatron_sp) imported already, so a launch
+after the first costs a fork, not an import. Each rank sets ``torch.set_num_threads(1)``, joins a
+gloo process group on a free localhost port, calls ``fn(rank, world_size, **kwargs)`` and sends
+back its return value. A rank that raises makes ``run_distributed`` raise ``RankError`` naming
+that rank with its traceback; the other ranks are terminated rather than left hanging in a
+collective.
+
+``fn`` must be importable by the children: a module-level function of a module on ``sys.path``
+(pytest test modules qualify).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+_PRELOAD = ["torch", "torch.distributed", "megatron_sp.testing"]
+_CTX: Any = None
+
+
+class RankError(RuntimeError):
+    """A rank raised (or died) inside ``run_distributed``."""
+
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{detail}")
+        self.rank = rank
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, init: bool, timeout_s: float,
+            kwargs: dict[str, Any], results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
+    try:
+        if init:
+            from datetime import timedelta
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        out = fn(rank, world_size, **kwargs)
+        payload = ("ok", pickle.dumps(out))
+    except BaseException:  # report everything, including SystemExit from code under test
+        payload = ("error", traceback.format_exc())
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    results.put((rank, *payload))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float = 300.0, init: bool = True,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    ``init=False`` leaves process-group creation to ``fn`` (the torchrun variables are set).
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, init, timeout_s, kwargs, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    error: RankError | None = None
+    deadline = time.monotonic() + timeout_s + 30
+    pending: list[Any] = []
+    while len(out) < world_size and error is None:
+        item = pending.pop(0) if pending else _get(results, 0.05)
+        if item is not None:
+            rank, status, data = item
+            if status == "ok":
+                out[rank] = pickle.loads(data)
+            else:
+                error = RankError(rank, data)
+            continue
+        for r, p in enumerate(procs):
+            if r not in out and not p.is_alive() and p.exitcode not in (None, 0):
+                late = _get(results, 0.5)  # its report may still be in the pipe
+                if late is not None:
+                    pending.append(late)
+                    break
+                error = RankError(r, f"process exited with code {p.exitcode} without reporting")
+                break
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if r not in out]
+            error = RankError(missing[0], f"timed out after {timeout_s:.0f}s; ranks {missing} did not finish")
+    if error is not None:
+        # Give the other ranks a moment to report their own errors, then stop them.
+        grace = time.monotonic() + 1.0
+        while time.monotonic() < grace and any(p.is_alive() for p in procs):
+            time.sleep(0.02)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    for p in procs:
+        p.join(timeout=10)
+    results.close()
+    if error is not None:
+        raise error
+    return [out[r] for r in range(world_size)]
+
+
+def _get(q: Any, timeout: float) -> Any:
+    try:
+        return q.get(timeout=timeout)
+    except queue_mod.Empty:
+        return None
