@@ -1,0 +1,184 @@
+"""Save and load training checkpoints.
+
+Layout on disk (format version 1)::
+
+    SAVE_DIR/
+      latest                    name of the newest complete checkpoint, written last
+      iter_0000100/
+        meta.json               format version, step, consumed samples, resolved config (plain JSON)
+        model.pt                {parameter name: full tensor}
+        optimizer.pt            {"state": {parameter name: {exp_avg, exp_avg_sq, step}}, "groups": [...]}
+        rng/rank_00000.pt       this rank's RNG states
+
+Every tensor is stored under its unsharded parameter name, so the files do not depend on the
+layout that wrote them. A checkpoint is written under a temporary directory name and renamed when
+complete; ``latest`` is replaced (temp file + rename) only after that, so a crash mid-save leaves
+the previous checkpoint intact and never a half-written one under a real name. Loading uses
+``torch.load(weights_only=True)`` (no pickled code runs) and non-tensor state is JSON.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import device as device_mod
+from .config import Config, to_dict
+from .errors import DataError
+from .optim import named_trainable
+
+FORMAT_VERSION = 1
+log = logging.getLogger("megatron_sp")
+
+
+def _step_dir(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    names = {id(p): n for n, p in named_trainable(model)}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer.state:
+                state[names[id(p)]] = {k: v.detach().cpu() if torch.is_tensor(v) else torch.tensor(v)
+                                       for k, v in optimizer.state[p].items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"state": state, "groups": groups}
+
+
+def _load_optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
+                            path: Path) -> None:
+    by_name = dict(named_trainable(model))
+    for name, tensors in saved["state"].items():
+        if name not in by_name:
+            raise DataError(f"{path}: optimizer state for unknown parameter '{name}'; the checkpoint does not match "
+                            "this model config")
+        p = by_name[name]
+        optimizer.state[p] = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in tensors.items()}
+    for group, saved_group in zip(optimizer.param_groups, saved["groups"]):
+        group.update({k: v for k, v in saved_group.items() if k not in ("params", "lr")})
+
+
+def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+         rank: int, world_size: int, dev: torch.device) -> Path:
+    """Collectively write the checkpoint of ``step`` (every rank calls this)."""
+    root = Path(cfg.checkpoint.save)  # type: ignore[arg-type]
+    final = root / _step_dir(step)
+    tmp = root / f".tmp_{_step_dir(step)}"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "rng").mkdir(parents=True)
+    if world_size > 1:
+        dist.barrier()
+    torch.save(device_mod.rng_state(dev), tmp / "rng" / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        inner = getattr(model, "module", model)
+        torch.save({n: t.detach().cpu() for n, t in inner.state_dict().items()}, tmp / "model.pt")
+        torch.save(_optimizer_by_name(model, optimizer), tmp / "optimizer.pt")
+        meta = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
+                "world_size": world_size, "config": to_dict(cfg)}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(final.name + "\n")
+        latest_tmp.replace(root / "latest")
+        _prune(root, cfg.checkpoint.keep)
+        log.info("saved checkpoint %s", final)
+    if world_size > 1:
+        dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    existing = sorted(p for p in root.glob("iter_*") if p.is_dir())
+    for old in existing[:-keep]:
+        shutil.rmtree(old)
+
+
+def resolve(load_dir: str | Path) -> Path:
+    """The checkpoint directory a ``checkpoint.load`` path names (its ``latest``, or itself)."""
+    root = Path(load_dir)
+    if (root / "meta.json").is_file():
+        return root
+    latest = root / "latest"
+    if not latest.is_file():
+        raise DataError(f"checkpoint.load: no checkpoint in '{root}' (no 'latest' file); point it at a directory "
+                        "written by checkpoint.save")
+    target = root / latest.read_text().strip()
+    if not (target / "meta.json").is_file():
+        raise DataError(f"checkpoint.load: '{latest}' names '{target.name}', which is missing or incomplete")
+    return target
+
+
+def _torch_load(path: Path) -> Any:
+    if not path.is_file():
+        raise DataError(f"checkpoint file '{path}' is missing; the checkpoint is incomplete")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"checkpoint file '{path}' is corrupted or truncated ({first[:120]})") from None
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"checkpoint file '{path}' is unreadable ({exc})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"checkpoint '{ckpt}' has format version {meta.get('format_version')}; this version reads "
+                        f"{FORMAT_VERSION}")
+    return meta
+
+
+def load_model_state(model: nn.Module, ckpt: Path) -> None:
+    """Copy the checkpoint's tensors into ``model`` (names and shapes must match exactly)."""
+    path = ckpt / "model.pt"
+    saved = _torch_load(path)
+    inner = getattr(model, "module", model)
+    own = inner.state_dict()
+    missing = sorted(set(own) - set(saved))
+    unexpected = sorted(set(saved) - set(own))
+    if missing or unexpected:
+        raise DataError(f"checkpoint file '{path}' does not match this model config: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}")
+    for name, tensor in own.items():
+        if tuple(saved[name].shape) != tuple(tensor.shape):
+            raise DataError(f"checkpoint file '{path}': '{name}' has shape {tuple(saved[name].shape)}, the model "
+                            f"config needs {tuple(tensor.shape)}")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(saved[name])
+
+
+def load(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+         dev: torch.device, seed: int) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG; return the meta (step, consumed samples)."""
+    meta = read_meta(ckpt)
+    load_model_state(model, ckpt)
+    _load_optimizer_by_name(model, optimizer, _torch_load(ckpt / "optimizer.pt"), ckpt / "optimizer.pt")
+    rng_path = ckpt / "rng" / f"rank_{rank:05d}.pt"
+    if rng_path.is_file():
+        device_mod.set_rng_state(_torch_load(rng_path), dev)
+    else:
+        log.warning("no RNG state for rank %d in %s (different world size); reseeding from seed and step", rank, ckpt)
+        device_mod.manual_seed_all(seed + 1_000_003 * meta["step"] + rank)
+    return meta

@@ -1,0 +1,378 @@
+"""The training entry point and loop.
+
+``main(argv)`` is ``train.py``: parse ``--conf`` files and overrides, start the local ranks through
+``torch.distributed.run`` when the config asks for several and we are not under torchrun already,
+then on every rank: process groups → data → model → optimizer → (resume) → steps → checkpoint.
+
+One step (``train_step``) is short and linear: split this rank's share of the global batch into
+micro-batches → count valid tokens over dp_cp → forward/backward each micro-batch with
+``loss = Σ token losses / global valid tokens`` (DDP sums, never averages) → global grad norm and
+clip → optimizer step.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import checkpointing, config as config_mod, device as device_mod, metrics as metrics_mod
+from .config import Config
+from .errors import TrainingError, UserError
+from .mpu import ParallelDims, ParallelState, init_default_group, initialize
+from .optim import build_optimizer, clip_grad_norm, lr_at, named_trainable, set_lr
+from .parity import full_grads_by_name
+
+log = logging.getLogger("megatron_sp")
+
+
+# ----------------------------------------------------------------------------- command line
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a GPT. Config keys can be set in --conf files (YAML/JSON, merged in order) "
+                    "and as section.key=value overrides; --help-config lists every key.")
+    parser.add_argument("--conf", action="append", default=[], help="config file; repeat to merge (later wins)")
+    parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides like parallel.dp=2 train.iters=50")
+    return parser.parse_args(argv)
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def setup_logging(level: str, rank: int) -> None:
+    """One logger: rank 0 at the configured level, other ranks warnings and errors only, rank-tagged."""
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``train.py``: returns the process exit code; user errors print one line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.help_config:
+        print(config_mod.help_text())
+        return 0
+    torchrun = _under_torchrun()
+    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    try:
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+        cfg = config_mod.load(args.conf, args.overrides, world_size=world)
+        setup_logging(cfg.logging.level, rank)
+        if not torchrun:
+            prepare_inputs(cfg)  # build the demo data once, check files, before any rank starts
+            if cfg.parallel.world_size > 1:
+                return _launch_local(cfg, argv)
+        run(cfg)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _launch_local(cfg: Config, argv: list[str]) -> int:
+    """Start ``world_size`` local ranks of this same command through torch.distributed.run."""
+    from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    n = cfg.parallel.world_size
+    threads = max(1, (os.cpu_count() or 1) // n) if cfg.parallel.device == "cpu" else 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    log.info("starting %d local ranks (torch.distributed.run --standalone --nproc-per-node %d)", n, n)
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
+    entry = [script] if script else ["-m", "megatron_sp.training"]
+    run_args = ["--standalone", "--nproc-per-node", str(n), "--log-dir", str(Path(cfg.logging.dir) / "ranks"),
+                "--redirects", "0", "--tee", "0", *entry, *argv]
+    if not script:
+        run_args.remove("-m")
+        run_args.insert(run_args.index("megatron_sp.training"), "--module")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    try:
+        torch_run.main(run_args)
+    except ChildFailedError as exc:
+        failures = exc.failures
+        first = min(failures) if failures else 0
+        print(f"error: rank {first} of {n} failed (exit code {failures[first].exitcode if failures else '?'}); "
+              f"its message is above", file=sys.stderr)
+        return failures[first].exitcode if failures and failures[first].exitcode > 0 else 1
+    return 0
+
+
+def prepare_inputs(cfg: Config) -> Any:
+    """Build the demo data if asked and absent; load the tokenizer and derive the vocab sizes."""
+    from .data import build_tokenizer, ensure_demo_data
+    if cfg.data.build_demo:
+        ensure_demo_data(cfg)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    config_mod.set_vocab(cfg, tokenizer.vocab_size)
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------- the run
+
+@dataclass
+class Runtime:
+    """What a rank holds while training."""
+
+    cfg: Config
+    state: ParallelState
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenizer: Any
+    train_ds: Any
+    valid_ds: Any
+    step: int = 0
+    consumed_samples: int = 0
+
+
+def _allreduce_sum_hook(group: Any, bucket: Any) -> torch.futures.Future:
+    """DDP comm hook: SUM the bucket over dp_cp (the loss is already divided by the global token count)."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def setup(cfg: Config) -> Runtime:
+    """Everything before the first step, on every rank."""
+    from .data import build_datasets
+    from .model import GPTModel
+
+    p = cfg.parallel
+    if not dist.is_initialized():
+        if not _under_torchrun():  # a single rank: same code path, a one-member group on a local port
+            from .testing import free_port
+            os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": str(free_port())})
+        init_default_group(p.backend, p.timeout_s)  # type: ignore[arg-type]
+    rank = dist.get_rank()
+    setup_logging(cfg.logging.level, rank)
+    state = initialize(ParallelDims(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, world_size=p.world_size),  # type: ignore[arg-type]
+                       timeout_s=p.timeout_s)
+    dev = device_mod.local_device(p.device, int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[arg-type]
+    if dev.type == "cpu" and p.world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+    if rank == 0:
+        tokenizer = prepare_inputs(cfg)
+    dist.barrier()
+    if rank != 0:
+        tokenizer = prepare_inputs(cfg)
+    if rank == 0:
+        config_mod.save(cfg, Path(cfg.logging.dir) / "config.yml")
+
+    device_mod.manual_seed_all(cfg.train.seed)
+    model: nn.Module = GPTModel(cfg.model, seed=cfg.train.seed).to(dev)
+    if state.dp_cp_size > 1:
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[dev.index] if dev.type == "cuda" else None, process_group=state.dp_cp_group,
+            broadcast_buffers=False, bucket_cap_mb=25)
+        model.register_comm_hook(state.dp_cp_group, _allreduce_sum_hook)
+    optimizer = build_optimizer(model, cfg.train)
+
+    t = cfg.train
+    n_train = t.iters * t.global_batch_size  # type: ignore[operator]
+    n_valid = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0  # type: ignore[operator]
+    if rank == 0:
+        train_ds, valid_ds = build_datasets(cfg, tokenizer, n_train, n_valid)
+    dist.barrier()  # rank 0 wrote the index caches; the others read them
+    if rank != 0:
+        train_ds, valid_ds = build_datasets(cfg, tokenizer, n_train, n_valid)
+
+    rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds)
+    if cfg.checkpoint.load:
+        ckpt = checkpointing.resolve(cfg.checkpoint.load)
+        meta = checkpointing.load(ckpt, model, optimizer, rank, dev, cfg.train.seed)
+        rt.step, rt.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
+        log.info("resumed from %s at step %d", ckpt, rt.step)
+    return rt
+
+
+
+def _autocast(cfg: Config, dev: torch.device) -> contextlib.AbstractContextManager:
+    if cfg.train.precision == "bf16":
+        return torch.autocast(dev.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def rank_batch(rt: Runtime, ds: Any, first_sample: int) -> dict[str, torch.Tensor]:
+    """This rank's share of the global batch starting at ``first_sample`` (contiguous block per dp rank)."""
+    from .data import collate
+
+    cfg, st = rt.cfg, rt.state
+    per_rank = cfg.train.global_batch_size // st.dp_size  # type: ignore[operator]
+    start = first_sample + st.dp_rank * per_rank
+    batch = collate([ds[i] for i in range(start, start + per_rank)], rt.tokenizer.eod, cfg.data.eod_mask_loss)
+    return {k: v.to(rt.device) for k, v in batch.items()}
+
+
+def _global_sum(values: list[float], rt: Runtime) -> list[float]:
+    """Sum floats over the dp_cp group in fp64."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if rt.state.dp_cp_size > 1:
+        dist.all_reduce(t, group=rt.state.dp_cp_group)
+    return t.tolist()
+
+
+def train_step(rt: Runtime) -> dict[str, float]:
+    """One optimizer step over one global batch. Returns loss, grad_norm, lr, tokens."""
+    cfg, model = rt.cfg, rt.model
+    lr = lr_at(rt.step, cfg.train)
+    set_lr(rt.optimizer, lr)
+    rt.optimizer.zero_grad(set_to_none=True)
+    batch = rank_batch(rt, rt.train_ds, rt.consumed_samples)
+    micro = cfg.train.micro_batch_size
+    n_micro = cfg.train.grad_accum_steps
+    local_tokens = float(batch["loss_mask"].sum())
+    global_tokens = _global_sum([local_tokens], rt)[0]
+    denom = max(global_tokens, 1.0)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for i in range(n_micro):  # type: ignore[arg-type]
+        mb = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
+        last = i == n_micro - 1
+        sync = model.no_sync() if (isinstance(model, nn.parallel.DistributedDataParallel) and not last) \
+            else contextlib.nullcontext()
+        with sync:
+            with _autocast(cfg, rt.device):
+                token_losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"])
+            loss = (token_losses.float() * mb["loss_mask"]).sum() / denom
+            loss.backward()
+        loss_sum += loss.detach().double().cpu()
+    global_loss = _global_sum([loss_sum.item()], rt)[0]
+    params = [p for _, p in named_trainable(model)]
+    if cfg.logging.dump_grads_step == rt.step + 1:
+        dump_grads(rt)
+    grad_norm = clip_grad_norm(params, cfg.train.clip_grad).item()
+    if not math.isfinite(grad_norm) or not math.isfinite(global_loss):
+        raise TrainingError(f"step {rt.step + 1}: loss {global_loss} / grad norm {grad_norm} is not finite; "
+                                 "lower train.lr or check the data")
+    rt.optimizer.step()
+    rt.step += 1
+    rt.consumed_samples += cfg.train.global_batch_size  # type: ignore[operator]
+    return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens}
+
+
+def dump_grads(rt: Runtime) -> None:
+    """Write every parameter's full gradient (after reduction, before clipping) on rank 0."""
+    grads = full_grads_by_name(rt.model, rt.state)
+    if rt.state.rank == 0:
+        path = Path(rt.cfg.logging.dir) / f"grads_step{rt.step + 1}.pt"
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(grads, tmp)
+        tmp.replace(path)
+
+
+@torch.no_grad()
+def evaluate(rt: Runtime) -> float:
+    """Mean loss over ``eval_iters`` global batches of the validation split (same for every layout)."""
+    cfg, model = rt.cfg, rt.model
+    model.eval()
+    gbs = cfg.train.global_batch_size
+    total, count = 0.0, 0.0
+    micro = cfg.train.micro_batch_size
+    start0 = ((rt.step // cfg.train.eval_interval) * cfg.train.eval_iters * gbs) % max(1, len(rt.valid_ds))  # type: ignore[operator]
+    for k in range(cfg.train.eval_iters):
+        start = start0 + k * gbs  # type: ignore[operator]
+        if start + gbs > len(rt.valid_ds):  # type: ignore[operator]
+            start = 0
+        batch = rank_batch(rt, rt.valid_ds, start)
+        for i in range(cfg.train.grad_accum_steps):  # type: ignore[arg-type]
+            mb = {kk: v[i * micro:(i + 1) * micro] for kk, v in batch.items()}
+            with _autocast(cfg, rt.device):
+                losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"])
+            total += float((losses.float() * mb["loss_mask"]).sum())
+            count += float(mb["loss_mask"].sum())
+    model.train()
+    total, count = _global_sum([total, count], rt)
+    return total / max(count, 1.0)
+
+
+def run(cfg: Config) -> Runtime:
+    """Train on this rank (the process group is created here unless it exists)."""
+    rt = setup(cfg)
+    try:
+        _loop(rt)
+    finally:
+        if dist.is_initialized():
+            rt.state.destroy()
+            dist.destroy_process_group()
+    return rt
+
+
+def _loop(rt: Runtime) -> None:
+    from .model import flops_per_token, generate
+
+    cfg, st = rt.cfg, rt.state
+    rank0 = st.rank == 0
+    metrics = metrics_mod.MetricsLogger(cfg, enabled=rank0, resume_step=rt.step)
+    inner = getattr(rt.model, "module", rt.model)
+    n_params = sum(p.numel() for p in inner.parameters())
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    peak = device_mod.measured_peak_flops(dtype) * st.dims.world_size  # type: ignore[operator]
+    fpt = flops_per_token(cfg.model)
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # type: ignore[operator]
+    log.info("model: %s, %.2fM parameters; layout tp%d pp%d cp%d dp%d (world %d, %s/%s); global batch %d × %d tokens, "
+             "%d micro-batches per rank", cfg.model.arch, n_params / 1e6, st.tp_size, st.pp_size, st.cp_size,
+             st.dp_size, st.dims.world_size, cfg.parallel.device, cfg.parallel.backend, cfg.train.global_batch_size,
+             cfg.model.seq_length, cfg.train.grad_accum_steps)
+    window: list[dict[str, float]] = []
+    t_window = time.perf_counter()
+    t_start, start_step = t_window, rt.step
+    while rt.step < cfg.train.iters:
+        out = train_step(rt)
+        window.append(out)
+        done = rt.step == cfg.train.iters
+        if rt.step % cfg.logging.interval == 0 or done:
+            device_mod.synchronize(rt.device)
+            now = time.perf_counter()
+            tp = metrics_mod.throughput(tokens_per_step * len(window), now - t_window, fpt, peak)
+            rate = (rt.step - start_step) / max(now - t_start, 1e-9)
+            record = {"step": rt.step, "loss": float(np.mean([w["loss"] for w in window])), "lr": out["lr"],
+                      "grad_norm": out["grad_norm"], "tokens_per_s": tp["tokens_per_s"], "tflops": tp["tflops"],
+                      "mfu": tp["mfu"], "memory_bytes": device_mod.memory_bytes(rt.device),
+                      "world_size": st.dims.world_size, "consumed_samples": rt.consumed_samples}
+            metrics.write(record)
+            log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | MFU %.1f%% | ETA %s",
+                     rt.step, cfg.train.iters, record["loss"], out["lr"], out["grad_norm"], tp["tokens_per_s"],
+                     100 * tp["mfu"], metrics_mod.format_eta((cfg.train.iters - rt.step) / max(rate, 1e-9)))
+            window, t_window = [], time.perf_counter()
+        if cfg.train.eval_interval and (rt.step % cfg.train.eval_interval == 0 or done) and rt.valid_ds is not None \
+                and len(rt.valid_ds) >= cfg.train.global_batch_size:  # type: ignore[operator]
+            val = evaluate(rt)
+            metrics.write({"step": rt.step, "val_loss": val})
+            log.info("step %d | validation loss %.4f | perplexity %.2f", rt.step, val, math.exp(min(val, 50.0)))
+            t_window = time.perf_counter()
+        if cfg.checkpoint.save and ((cfg.checkpoint.interval and rt.step % cfg.checkpoint.interval == 0)
+                                    or (done and cfg.checkpoint.save_at_end)):
+            checkpointing.save(cfg, rt.step, rt.consumed_samples, rt.model, rt.optimizer, st.rank,
+                               st.dims.world_size, rt.device)  # type: ignore[arg-type]
+            t_window = time.perf_counter()
+    metrics.close()
+    if cfg.train.sample_prompt and rank0:
+        ids = rt.tokenizer.encode(cfg.train.sample_prompt)
+        out_ids = generate(inner, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)
+        log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(out_ids[len(ids):]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

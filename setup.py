@@ -1,0 +1,29 @@
+"""megatron_sp: Megatron-style GPT pretraining (TP/SP, PP, DP, CP) that runs on CPU and GPU."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_sp",
+    version="0.1.0",
+    description="Megatron-style GPT pretraining with tensor, sequence, pipeline, data and context parallelism; "
+                "every parallel mode runs and is tested on CPU (gloo).",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_sp", "megatron_sp.*"]),
+    install_requires=[
+        # Install the torch build for your hardware first (README): an unpinned torch pulls a CUDA build.
+        "torch>=2.4",
+        "numpy",
+        "sentencepiece",
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "transformers>=4.40", "safetensors"],
+        "logging": ["wandb", "tensorboard"],
+        # flash-attn builds against the installed CUDA torch; NVIDIA apex is built from source (README).
+        "gpu": ["flash-attn>=2.5"],
+    },
+    scripts=[],
+)

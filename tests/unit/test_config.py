@@ -1,0 +1,145 @@
+"""Config tree: load, merge, overrides, strictness, cross-field validation, derived values."""
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_sp import config
+from megatron_sp.errors import ConfigError
+
+BASE = ["data.paths=[d/x]", "tokenizer.type=byte"]
+
+
+def test_defaults_and_derived_values():
+    cfg = config.load(overrides=BASE)
+    assert cfg.model.num_kv_heads == cfg.model.num_heads
+    assert cfg.model.ffn_hidden_size == 4 * cfg.model.hidden_size
+    assert cfg.model.rotary_pct == 0.25
+    assert cfg.parallel.dp == 1 and cfg.parallel.world_size == 1
+    assert cfg.train.global_batch_size == cfg.train.micro_batch_size
+    assert cfg.train.grad_accum_steps == 1
+    assert cfg.train.lr_decay_iters == cfg.train.iters
+    assert cfg.parallel.backend == "gloo" and cfg.parallel.device == "cpu"
+
+
+def test_llama_derived_ffn_and_rotary():
+    cfg = config.load(overrides=BASE + ["model.arch=llama", "model.hidden_size=256", "model.ffn_multiple_of=64"])
+    assert cfg.model.rotary_pct == 1.0
+    assert cfg.model.ffn_hidden_size == 704  # 8·256/3 = 682.67 → next multiple of 64
+    assert cfg.model.ffn_hidden_size % 64 == 0
+
+
+def test_files_merge_in_order_and_overrides_win(tmp_path):
+    a = tmp_path / "a.yml"
+    a.write_text(yaml.safe_dump({"model": {"num_layers": 4, "hidden_size": 64}, "train": {"lr": 1e-3}}))
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps({"model": {"num_layers": 6}, "train": {"iters": 7}}))
+    cfg = config.load([a, b], BASE + ["train.iters=9", "train.lr=5e-4", "model.tie_embeddings=yes"])
+    assert cfg.model.num_layers == 6          # b over a
+    assert cfg.model.hidden_size == 64        # a kept
+    assert cfg.train.iters == 9               # override over b
+    assert cfg.train.lr == pytest.approx(5e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.model.tie_embeddings is True
+
+
+def test_overrides_are_typed():
+    cfg = config.load(overrides=BASE + ["train.micro_batch_size=2", "parallel.dp=2", "train.global_batch_size=8",
+                                        "checkpoint.save=none", "model.hidden_dropout=0.1"])
+    assert cfg.train.micro_batch_size == 2 and isinstance(cfg.train.micro_batch_size, int)
+    assert cfg.train.grad_accum_steps == 2
+    assert cfg.checkpoint.save is None
+    assert cfg.model.hidden_dropout == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.itres=5", "did you mean 'train.iters'"),
+    ("modle.arch=neox", "did you mean 'model'"),
+    ("train.iters=abc", "train.iters"),
+    ("model.tie_embeddings=maybe", "model.tie_embeddings"),
+    ("model.arch=gpt5", "model.arch"),
+    ("train.precision=fp8", "train.precision"),
+    ("noequals", "section.key=value"),
+    ("model.num_heads=3", "num_heads"),
+    ("model.num_kv_heads=3", "num_kv_heads"),
+    ("train.iters=0", "train.iters"),
+    ("train.lr=-1", "train.lr"),
+    ("parallel.sequence_parallel=true", "sequence_parallel"),
+])
+def test_bad_overrides_raise_config_error_naming_the_key(override, needle):
+    with pytest.raises(ConfigError) as exc:
+        config.load(overrides=BASE + [override])
+    assert needle in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="global_batch_size 10 must be a multiple"):
+        config.load(overrides=BASE + ["train.micro_batch_size=4", "train.global_batch_size=10"])
+    with pytest.raises(ConfigError, match="num_layers 3 must be divisible"):
+        config.finalize(_raw(["model.num_layers=3", "parallel.pp=2"]))
+    with pytest.raises(ConfigError, match="num_heads 4 must be divisible by parallel.tp 3"):
+        config.finalize(_raw(["parallel.tp=3"]))
+    with pytest.raises(ConfigError, match="world size 6 is not divisible"):
+        config.load(overrides=BASE + ["parallel.tp=4"], world_size=6)
+    with pytest.raises(ConfigError, match="launched 4 ranks"):
+        config.load(overrides=BASE + ["parallel.dp=2"], world_size=4)
+    with pytest.raises(ConfigError, match="min_lr"):
+        config.load(overrides=BASE + ["train.lr=1e-4", "train.min_lr=1e-3"])
+    with pytest.raises(ConfigError, match="data.paths is empty"):
+        config.load(overrides=["tokenizer.type=byte"])
+
+
+def test_dp_derived_from_world_size():
+    cfg = config.load(overrides=BASE + ["train.micro_batch_size=2"], world_size=4)
+    assert cfg.parallel.dp == 4 and cfg.parallel.world_size == 4
+    assert cfg.train.global_batch_size == 8
+
+
+def test_not_yet_available_dimensions_are_refused_clearly():
+    for key in ("parallel.tp=2", "parallel.pp=2", "parallel.cp=2"):
+        with pytest.raises(ConfigError, match="not available in this version yet"):
+            config.load(overrides=BASE + [key, "model.num_layers=2"])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        config.load([tmp_path / "missing.yml"])
+    bad = tmp_path / "bad.yml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load([bad])
+    unknown = tmp_path / "unknown.yml"
+    unknown.write_text("model:\n  hidden_szie: 3\n")
+    with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
+        config.load([unknown])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = config.load(overrides=BASE + ["model.num_layers=3"])
+    config.set_vocab(cfg, 300)
+    assert cfg.model.padded_vocab_size == 384
+    config.save(cfg, tmp_path / "config.yml")
+    again = config.load([tmp_path / "config.yml"])
+    assert config.to_dict(again) == config.to_dict(cfg)
+
+
+def test_every_field_is_documented():
+    text = config.help_text()
+    for line in text.splitlines():
+        if line.startswith("  "):
+            assert line.split("): ", 1)[1].strip(), line
+
+
+def test_train_py_config_error_is_one_line_exit_2(repo_root):
+    p = subprocess.run([sys.executable, "train.py", "--conf", "configs/demo.yml", "train.itres=3"],
+                       cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "train.iters" in lines[0], p.stderr
+
+
+def _raw(overrides):
+    return config.load(overrides=BASE + overrides, finalize_config=False)
