@@ -1,0 +1,143 @@
+"""JSONL corpora: reading them (plain or gzip) and the demo corpus built from Python's own sources.
+
+A corpus is JSON Lines: one object per line, the document's text under a key (``"text"``).
+The demo corpus needs no download: it is the Python standard library's ``.py`` files, one file
+per document, in sorted order, so the same Python version always produces the same bytes.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import sysconfig
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from megatron_sp.errors import DataError
+
+log = logging.getLogger("megatron_sp")
+
+SKIP_DIRS = frozenset({
+    "site-packages", "dist-packages", "__pycache__",
+    "test", "tests", "idle_test", "idlelib", "lib2to3", "test_data", "testdata",
+})
+"""Standard-library directories left out of the demo corpus: installed packages and test data
+(deliberately malformed or huge generated sources)."""
+
+_MIN_LINE_BYTES = len(b'{"text": "x"}\n')
+
+
+def demo_source_files(stdlib: Path | None = None) -> list[tuple[str, Path]]:
+    """The stdlib ``.py`` files of the demo corpus as ``(relative posix path, path)``, sorted."""
+    root = Path(stdlib or sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise DataError(f"the Python standard library directory {root} does not exist; the demo corpus is "
+                        f"built from it (give your own JSONL corpus instead)")
+    files = []
+    for path in root.rglob("*.py"):
+        relative = path.relative_to(root)
+        if SKIP_DIRS.intersection(relative.parts[:-1]) or not path.is_file():
+            continue
+        files.append((relative.as_posix(), path))
+    files.sort(key=lambda item: item[0])
+    return files
+
+
+def make_demo_corpus(out_path: str | Path, max_bytes: int = 4_000_000) -> Path:
+    """Write the demo JSONL corpus (``{"text": source}`` per line) of at most ``max_bytes`` bytes.
+
+    Files are taken in sorted order of their relative paths; empty files and files that do not
+    decode as UTF-8 are skipped, and so is a file whose line would overflow the budget (later, smaller files may
+    still fit). The file is written under a temporary name and renamed. Returns ``out_path``.
+    """
+    out_path = Path(out_path)
+    if max_bytes <= 0:
+        raise DataError(f"max_bytes must be positive, got {max_bytes}")
+    start = time.perf_counter()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    written = docs = undecodable = 0
+    try:
+        with open(tmp, "wb") as f:
+            for _, path in demo_source_files():
+                if max_bytes - written < _MIN_LINE_BYTES:
+                    break
+                try:
+                    text = path.read_bytes().decode("utf-8")
+                except (UnicodeDecodeError, OSError):
+                    undecodable += 1
+                    continue
+                if not text.strip():  # empty __init__.py files and the like
+                    continue
+                line = (json.dumps({"text": text}, ensure_ascii=False) + "\n").encode("utf-8")
+                if written + len(line) > max_bytes:
+                    continue
+                f.write(line)
+                written += len(line)
+                docs += 1
+        if docs == 0:
+            raise DataError(f"no standard-library file fits in {max_bytes} bytes for {out_path}; raise --max-bytes")
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("wrote demo corpus %s: %d documents, %.2f MB (%d undecodable files skipped) in %.1f s",
+             out_path, docs, written / 1e6, undecodable, time.perf_counter() - start)
+    return out_path
+
+
+def check_input_files(paths: Sequence[str | Path], json_key: str = "text") -> None:
+    """Raise ``DataError`` naming the first input file that does not exist."""
+    if not paths:
+        raise DataError("no input files given")
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise DataError(f"input file {path} not found; give a JSONL corpus ({{\"{json_key}\": ...}} per line), "
+                            f"e.g. made by `python tools/make_demo_corpus.py --output {path}`")
+
+
+def iter_jsonl_lines(paths: Sequence[str | Path], json_key: str = "text") -> Iterator[tuple[Path, int, bytes]]:
+    """``(path, 1-based line number, raw line)`` of every non-blank line of JSONL files (plain or ``.gz``)."""
+    check_input_files(paths, json_key)
+    for path in map(Path, paths):
+        opener = gzip.open if path.name.endswith(".gz") else open
+        try:
+            with opener(path, "rb") as f:
+                for line_no, raw in enumerate(f, start=1):
+                    if raw.strip():
+                        yield path, line_no, raw
+        except (gzip.BadGzipFile, EOFError) as e:
+            raise DataError(f"{path}: not a readable gzip file ({e})") from None
+
+
+def parse_jsonl_line(raw: bytes | str, path: str | Path, line_no: int, json_keys: Sequence[str]) -> list[str]:
+    """The strings under ``json_keys`` of one JSONL line; ``DataError`` naming file and line otherwise."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg} at column {e.colno}); each line must be one "
+                        f"JSON object like {{\"text\": \"...\"}}") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+    values = []
+    for key in json_keys:
+        if key not in record:
+            raise DataError(f"{path}:{line_no}: key '{key}' missing (keys present: {sorted(record)}); "
+                            f"choose the key with --json-keys / --json-key")
+        value = record[key]
+        if not isinstance(value, str):
+            raise DataError(f"{path}:{line_no}: key '{key}' holds {type(value).__name__}, expected a string")
+        values.append(value)
+    return values
+
+
+def iter_jsonl_texts(paths: Sequence[str | Path], json_key: str = "text") -> Iterator[str]:
+    """The ``json_key`` string of every non-blank line of JSONL files (plain or ``.gz``)."""
+    for path, line_no, raw in iter_jsonl_lines(paths, json_key):
+        yield parse_jsonl_line(raw, path, line_no, (json_key,))[0]

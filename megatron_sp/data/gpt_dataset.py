@@ -1,0 +1,233 @@
+"""Megatron-style GPT dataset: fixed-length samples cut from shuffled, concatenated documents.
+
+Three index arrays define the samples (as in Megatron-LM):
+
+- ``doc_idx``: the split's document ids repeated for as many epochs as ``num_samples`` needs,
+  each epoch shuffled by one ``np.random.RandomState(seed)`` stream;
+- ``sample_idx`` ``[n+1, 2]``: row ``j`` is ``(position in doc_idx, token offset)`` of the first
+  token of sample ``j``. Sample ``j`` runs from row ``j`` to row ``j+1`` *inclusive*:
+  ``seq_length + 1`` tokens (inputs and shifted labels), so consecutive samples share one token;
+- ``shuffle_idx``: a permutation of the ``n`` samples (same RandomState stream, after doc_idx).
+
+Item ``i`` is sample ``shuffle_idx[i]``. The arrays are cached as ``.npy`` files whose names carry
+a sha256 of everything they depend on (dataset files' size and mtime, the split's documents,
+seq_length, num_samples, seed), so a changed parameter never reuses a stale cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron_sp.data.indexed import IndexedDataset
+from megatron_sp.errors import ConfigError, DataError
+
+log = logging.getLogger("megatron_sp")
+
+CACHE_FORMAT = 1
+"""Bumped whenever the index construction changes, so old caches are not reused."""
+
+_ARRAYS = ("doc_idx", "sample_idx", "shuffle_idx")
+
+
+def parse_split(split: str) -> list[float]:
+    """``"98,2,0"`` (or ``"98/2/0"``) → three normalised ratios; missing trailing ratios are 0."""
+    try:
+        ratios = [float(part) for part in split.replace("/", ",").split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"data.split: '{split}' must be comma-separated ratios like 98,2,0") from None
+    if not 1 <= len(ratios) <= 3 or any(r < 0 for r in ratios) or sum(ratios) <= 0:
+        raise ConfigError(f"data.split: '{split}' must be 1 to 3 non-negative ratios with a positive sum, like 98,2,0")
+    ratios += [0.0] * (3 - len(ratios))
+    total = sum(ratios)
+    return [r / total for r in ratios]
+
+
+def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:
+    """Megatron's split by ratio: ``[train, valid, test]`` contiguous document-id ranges (maybe empty).
+
+    As megatron-core: the boundaries are the cumulative normalised ratios times ``num_docs``,
+    rounded (``"98,2,0"`` over 1000 documents → 0..979, 980..999, none).
+    """
+    cumulative = np.cumsum([0.0, *parse_split(split)])
+    bounds = [round(float(c) * num_docs) for c in cumulative]
+    bounds[-1] = num_docs
+    return [np.arange(bounds[k], bounds[k + 1], dtype=np.int64) for k in range(3)]
+
+
+def _file_fingerprint(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+class GPTDataset:
+    """``len(ds)`` samples of ``seq_length + 1`` int64 tokens from the documents of one split.
+
+    ``documents`` are document ids of ``indexed`` (for one-sequence-per-document data, as GPT
+    preprocessing writes, document and sequence ids coincide). ``cache_dir=None`` builds the
+    indices in memory without caching. Building is deterministic, so several ranks building the
+    same cache concurrently write identical files (each via its own temporary name + rename).
+    """
+
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int,
+                 seed: int, cache_dir: Path | None, name: str) -> None:
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        self.indexed = indexed
+        self.documents = np.asarray(documents, dtype=np.int64)
+        self.seq_length = seq_length
+        self.num_samples = num_samples
+        self.seed = seed
+        self.name = name
+        if self.documents.size and (self.documents.min() < 0 or self.documents.max() >= indexed.num_documents):
+            raise ValueError(f"document ids must lie in 0..{indexed.num_documents - 1}")
+        self._document_sizes = np.asarray(indexed.document_sizes, dtype=np.int64)
+        self.tokens_per_epoch = int(self._document_sizes[self.documents].sum())
+        if self.tokens_per_epoch == 0:
+            raise DataError(f"the {name} split of {indexed.prefix} ({self.documents.size} documents) has no tokens; "
+                            f"change data.split or use more data")
+        self.description = {
+            "format": CACHE_FORMAT,
+            "class": type(self).__name__,
+            "idx": _file_fingerprint(indexed.idx_path),
+            "bin": _file_fingerprint(indexed.bin_path),
+            "documents_sha256": hashlib.sha256(self.documents.tobytes()).hexdigest(),
+            "num_documents": int(self.documents.size),
+            "seq_length": seq_length,
+            "num_samples": num_samples,
+            "seed": seed,
+        }
+        self.hash = hashlib.sha256(json.dumps(self.description, sort_keys=True).encode()).hexdigest()
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.loaded_from_cache = False
+        arrays = self._load_cache()
+        if arrays is None:
+            start = time.perf_counter()
+            arrays = self._build_indices()
+            log.info("built %s indices for %s: %d samples, %d epochs of %d tokens in %.2f s", name,
+                     indexed.prefix, len(arrays["shuffle_idx"]), self.num_epochs(), self.tokens_per_epoch,
+                     time.perf_counter() - start)
+            self._save_cache(arrays)
+        self.doc_idx: np.ndarray = arrays["doc_idx"]
+        self.sample_idx: np.ndarray = arrays["sample_idx"]
+        self.shuffle_idx: np.ndarray = arrays["shuffle_idx"]
+
+    # ---- index construction -------------------------------------------------------------------
+
+    def num_epochs(self) -> int:
+        """Epochs over the split so that ``num_samples`` windows of ``seq_length+1`` tokens fit:
+        the least E with ``(E·tokens_per_epoch - 1) // seq_length ≥ num_samples``."""
+        needed = self.num_samples * self.seq_length + 1
+        return max(1, -(-needed // self.tokens_per_epoch))
+
+    def _build_indices(self) -> dict[str, np.ndarray]:
+        rng = np.random.RandomState(self.seed)
+        epochs = []
+        for _ in range(self.num_epochs()):
+            epoch = self.documents.copy()
+            rng.shuffle(epoch)
+            epochs.append(epoch)
+        doc_idx = np.concatenate(epochs)
+
+        sizes = self._document_sizes[doc_idx]
+        ends = np.cumsum(sizes)  # token position one past each doc_idx entry
+        total = int(ends[-1])
+        n = (total - 1) // self.seq_length
+        starts = np.arange(n + 1, dtype=np.int64) * self.seq_length
+        positions = np.searchsorted(ends, starts, side="right")  # first entry whose end is past the start
+        offsets = starts - (ends[positions] - sizes[positions])
+        sample_idx = np.stack([positions, offsets], axis=1).astype(np.int64)
+
+        shuffle_idx = np.arange(n, dtype=np.int64)
+        rng.shuffle(shuffle_idx)
+        return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
+
+    # ---- cache ----------------------------------------------------------------------------------
+
+    def cache_paths(self) -> dict[str, Path]:
+        """The cache file of each index array (and ``description``, the JSON of what was hashed)."""
+        assert self.cache_dir is not None
+        stem = f"{self.indexed.prefix.name}_{self.name}_{self.hash}"
+        paths = {key: self.cache_dir / f"{stem}_{key}.npy" for key in _ARRAYS}
+        paths["description"] = self.cache_dir / f"{stem}_description.json"
+        return paths
+
+    def _load_cache(self) -> dict[str, np.ndarray] | None:
+        if self.cache_dir is None:
+            return None
+        paths = self.cache_paths()
+        if not all(paths[key].is_file() for key in _ARRAYS):
+            return None
+        try:
+            arrays = {key: np.load(paths[key], mmap_mode="r", allow_pickle=False) for key in _ARRAYS}
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable index cache %s (%s); rebuilding it", paths["doc_idx"], e)
+            return None
+        if arrays["sample_idx"].shape[0] != arrays["shuffle_idx"].shape[0] + 1:
+            log.warning("ignoring inconsistent index cache %s; rebuilding it", paths["doc_idx"])
+            return None
+        self.loaded_from_cache = True
+        log.info("loaded %s indices of %s from cache (%d samples)", self.name, self.indexed.prefix,
+                 arrays["shuffle_idx"].shape[0])
+        return arrays
+
+    def _save_cache(self, arrays: dict[str, np.ndarray]) -> None:
+        if self.cache_dir is None:
+            return
+        paths = self.cache_paths()
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            description = json.dumps(self.description, indent=1, sort_keys=True).encode()
+            items: list[tuple[Path, Any]] = [(paths["description"], description)]
+            items += [(paths[key], arrays[key]) for key in _ARRAYS]  # arrays last: they mark a complete cache
+            for path, value in items:
+                tmp = path.with_name(path.name + tag)
+                try:
+                    with open(tmp, "wb") as f:
+                        if isinstance(value, bytes):
+                            f.write(value)
+                        else:
+                            np.save(f, value, allow_pickle=False)
+                    os.replace(tmp, path)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("could not write the index cache in %s (%s); continuing without it", self.cache_dir, e)
+
+    # ---- access -----------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """The requested number of samples (the indices may hold a few more from the last epoch)."""
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Sample ``i``: ``seq_length + 1`` consecutive tokens (int64) of the shuffled document stream."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for the {self.name} dataset of {len(self)} samples")
+        j = int(self.shuffle_idx[i])
+        first_pos, first_off = (int(v) for v in self.sample_idx[j])
+        last_pos, last_off = (int(v) for v in self.sample_idx[j + 1])
+        get = self.indexed.get_document
+        if first_pos == last_pos:
+            parts = [get(int(self.doc_idx[first_pos]), first_off, last_off - first_off + 1)]
+        else:
+            parts = [get(int(self.doc_idx[first_pos]), first_off)]
+            parts += [get(int(self.doc_idx[pos])) for pos in range(first_pos + 1, last_pos)]
+            parts.append(get(int(self.doc_idx[last_pos]), 0, last_off + 1))
+        sample = np.concatenate(parts).astype(np.int64)
+        assert sample.shape[0] == self.seq_length + 1, (sample.shape, self.seq_length)
+        return sample
+
+    def __repr__(self) -> str:
+        return (f"GPTDataset(name={self.name!r}, prefix={str(self.indexed.prefix)!r}, samples={len(self)}, "
+                f"seq_length={self.seq_length}, documents={self.documents.size}, seed={self.seed})")

@@ -1,0 +1,115 @@
+"""The data tools end to end as subprocesses: corpus → tokenizer → .bin/.idx, and one-line user errors."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_sp.config.schema import TokenizerConfig
+from megatron_sp.data.indexed import IndexedDataset
+from megatron_sp.data.tokenizer import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ("make_demo_corpus.py", "train_tokenizer.py", "preprocess_data.py")
+
+
+def run_tool(name: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    """Run ``python tools/<name> args`` from the repo root, as a user would (package not installed)."""
+    return subprocess.run([sys.executable, f"tools/{name}", *map(str, args)], cwd=ROOT, check=False,
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+def test_pipeline_end_to_end(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    result = run_tool("make_demo_corpus.py", "--output", corpus, "--max-bytes", 80_000)
+    assert result.returncode == 0, result.stderr
+    assert 0 < corpus.stat().st_size <= 80_000
+    texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
+    assert len(texts) > 1 and all(texts)
+
+    result = run_tool("train_tokenizer.py", "--input", corpus, "--model-prefix", tmp_path / "tok",
+                      "--vocab-size", 512)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "tok.model").is_file() and (tmp_path / "tok.vocab").is_file()
+
+    result = run_tool("preprocess_data.py", "--input", corpus, "--output-prefix", tmp_path / "demo",
+                      "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "tok.model",
+                      "--json-keys", "text", "--append-eod", "--workers", 2)
+    assert result.returncode == 0, result.stderr
+    for word in ("docs", "tokens", "docs/s", "MB/s"):
+        assert word in result.stdout
+    assert f"docs {len(texts)}," in result.stdout
+
+    tokenizer = build_tokenizer(TokenizerConfig(type="sentencepiece", model=str(tmp_path / "tok.model")))
+    ds = IndexedDataset(tmp_path / "demo_text_document")
+    assert ds.num_documents == len(ds) == len(texts)
+    assert ds.dtype.name == "uint16"
+    for i, text in enumerate(texts):
+        tokens = ds[i].tolist()
+        assert tokens[-1] == tokenizer.eod
+        assert tokenizer.decode(tokens[:-1]) == text
+    assert f"tokens {ds.num_tokens}," in result.stdout
+
+    # Workers do not change the output; the byte tokenizer and .gz input work too.
+    gz = tmp_path / "corpus.jsonl.gz"
+    gz.write_bytes(gzip.compress(corpus.read_bytes()))
+    result = run_tool("preprocess_data.py", "--input", gz, "--output-prefix", tmp_path / "one",
+                      "--tokenizer-type", "sentencepiece", "--tokenizer-model", tmp_path / "tok.model",
+                      "--append-eod")
+    assert result.returncode == 0, result.stderr
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"one_text_document{suffix}").read_bytes() == \
+            (tmp_path / f"demo_text_document{suffix}").read_bytes()
+    result = run_tool("preprocess_data.py", "--input", corpus, "--output-prefix", tmp_path / "bytes",
+                      "--tokenizer-type", "byte")
+    assert result.returncode == 0, result.stderr
+    raw = IndexedDataset(tmp_path / "bytes_text_document")
+    assert bytes(raw[0].tolist()).decode("utf-8") == texts[0]  # no --append-eod: no EOD
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_help_documents_every_flag(tool: str) -> None:
+    result = run_tool(tool, "--help")
+    assert result.returncode == 0
+    flags = {
+        "make_demo_corpus.py": ["--output", "--max-bytes"],
+        "train_tokenizer.py": ["--input", "--model-prefix", "--vocab-size", "--json-key"],
+        "preprocess_data.py": ["--input", "--output-prefix", "--tokenizer-type", "--tokenizer-model",
+                               "--json-keys", "--append-eod", "--workers"],
+    }[tool]
+    for flag in flags:
+        assert flag in result.stdout
+
+
+def test_user_errors_are_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    assert_one_line_error(run_tool("preprocess_data.py", "--input", missing, "--output-prefix", tmp_path / "x",
+                                   "--tokenizer-type", "byte"), str(missing), "make_demo_corpus.py")
+    assert_one_line_error(run_tool("train_tokenizer.py", "--input", missing, "--model-prefix", tmp_path / "t"),
+                          str(missing))
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n{"body": "b"}\n', encoding="utf-8")
+    no_model = tmp_path / "none.model"
+    assert_one_line_error(run_tool("preprocess_data.py", "--input", corpus, "--output-prefix", tmp_path / "x",
+                                   "--tokenizer-type", "sentencepiece", "--tokenizer-model", no_model),
+                          str(no_model), "tools/train_tokenizer.py")
+    assert_one_line_error(run_tool("preprocess_data.py", "--input", corpus, "--output-prefix", tmp_path / "x",
+                                   "--tokenizer-type", "byte"), f"{corpus}:2", "'text'")
+    corpus.write_text('{"text": "a"}\n\n{"text": oops}\n', encoding="utf-8")
+    assert_one_line_error(run_tool("preprocess_data.py", "--input", corpus, "--output-prefix", tmp_path / "x",
+                                   "--tokenizer-type", "byte", "--workers", 2), f"{corpus}:3", "invalid JSON")
+    assert not list(tmp_path.glob("x*"))  # a failed run leaves no (partial) outputs
