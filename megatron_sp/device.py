@@ -109,25 +109,25 @@ def apex_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
-    """Dense-matmul FLOP/s of this device for ``dtype``, measured once: the MFU denominator on CPU.
+    """Dense-matmul FLOP/s of this host's CPU cores for ``dtype``, measured once with every core.
 
-    On a GPU, set ``MEGATRON_SP_PEAK_TFLOPS`` (the datasheet number) instead: a short matmul loop
-    there measures clocks, not the peak.
+    This is the MFU denominator on CPU. Call it while no other rank of this host computes (the
+    training loop measures on local rank 0 between barriers). On GPUs a short matmul loop measures
+    clocks, not the datasheet peak: there ``logging.peak_tflops`` must be given instead.
     """
-    env = os.environ.get("MEGATRON_SP_PEAK_TFLOPS")
-    if env:
-        return float(env) * 1e12
-    dev = torch.device(default_device_type())
-    a = torch.randn(n, n, dtype=dtype, device=dev)
-    b = torch.randn(n, n, dtype=dtype, device=dev)
-    a @ b  # warm-up
-    synchronize(dev)
-    reps, t0 = 0, time.perf_counter()
-    while True:
-        a @ b
-        reps += 1
-        synchronize(dev)
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds:
-            break
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        a @ b  # warm-up
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            a @ b
+            reps += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds:
+                break
+    finally:
+        torch.set_num_threads(threads)
     return 2.0 * n**3 * reps / elapsed

@@ -147,7 +147,7 @@ class Runtime:
     consumed_samples: int = 0
 
 
-def _allreduce_sum_hook(group: Any, bucket: Any) -> torch.futures.Future:
+def _allreduce_sum_hook(group, bucket):  # no annotations: DDP checks them and this module's are strings
     """DDP comm hook: SUM the bucket over dp_cp (the loss is already divided by the global token count)."""
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
@@ -186,7 +186,7 @@ def setup(cfg: Config) -> Runtime:
     if state.dp_cp_size > 1:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[dev.index] if dev.type == "cuda" else None, process_group=state.dp_cp_group,
-            broadcast_buffers=False, bucket_cap_mb=25)
+            forward_sync_buffers=False, bucket_cap_mb=25)
         model.register_comm_hook(state.dp_cp_group, _allreduce_sum_hook)
     optimizer = build_optimizer(model, cfg.train)
 
@@ -319,6 +319,30 @@ def run(cfg: Config) -> Runtime:
     return rt
 
 
+def peak_flops_total(rt: Runtime) -> float:
+    """The MFU denominator: peak FLOP/s of all devices of the run (0 when unknown on GPU).
+
+    A device is one GPU, or on CPU one host's cores. On CPU without ``logging.peak_tflops`` local
+    rank 0 of each host measures while the others wait at a barrier, so no rank disturbs it.
+    """
+    cfg, st = rt.cfg, rt.state
+    world = st.dims.world_size
+    hosts = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    n_devices = world if rt.device.type == "cuda" else hosts
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops * 1e12 * n_devices
+    if rt.device.type == "cuda":
+        log.info("MFU is not reported: set logging.peak_tflops to the GPU's peak for %s", cfg.train.precision)
+        return 0.0
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    dist.barrier()
+    measured = device_mod.measured_peak_flops(dtype) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else 0.0
+    per_host = torch.tensor([measured], dtype=torch.float64)
+    dist.all_reduce(per_host, op=dist.ReduceOp.MAX)
+    log.info("measured CPU peak: %.1f GFLOP/s %s per host (MFU denominator)", per_host.item() / 1e9, cfg.train.precision)
+    return per_host.item() * n_devices
+
+
 def _loop(rt: Runtime) -> None:
     from .model import flops_per_token, generate
 
@@ -327,8 +351,7 @@ def _loop(rt: Runtime) -> None:
     metrics = metrics_mod.MetricsLogger(cfg, enabled=rank0, resume_step=rt.step)
     inner = getattr(rt.model, "module", rt.model)
     n_params = sum(p.numel() for p in inner.parameters())
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    peak = device_mod.measured_peak_flops(dtype) * st.dims.world_size  # type: ignore[operator]
+    peak = peak_flops_total(rt)
     fpt = flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # type: ignore[operator]
     log.info("model: %s, %.2fM parameters; layout tp%d pp%d cp%d dp%d (world %d, %s/%s); global batch %d × %d tokens, "

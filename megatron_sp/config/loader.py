@@ -188,7 +188,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
               "parallel.timeout_s", "train.iters", "train.micro_batch_size", "train.global_batch_size",
               "train.eval_iters", "logging.interval", "train.sample_tokens", "tokenizer.vocab_size")
     _positive(cfg, "train.lr", "train.min_lr", "train.lr_warmup_iters", "train.weight_decay", "train.clip_grad",
-              "train.eval_interval", "checkpoint.interval", "checkpoint.keep", "logging.dump_grads_step",
+              "train.eval_interval", "checkpoint.interval", "checkpoint.keep", "logging.dump_grads_step", "logging.peak_tflops",
               "model.hidden_dropout", "model.attention_dropout", allow_zero=True)
     for key in ("hidden_dropout", "attention_dropout"):
         if getattr(m, key) >= 1.0:

@@ -139,6 +139,8 @@ class LoggingConfig:
     wandb: bool = doc(False, "Also log to Weights & Biases (needs the 'logging' extra; WANDB_MODE=offline works).")
     wandb_project: str = doc("megatron_sp", "wandb project name.")
     tensorboard: bool = doc(False, "Also log to TensorBoard under dir/tensorboard (needs the 'logging' extra).")
+    peak_tflops: float | None = doc(None, "Peak dense TFLOP/s of one device for MFU (on GPU its datasheet number "
+                                          "for train.precision). Unset on CPU: measured at start-up per host.")
     level: str = doc("info", "Console log level: debug | info | warning.")
     dump_grads_step: int = doc(0, "If > 0, write every parameter's full (unsharded) gradient after that step's "
                                   "reduction and before clipping to dir/grads_step<N>.pt (parity checks).")

@@ -1,0 +1,96 @@
+"""Checkpoint files: atomic layout, keep-last-N, safe loading and clear errors for bad files."""
+import json
+
+import pytest
+import torch
+
+from megatron_sp import checkpointing, config
+from megatron_sp.errors import DataError
+from megatron_sp.model import GPTModel
+from megatron_sp.optim import build_optimizer
+
+OVR = ["data.paths=[x]", "tokenizer.type=byte", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
+       "model.seq_length=16"]
+
+
+def _setup(tmp_path, *extra):
+    cfg = config.load(overrides=OVR + [f"checkpoint.save={tmp_path}/ckpt", *extra])
+    config.set_vocab(cfg, 258)
+    model = GPTModel(cfg.model, seed=1)
+    opt = build_optimizer(model, cfg.train)
+    tokens = torch.randint(0, 258, (2, 16))
+    model(tokens, labels=tokens).mean().backward()
+    opt.step()
+    return cfg, model, opt
+
+
+def _save(cfg, model, opt, step):
+    return checkpointing.save(cfg, step, step * 4, model, opt, rank=0, world_size=1, dev=torch.device("cpu"))
+
+
+def test_save_load_round_trip_and_keep(tmp_path):
+    cfg, model, opt = _setup(tmp_path, "checkpoint.keep=2")
+    for step in (1, 2, 3):
+        _save(cfg, model, opt, step)
+    root = tmp_path / "ckpt"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["iter_0000002", "iter_0000003"]
+    assert (root / "latest").read_text().strip() == "iter_0000003"
+    assert not list(root.glob(".tmp*"))
+    meta = json.loads((root / "iter_0000003" / "meta.json").read_text())
+    assert meta["step"] == 3 and meta["consumed_samples"] == 12 and meta["config"]["model"]["num_layers"] == 2
+
+    cfg2, model2, opt2 = _setup(tmp_path)
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)
+    ckpt = checkpointing.resolve(root)
+    out = checkpointing.load(ckpt, model2, opt2, rank=0, dev=torch.device("cpu"), seed=1)
+    assert out["step"] == 3
+    for (n, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert torch.equal(a, b), n
+    s1 = {k: v for k, v in opt.state_dict()["state"].items()}
+    s2 = {k: v for k, v in opt2.state_dict()["state"].items()}
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        for key in s1[k]:
+            assert torch.equal(torch.as_tensor(s1[k][key]), torch.as_tensor(s2[k][key])), (k, key)
+
+
+def test_bad_checkpoints_give_one_clear_error(tmp_path):
+    cfg, model, opt = _setup(tmp_path)
+    ckpt = _save(cfg, model, opt, 1)
+    with pytest.raises(DataError, match="no 'latest' file"):
+        checkpointing.resolve(tmp_path / "empty")
+
+    # a truncated weights file
+    data = (ckpt / "model.pt").read_bytes()
+    (ckpt / "model.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"model\.pt' is corrupted or truncated"):
+        checkpointing.load(ckpt, model, opt, 0, torch.device("cpu"), 1)
+
+    # a config that does not match the weights
+    ckpt = _save(cfg, model, opt, 2)
+    other = config.load(overrides=OVR + ["model.hidden_size=64"])
+    config.set_vocab(other, 258)
+    bigger = GPTModel(other.model, seed=1)
+    with pytest.raises(DataError, match="does not match this model config|has shape"):
+        checkpointing.load(ckpt, bigger, build_optimizer(bigger, other.train), 0, torch.device("cpu"), 1)
+
+    # a missing shard
+    (ckpt / "optimizer.pt").unlink()
+    with pytest.raises(DataError, match=r"optimizer\.pt' is missing"):
+        checkpointing.load(ckpt, model, opt, 0, torch.device("cpu"), 1)
+
+
+def test_pickled_code_is_never_executed(tmp_path):
+    cfg, model, opt = _setup(tmp_path)
+    ckpt = _save(cfg, model, opt, 1)
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, ("open('%s', 'w').write('pwned')" % (tmp_path / "pwned"),))
+
+    torch.save({"x": Evil()}, ckpt / "model.pt")
+    with pytest.raises(DataError):
+        checkpointing.load(ckpt, model, opt, 0, torch.device("cpu"), 1)
+    assert not (tmp_path / "pwned").exists()
