@@ -1,0 +1,47 @@
+"""Helpers for end-to-end train.py runs: a tiny byte-level dataset, a runner and cached reference runs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A small model on byte-level tokens: fast on 2 cores, big enough that every parameter gets a gradient.
+BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.seq_length=64",
+        "model.make_vocab_size_divisible_by=32", "tokenizer.type=byte", "train.micro_batch_size=2",
+        "train.global_batch_size=8", "train.lr=1e-3", "train.min_lr=1e-4", "train.lr_warmup_iters=2",
+        "train.lr_decay_iters=10", "train.seed=7", "logging.interval=1", "data.build_demo=false",
+        "logging.peak_tflops=0.1"]
+
+# What the parity standard runs: 5 steps, every step logged, step-1 gradients dumped.
+PARITY = ["train.iters=5", "logging.dump_grads_step=1"]
+
+
+def make_byte_dataset(directory: Path) -> str:
+    """A ~400 kB slice of the demo corpus tokenized to bytes; returns the dataset prefix."""
+    from megatron_sp.config import TokenizerConfig
+    from megatron_sp.data import build_tokenizer
+    from megatron_sp.data.corpus import make_demo_corpus
+    from megatron_sp.data.preprocess import preprocess_jsonl
+
+    corpus = make_demo_corpus(directory / "corpus.jsonl", max_bytes=400_000)
+    preprocess_jsonl([corpus], str(directory / "byte"), build_tokenizer(TokenizerConfig(type="byte")))
+    return str(directory / "byte_text_document")
+
+
+def train(run_dir: Path, data: str, *overrides: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """Run train.py with BASE + overrides; its logging.dir is run_dir/log."""
+    args = [sys.executable, "train.py", *BASE, f"data.paths=[{data}]", f"logging.dir={run_dir}/log",
+            f"data.cache_dir={Path(data).parent}/cache", *overrides]
+    p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if expect_ok:
+        assert p.returncode == 0, f"train.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """{step: record} of the run's loss records."""
+    rows = [json.loads(line) for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r for r in rows if "loss" in r}
