@@ -1,0 +1,270 @@
+"""The one wrapper layer every collective goes through (gloo and NCCL alike).
+
+Each function takes its process group explicitly and is a no-op (or the identity) when the group
+has one rank; ``group=None`` means the default group, and a process that never initialised
+``torch.distributed`` behaves as a group of one, so single-process code needs no special case.
+Inputs are made contiguous as needed; outputs are fresh contiguous tensors (``all_reduce`` is the
+only in-place operation).
+
+Functions (``n`` = group size):
+
+=================================  ================================================================
+``all_reduce(t, group, op)``       in place, returns ``t``
+``all_gather(t, group, dim)``      ``n`` inputs concatenated along ``dim``
+``reduce_scatter(t, group, dim)``  sum over ranks, then this rank's ``1/n`` chunk along ``dim``
+``split(t, group, dim)``           this rank's ``1/n`` chunk along ``dim`` (no communication)
+``all_to_all(t, group, s, g)``     chunk ``j`` along ``s`` goes to rank ``j``; received chunks
+                                   concatenated along ``g``
+``all_gather_async`` /             dim-0 variants that return a ``Pending`` handle, so the caller
+``reduce_scatter_async``           can overlap the transfer with computation
+=================================  ================================================================
+
+Byte accounting for the communication-volume benchmark::
+
+    with comm.count() as c:
+        ...
+    c.calls["all_gather"], c.bytes["all_gather"], c.total_bytes
+
+records, per operation, the number of calls and the bytes *this rank sends* under the standard
+ring algorithms: all-reduce ``2·(n−1)/n·bytes``; all-gather ``(n−1)/n·output bytes``;
+reduce-scatter ``(n−1)/n·input bytes``; all-to-all ``(n−1)/n·bytes``. Groups of one send
+nothing and are not recorded. With no counter active the cost is one list truthiness test.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+_ACTIVE_COUNTERS: list[CommCounter] = []
+
+
+@dataclass
+class CommCounter:
+    """Calls and bytes sent by this rank, per collective name (see the module docstring)."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, float] = field(default_factory=dict)
+
+    def record(self, op: str, nbytes: float) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.bytes[op] = self.bytes.get(op, 0.0) + nbytes
+
+    @property
+    def total_bytes(self) -> float:
+        return float(sum(self.bytes.values()))
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """``{op: {"calls": n, "bytes": b}}`` (plain data, e.g. for JSON)."""
+        return {op: {"calls": self.calls[op], "bytes": self.bytes[op]} for op in sorted(self.calls)}
+
+
+@contextmanager
+def count() -> Iterator[CommCounter]:
+    """Count every collective issued inside the block (counters may nest; each sees all calls)."""
+    counter = CommCounter()
+    _ACTIVE_COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _ACTIVE_COUNTERS.remove(counter)
+
+
+def _record(op: str, nbytes: float) -> None:
+    for counter in _ACTIVE_COUNTERS:
+        counter.record(op, nbytes)
+
+
+def group_size(group: Any) -> int:
+    """Ranks in ``group`` (1 when torch.distributed is not initialised)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    size = dist.get_world_size(group)
+    if size < 1:
+        raise ValueError("this rank is not a member of the process group it communicates over")
+    return size
+
+
+def group_rank(group: Any) -> int:
+    """This process's rank inside ``group`` (0 when torch.distributed is not initialised)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _dim(t: torch.Tensor, dim: int) -> int:
+    if not -t.dim() <= dim < t.dim():
+        raise IndexError(f"dim {dim} out of range for a tensor of shape {tuple(t.shape)}")
+    return dim % t.dim()
+
+
+def _check_divisible(t: torch.Tensor, dim: int, n: int, op: str) -> None:
+    if t.shape[dim] % n:
+        raise ValueError(f"{op}: dim {dim} of shape {tuple(t.shape)} is not divisible by the group size {n}")
+
+
+class Pending:
+    """An issued asynchronous collective; ``wait()`` blocks until done and returns its result."""
+
+    def __init__(self, work: Any, result: torch.Tensor) -> None:
+        self._work = work
+        self._result = result
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._result
+
+
+# ---------------------------------------------------------------------------------------------
+# all-reduce
+
+
+def all_reduce(t: torch.Tensor, group: Any, op: Any = ReduceOp.SUM) -> torch.Tensor:
+    """Reduce ``t`` over ``group`` in place (``op``: SUM, MAX, ...) and return it."""
+    n = group_size(group)
+    if n == 1:
+        return t
+    if _ACTIVE_COUNTERS:
+        _record("all_reduce", 2.0 * (n - 1) / n * t.numel() * t.element_size())
+    if t.is_contiguous():
+        dist.all_reduce(t, op=op, group=group)
+        return t
+    buf = t.contiguous()
+    dist.all_reduce(buf, op=op, group=group)
+    return t.copy_(buf)
+
+
+# ---------------------------------------------------------------------------------------------
+# all-gather
+
+
+def _gather_dim0(t: torch.Tensor, group: Any, n: int, out: torch.Tensor | None, async_op: bool) -> tuple[Any, torch.Tensor]:
+    t = t.contiguous()
+    shape = (n * t.shape[0], *t.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=t.dtype, device=t.device)
+    elif tuple(out.shape) != shape or out.dtype != t.dtype or not out.is_contiguous():
+        raise ValueError(f"all_gather: out buffer {tuple(out.shape)} {out.dtype} does not fit {shape} {t.dtype}")
+    if _ACTIVE_COUNTERS:
+        _record("all_gather", (n - 1) / n * out.numel() * out.element_size())
+    work = dist.all_gather_single(out, t, group=group, async_op=async_op)
+    return work, out
+
+
+def all_gather(t: torch.Tensor, group: Any, dim: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``n`` ranks' ``t`` concatenated along ``dim`` (rank order).
+
+    ``out`` (dim 0 only): a contiguous tensor of the gathered shape to receive the result (e.g.
+    from a ``GatherBuffer``). Other dims are gathered into dim 0 and then rearranged (one copy).
+    """
+    n = group_size(group)
+    if n == 1:
+        return t
+    dim = _dim(t, dim)
+    if dim == 0:
+        return _gather_dim0(t, group, n, out, async_op=False)[1]
+    if out is not None:
+        raise ValueError("all_gather: an out buffer is only supported for dim 0")
+    _, stacked = _gather_dim0(t.unsqueeze(0), group, n, None, async_op=False)  # [n, *t.shape]
+    # [n, d0, .., d_dim, ..] -> [d0, .., n, d_dim, ..] -> merge (n, d_dim)
+    moved = stacked.movedim(0, dim)
+    return moved.reshape(*t.shape[:dim], n * t.shape[dim], *t.shape[dim + 1:])
+
+
+def all_gather_async(t: torch.Tensor, group: Any, out: torch.Tensor | None = None) -> Pending:
+    """Start gathering ``t`` along dim 0; ``wait()`` returns the gathered tensor."""
+    n = group_size(group)
+    if n == 1:
+        return Pending(None, t)
+    work, result = _gather_dim0(t, group, n, out, async_op=True)
+    return Pending(work, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# reduce-scatter
+
+
+def _chunks_to_dim0(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``t``'s ``n`` chunks along ``dim``, laid out one after another (contiguous; ``[n·chunk0, ..]`` for dim 0)."""
+    if dim == 0:
+        return t.contiguous()
+    d = t.shape[dim]
+    stacked = t.reshape(*t.shape[:dim], n, d // n, *t.shape[dim + 1:]).movedim(dim, 0)  # [n, *chunk]
+    return stacked.contiguous().flatten(0, 1)  # [n·chunk0, ..]: gloo takes only the concatenated form
+
+
+def _reduce_scatter(t: torch.Tensor, group: Any, n: int, dim: int, async_op: bool) -> tuple[Any, torch.Tensor]:
+    _check_divisible(t, dim, n, "reduce_scatter")
+    inp = _chunks_to_dim0(t, dim, n)
+    shape = list(t.shape)
+    shape[dim] //= n
+    out = torch.empty(shape, dtype=t.dtype, device=t.device)
+    if _ACTIVE_COUNTERS:
+        _record("reduce_scatter", (n - 1) / n * t.numel() * t.element_size())
+    work = dist.reduce_scatter_single(out, inp, group=group, async_op=async_op)
+    return work, out
+
+
+def reduce_scatter(t: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
+    """Sum ``t`` over the ranks and keep this rank's ``1/n`` chunk along ``dim``."""
+    n = group_size(group)
+    if n == 1:
+        return t
+    return _reduce_scatter(t, group, n, _dim(t, dim), async_op=False)[1]
+
+
+def reduce_scatter_async(t: torch.Tensor, group: Any) -> Pending:
+    """Start a dim-0 reduce-scatter of ``t``; ``wait()`` returns this rank's chunk."""
+    n = group_size(group)
+    if n == 1:
+        return Pending(None, t)
+    work, result = _reduce_scatter(t, group, n, 0, async_op=True)
+    return Pending(work, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# split and all-to-all
+
+
+def split(t: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """This rank's ``1/n`` chunk of ``t`` along ``dim``, contiguous (no communication)."""
+    n = group_size(group)
+    if n == 1:
+        return t
+    dim = _dim(t, dim)
+    _check_divisible(t, dim, n, "split")
+    size = t.shape[dim] // n
+    return t.narrow(dim, group_rank(group) * size, size).contiguous()
+
+
+def all_to_all(t: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Send chunk ``j`` of ``t`` along ``scatter_dim`` to rank ``j``; concatenate what arrives along ``gather_dim``.
+
+    E.g. Ulysses: ``[s/n, b, heads, d]`` with ``scatter_dim=2, gather_dim=0`` → ``[s, b, heads/n, d]``.
+    """
+    n = group_size(group)
+    if n == 1:
+        return t
+    scatter_dim, gather_dim = _dim(t, scatter_dim), _dim(t, gather_dim)
+    _check_divisible(t, scatter_dim, n, "all_to_all")
+    chunk = list(t.shape)
+    chunk[scatter_dim] //= n
+    inp = _chunks_to_dim0(t, scatter_dim, n)  # chunk j (for rank j) first
+    out = torch.empty_like(inp)
+    if _ACTIVE_COUNTERS:
+        _record("all_to_all", (n - 1) / n * t.numel() * t.element_size())
+    dist.all_to_all_single(out, inp, group=group)
+    moved = out.view(n, *chunk).movedim(0, gather_dim)  # out[j] came from rank j: [.., n, chunk[gather_dim], ..]
+    return moved.reshape(*chunk[:gather_dim], n * chunk[gather_dim], *chunk[gather_dim + 1:]).contiguous()

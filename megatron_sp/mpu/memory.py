@@ -1,0 +1,68 @@
+"""Reusable buffers for all-gathered activations.
+
+Under sequence parallelism every column-parallel linear all-gathers its ``[s/t, b, h]`` input to
+``[s, b, h]``, multiplies, and is done with the gathered tensor. Allocating that ``t×`` larger
+tensor afresh for every layer (and again in backward, when the gather is recomputed) churns the
+allocator; a ``GatherBuffer`` hands out the same storage each time instead.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class GatherBuffer:
+    """One reusable tensor per ``(shape, dtype, device)`` to all-gather activations into.
+
+    **Single-use invariant.** A tensor returned by ``get`` is valid only until the next ``get``
+    with the same key, which overwrites it. Whoever gathers into it must consume it immediately
+    (the matmul right after the gather) and must never keep it: never return it, never save it
+    for backward (``ctx.save_for_backward``), never let autograd save it. This is exactly why the
+    sequence-parallel column-parallel linear saves only its *local shard* for backward and
+    gathers again, into the buffer, in backward (nanotron #203): saving the gathered input would
+    both cost ``t×`` the memory and be overwritten by the next layer's gather. (Autograd's version
+    counter does catch a saved buffer, because the collective writes into it in place: backward
+    then raises "modified by an inplace operation"; nothing catches other kept references.)
+
+    Trade-off: one buffer per distinct key lives for the buffer's lifetime (call ``clear()`` after
+    a change of shapes, e.g. a new sequence length); gathers never overlap because each is consumed
+    before the next starts (single thread, one autograd engine on CPU; one stream on GPU).
+
+    ``reuse=False`` turns the buffer into a plain allocator (``get`` always returns a new tensor):
+    use it to rule the buffer out when debugging.
+    """
+
+    def __init__(self, reuse: bool = True) -> None:
+        self.reuse = reuse
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A contiguous uninitialised tensor of ``shape``; the same storage per key while ``reuse``."""
+        shape = tuple(int(n) for n in shape)
+        device = torch.device(device)
+        if not self.reuse:
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (shape, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            self._buffers[key] = buf
+        return buf
+
+    def clear(self) -> None:
+        """Free every buffer."""
+        self._buffers.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes currently held."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+_DEFAULT_GATHER_BUFFER = GatherBuffer()
+
+
+def default_gather_buffer() -> GatherBuffer:
+    """The process-wide buffer shared by every sequence-parallel column-parallel linear."""
+    return _DEFAULT_GATHER_BUFFER
