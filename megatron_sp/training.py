@@ -31,7 +31,7 @@ from . import checkpointing, config as config_mod, device as device_mod, metrics
 from .config import Config
 from .errors import TrainingError, UserError
 from .mpu import ParallelDims, ParallelState, init_default_group, initialize
-from .optim import build_optimizer, clip_grad_norm, lr_at, named_trainable, set_lr
+from .optim import build_optimizer, clip_grads, lr_at, named_trainable, set_lr, sync_tp_replicated_grads
 from .parity import full_grads_by_name
 
 log = logging.getLogger("megatron_sp")
@@ -260,9 +260,10 @@ def train_step(rt: Runtime) -> dict[str, float]:
         loss_sum += loss.detach().double().cpu()
     global_loss = _global_sum([loss_sum.item()], rt)[0]
     params = [p for _, p in named_trainable(model)]
+    sync_tp_replicated_grads(params, rt.state.tp_group)
     if cfg.logging.dump_grads_step == rt.step + 1:
         dump_grads(rt)
-    grad_norm = clip_grad_norm(params, cfg.train.clip_grad).item()
+    grad_norm = clip_grads(params, cfg.train.clip_grad, rt.state).item()
     if not math.isfinite(grad_norm) or not math.isfinite(global_loss):
         raise TrainingError(f"step {rt.step + 1}: loss {global_loss} / grad norm {grad_norm} is not finite; "
                                  "lower train.lr or check the data")

@@ -180,6 +180,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     _choice("parallel.pp_schedule", p.pp_schedule, ("1f1b", "interleaved", "zero_bubble"))
     _choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
     _choice("train.lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
+    _choice("model.recompute", m.recompute, ("none", "selective", "full"))
     _choice("tokenizer.type", cfg.tokenizer.type, ("sentencepiece", "byte"))
     _choice("logging.level", cfg.logging.level, ("debug", "info", "warning"))
     _positive(cfg, "model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads",
@@ -236,6 +237,14 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
                           "fix parallel.dp or the number of ranks")
     if m.num_heads % p.tp:
         raise ConfigError(f"model.num_heads {m.num_heads} must be divisible by parallel.tp {p.tp}")
+    if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:
+        raise ConfigError(f"model.num_kv_heads {m.num_kv_heads} and parallel.tp {p.tp}: one must divide the other "
+                          "(kv heads are split over TP, or replicated when tp > num_kv_heads)")
+    if m.ffn_hidden_size % p.tp:
+        raise ConfigError(f"model.ffn_hidden_size {m.ffn_hidden_size} must be divisible by parallel.tp {p.tp}")
+    if p.sequence_parallel and m.seq_length % p.tp:
+        raise ConfigError(f"model.seq_length {m.seq_length} must be divisible by parallel.tp {p.tp} under "
+                          "parallel.sequence_parallel")
     if m.num_layers % (p.pp * p.virtual_stages):
         raise ConfigError(f"model.num_layers {m.num_layers} must be divisible by parallel.pp·virtual_stages = "
                           f"{p.pp}·{p.virtual_stages}")

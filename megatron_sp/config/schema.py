@@ -39,6 +39,8 @@ class ModelConfig:
     hidden_dropout: float = doc(0.0, "Dropout on the attention and MLP outputs before the residual add.")
     attention_dropout: float = doc(0.0, "Dropout on the attention probabilities.")
     tie_embeddings: bool = doc(False, "Share the input embedding with the output layer (llama option).")
+    recompute: str = doc("none", "Activation recomputation: none | selective (the attention core: scores, "
+                                 "softmax, dropout) | full (each layer keeps only its input).")
     init_std: float = doc(0.02, "Standard deviation of the normal initialisation of weights.")
     scaled_init: bool = doc(True, "Scale the init std of the output projections (attention out, MLP out) by "
                                   "1/sqrt(2·num_layers), as Megatron and GPT-2 do.")
@@ -56,7 +58,11 @@ class ParallelConfig:
     cp: int = doc(1, "Context-parallel size (the sequence is split over cp ranks).")
     dp: int | None = doc(None, "Derived unless set: data-parallel size = world / (tp·pp·cp). Without torchrun "
                                "it defaults to 1 and sets the number of local ranks train.py starts.")
-    sequence_parallel: bool = doc(False, "Megatron sequence parallelism inside the TP group (needs tp > 1).")
+    sequence_parallel: bool = doc(False, "Megatron sequence parallelism inside the TP group (needs tp > 1): "
+                                         "activations between TP regions are split along the sequence.")
+    tp_recompute_allgather: bool = doc(True, "Under sequence parallelism, column-parallel layers save only their "
+                                             "input shard for backward and all-gather it again there (1/tp of the "
+                                             "memory, one more all-gather); false caches the gathered input.")
     cp_algo: str = doc("ring", "Context-parallel attention: ring | zigzag | llama3 | ulysses | usp.")
     pp_schedule: str = doc("1f1b", "Pipeline schedule: 1f1b | interleaved | zero_bubble.")
     virtual_stages: int = doc(1, "Model chunks per pipeline rank (interleaved schedule).")

@@ -1,15 +1,15 @@
 """Optimizer construction, learning-rate schedule and gradient clipping."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from ..config import TrainConfig
+from .grads import clip_grads, global_grad_norm, sync_tp_replicated_grads
 from .lr import lr_at
 
-__all__ = ["build_optimizer", "lr_at", "set_lr", "clip_grad_norm", "named_trainable"]
+__all__ = ["build_optimizer", "lr_at", "set_lr", "clip_grads", "global_grad_norm", "sync_tp_replicated_grads",
+           "named_trainable"]
 
 
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -36,16 +36,3 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The global L2 norm of the gradients (before clipping); scales them to ``max_norm`` if positive.
-
-    Every rank here holds whole, already reduced gradients, so the local norm is the global one.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-    if max_norm > 0:
-        coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coeff)
-    return norm
