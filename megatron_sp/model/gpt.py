@@ -1,0 +1,277 @@
+"""GPTModel: embedding → transformer layers → final norm → output layer (+ per-token loss).
+
+Parameter names (global, independent of which pipeline stage builds them):
+
+* ``embedding.weight`` ``[padded_vocab, h]`` (first stage only)
+* ``layers.<i>.…`` for the global layer index ``i`` (see ``transformer.py`` for the names inside)
+* ``final_norm.weight`` (``.bias`` for neox), ``output_layer.weight`` ``[padded_vocab, h]`` (last stage)
+
+With ``tie_embeddings`` the output layer multiplies by ``embedding.weight``; a last stage that does
+not hold the embedding keeps its own copy as ``output_layer.weight``, initialised from the name
+``embedding.weight`` and tagged ``shared_embedding`` (the pipeline code all-reduces its gradient
+with the first stage's embedding).
+
+Initialisation is layout-independent: ``init_full_tensor`` draws each parameter's full
+(unsharded) tensor from a generator seeded by (seed, parameter name), so the values do not depend
+on construction order, on the pipeline stage or on how tensor parallelism later slices them.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model.transformer import (
+    RotaryEmbedding,
+    TransformerLayer,
+    arch_spec,
+    check_model_config,
+    head_dim,
+    make_norm,
+    rotary_dim,
+    scaled_init_std,
+)
+
+EMBEDDING_NAME = "embedding.weight"
+"""The input embedding's parameter name (also the init name of a tied output-layer copy)."""
+
+OUTPUT_PROJECTIONS = ("attention.out.weight", "mlp.fc2.weight", "mlp.down.weight")
+"""Weights initialised with the scaled std (they write into the residual stream)."""
+
+NORM_MODULES = ("attn_norm", "mlp_norm", "final_norm")
+
+INIT_KINDS = ("normal", "scaled_normal", "zeros", "ones")
+
+
+def init_kind(name: str) -> str:
+    """The init kind of a parameter from its full name: one of ``INIT_KINDS``.
+
+    Norm weights → ``ones``; every bias (linear or norm) → ``zeros``; the output projections
+    ``attention.out`` and ``mlp.fc2``/``mlp.down`` → ``scaled_normal``; every other weight
+    (embedding, qkv, fc1, gate, up, output layer) → ``normal``.
+    """
+    parts = name.split(".")
+    if parts[-1] == "bias":
+        return "zeros"
+    if parts[-1] != "weight":
+        raise ValueError(f"no init rule for parameter {name!r}")
+    if len(parts) >= 2 and parts[-2] in NORM_MODULES:
+        return "ones"
+    if name.endswith(OUTPUT_PROJECTIONS):
+        return "scaled_normal"
+    return "normal"
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A stable 63-bit generator seed from (seed, parameter name): sha256, not Python's salted hash."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_full_tensor(name: str, shape: Sequence[int], kind: str, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter ``name``: an fp32 CPU tensor of ``shape``.
+
+    ``kind`` is one of ``INIT_KINDS``: ``normal`` draws N(0, init_std²), ``scaled_normal`` draws
+    N(0, (init_std / sqrt(2·num_layers))²) when ``scaled_init`` (else as ``normal``), ``zeros`` and
+    ``ones`` are constants. The draw uses a CPU ``torch.Generator`` seeded with
+    ``name_seed(seed, name)``, so the value depends only on (seed, name, shape, kind, cfg): callers
+    slice their shard out of it and copy it to their device and dtype.
+    """
+    shape = tuple(int(n) for n in shape)
+    if kind == "zeros":
+        return torch.zeros(shape)
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind == "normal":
+        std = cfg.init_std
+    elif kind == "scaled_normal":
+        std = scaled_init_std(cfg)
+    else:
+        raise ValueError(f"unknown init kind {kind!r}; expected one of {INIT_KINDS}")
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(name_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+def tag_parameter(param: nn.Parameter, shared_embedding: bool = False) -> None:
+    """Set the attributes distributed code reads: no tensor-parallel split, not sequence-parallel."""
+    param.tensor_model_parallel = False
+    param.partition_dim = -1
+    param.sequence_parallel = False
+    param.shared_embedding = shared_embedding
+
+
+class GPTModel(nn.Module):
+    """A GPT (``neox`` or ``llama`` per ``cfg.arch``), or one pipeline stage of it.
+
+    Args:
+        cfg: the finalized model config (``num_kv_heads``, ``ffn_hidden_size``, ``rotary_pct`` and
+            ``padded_vocab_size`` set).
+        seed: the initialisation seed (see ``init_full_tensor``).
+        layer_range: global indices of the layers this stage holds (default: all).
+        pre_process: hold the input embedding (first stage).
+        post_process: hold the final norm and output layer (last stage).
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: int, layer_range: range | None = None,
+                 pre_process: bool = True, post_process: bool = True) -> None:
+        super().__init__()
+        check_model_config(cfg)
+        self.cfg = cfg
+        self.seed = seed
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.padded_vocab_size = cfg.padded_vocab_size
+        self.layer_range = range(cfg.num_layers) if layer_range is None else layer_range
+        if self.layer_range and (self.layer_range[0] < 0 or self.layer_range[-1] >= cfg.num_layers):
+            raise ValueError(f"layer_range {self.layer_range} outside 0..{cfg.num_layers - 1}")
+        self.hidden_dropout = cfg.hidden_dropout
+
+        self.embedding = nn.Embedding(self.padded_vocab_size, cfg.hidden_size) if pre_process else None
+        self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in self.layer_range})
+        self.final_norm = make_norm(cfg) if post_process else None
+        tied_here = cfg.tie_embeddings and pre_process
+        self.output_layer = (nn.Linear(cfg.hidden_size, self.padded_vocab_size, bias=False)
+                             if post_process and not tied_here else None)
+
+        for name, param in self.named_parameters():
+            shared = cfg.tie_embeddings and (name == EMBEDDING_NAME or name == "output_layer.weight")
+            tag_parameter(param, shared_embedding=shared)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Set every parameter to its ``init_full_tensor`` value (a tied copy takes the embedding's)."""
+        for name, param in self.named_parameters():
+            init_name = EMBEDDING_NAME if getattr(param, "shared_embedding", False) else name
+            full = init_full_tensor(init_name, param.shape, init_kind(init_name), self.cfg, self.seed)
+            param.copy_(full)
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[padded_vocab, h]`` weight of the output layer (the embedding when tied on this stage)."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        if self.embedding is None:
+            raise RuntimeError("this stage has no output layer")
+        return self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage.
+
+        Args:
+            tokens: ``[b, s]`` token ids (first stage; ignored otherwise).
+            position_ids: ``[b, s]`` rotary positions (default ``arange(s)`` for every sample).
+            labels: ``[b, s]`` target ids (last stage); ``-100`` (torch's ``ignore_index``) gives loss 0.
+            hidden_states: ``[s, b, h]`` input of a stage without the embedding.
+
+        Returns:
+            last stage: logits ``[b, s, padded_vocab]`` when ``labels`` is None, else per-token
+            cross-entropy ``[b, s]`` in fp32 (no reduction); other stages: hidden ``[s, b, h]``.
+        """
+        if self.embedding is not None:
+            if tokens is None:
+                raise ValueError("the first stage needs tokens")
+            x = self.embedding(tokens.t())  # [s, b, h]
+            if self.hidden_dropout > 0:
+                x = F.dropout(x, self.hidden_dropout, self.training)
+        else:
+            if hidden_states is None:
+                raise ValueError("a stage without the embedding needs hidden_states")
+            x = hidden_states  # [s, b, h]
+
+        angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        dev_type = x.device.type
+        rope_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
+        cos, sin = self.rotary(position_ids, x.shape[0], x.device, angle_dtype, rope_dtype)  # [s, b|1, rd]
+
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)  # [s, b, h]
+        if not self.post_process:
+            return x
+
+        x = self.final_norm(x)  # [s, b, h]
+        logits = F.linear(x.transpose(0, 1), self.output_weight())  # [b, s, V]
+        if labels is None:
+            return logits
+        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # [b·s]
+        return losses.view(labels.shape)  # [b, s]
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameters on this stage (a tied weight counted once).
+
+        ``exclude_embeddings`` leaves out the input embedding unless it doubles as the output
+        layer (tied), in which case it is counted as the output layer.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        embedding_is_output = self.post_process and self.output_layer is None
+        if exclude_embeddings and self.embedding is not None and not embedding_is_output:
+            total -= self.embedding.weight.numel()
+        return total
+
+
+def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True) -> int:
+    """Parameters of the full model from the config alone (the same count as ``GPTModel.num_parameters``)."""
+    check_model_config(cfg)
+    spec = arch_spec(cfg.arch)
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, head_dim(cfg)
+    qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    norm = 2 * h if spec.layernorm else h
+    attention = h * qkv_out + cfg.num_heads * d * h + (qkv_out + h if spec.bias else 0)
+    mlp = 3 * h * f if spec.swiglu else 2 * h * f
+    if spec.bias:
+        mlp += (2 * f if spec.swiglu else f) + h
+    per_layer = attention + mlp + 2 * norm
+    embedding = cfg.padded_vocab_size * h
+    total = cfg.num_layers * per_layer + norm + embedding  # final norm + output layer (or tied embedding)
+    if not cfg.tie_embeddings:
+        total += 0 if exclude_embeddings else embedding
+    return total
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token, ``6·N + 12·L·h·s`` (PaLM, Chowdhery et al. 2022, appendix B).
+
+    N counts all parameters except the input embedding (a lookup, no FLOPs), output layer included
+    (``count_parameters(cfg, exclude_embeddings=True)``); ``12·L·h·s`` is the attention score and
+    context matmuls (forward + backward, without discounting the causal mask). For MFU.
+    """
+    n = count_parameters(cfg, exclude_embeddings=True)
+    return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
+
+
+def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, eod: int | None) -> list[int]:
+    """Greedy continuation: ``prompt_ids`` followed by up to ``max_new_tokens`` new tokens.
+
+    Generation stops early when the model picks ``eod`` (which is not appended). Each token re-runs
+    the full context, cropped to its last ``seq_length`` tokens, without a KV cache, in ``no_grad``
+    and eval mode; the model's train/eval mode is restored afterwards. Padded vocab rows beyond
+    ``cfg.vocab_size`` (when known) are never chosen. ``model`` must hold the embedding and the
+    output layer. The new tokens are ``result[len(prompt_ids):]``.
+    """
+    if not prompt_ids:
+        raise ValueError("generate needs at least one prompt token")
+    if model.embedding is None or not model.post_process:
+        raise ValueError("generate needs a model with both the embedding and the output layer")
+    dev = next(model.parameters()).device
+    limit = model.cfg.vocab_size or model.padded_vocab_size
+    tokens = list(prompt_ids)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                context = torch.tensor([tokens[-model.cfg.seq_length:]], dtype=torch.long, device=dev)  # [1, s]
+                logits = model(context)  # [1, s, V]
+                next_id = int(logits[0, -1, :limit].argmax())
+                if eod is not None and next_id == eod:
+                    break
+                tokens.append(next_id)
+    finally:
+        model.train(was_training)
+    return tokens

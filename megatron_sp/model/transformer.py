@@ -1,0 +1,329 @@
+"""The transformer layer of the GPT: norms, rotary embeddings, attention and MLP.
+
+Activations inside the transformer are ``[s, b, h]`` (sequence first) so that sequence and
+context parallelism split dim 0. Two architectures are selected by ``ModelConfig.arch``:
+
+* ``neox`` (GPT-NeoX / Pythia): LayerNorm with bias, rotary on the first ``rotary_pct`` of each
+  head's dims, parallel residual ``x + attn(ln1(x)) + mlp(ln2(x))``, exact (erf) GeLU MLP,
+  biases on every linear.
+* ``llama``: RMSNorm (weight only), rotary on the full head, sequential residual, SwiGLU MLP,
+  grouped-query attention with ``num_kv_heads`` key/value heads, no biases.
+
+Parameter names inside one layer (the model prefixes them with ``layers.<global index>.``);
+HF export (``megatron_sp.model.hf_names``) maps them, tensor parallelism slices them:
+
+=============================  =======================  ============================  ============
+name                           neox                     llama                         TP split
+=============================  =======================  ============================  ============
+``attn_norm.weight`` (.bias)   LayerNorm                RMSNorm (no bias)             replicated
+``attention.qkv.weight`` (.b)  fused QKV, bias          fused QKV, no bias            column
+``attention.out.weight`` (.b)  attention output         attention output              row
+``mlp_norm.weight`` (.bias)    LayerNorm                RMSNorm (no bias)             replicated
+``mlp.fc1.weight`` (.bias)     h -> ffn                 --                            column
+``mlp.fc2.weight`` (.bias)     ffn -> h                 --                            row
+``mlp.gate.weight``            --                       h -> ffn (SiLU branch)        column
+``mlp.up.weight``              --                       h -> ffn (linear branch)      column
+``mlp.down.weight``            --                       ffn -> h                      row
+=============================  =======================  ============================  ============
+
+The fused QKV output dim is laid out ``[num_kv_heads, num_heads // num_kv_heads + 2, head_dim]``:
+for each key/value group, its query heads, then its key head, then its value head. With
+``num_kv_heads == num_heads`` (neox) this is exactly GPT-NeoX's ``[heads, 3, head_dim]``, so HF
+conversion is a reshape, and a contiguous slice of the output rows is a whole number of groups
+(tensor parallelism needs ``num_kv_heads % tp == 0``). The forward pass infers the number of
+local groups from the projection's output width, so a column-parallel ``qkv`` just works.
+
+The attention kernel is the module-level function ``dot_product_attention`` held in
+``SelfAttention.attention_fn``; context parallelism replaces that attribute.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_sp import device as device_mod
+from megatron_sp.config.schema import ModelConfig
+
+ARCHS = ("neox", "llama")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The architectural choices that differ between ``neox`` and ``llama``."""
+
+    layernorm: bool
+    """LayerNorm with bias (True) or RMSNorm, weight only (False)."""
+    bias: bool
+    """Biases on every linear layer (except the output layer, which never has one)."""
+    parallel_residual: bool
+    """``x + attn(n1(x)) + mlp(n2(x))`` (True) or ``x += attn(n1(x)); x += mlp(n2(x))``."""
+    swiglu: bool
+    """SwiGLU MLP (gate, up, down) instead of ``fc2(gelu(fc1(x)))``."""
+
+
+def arch_spec(arch: str) -> ArchSpec:
+    """The ``ArchSpec`` of ``arch`` ('neox' or 'llama')."""
+    if arch == "neox":
+        return ArchSpec(layernorm=True, bias=True, parallel_residual=True, swiglu=False)
+    if arch == "llama":
+        return ArchSpec(layernorm=False, bias=False, parallel_residual=False, swiglu=True)
+    raise ValueError(f"unknown model.arch {arch!r}; expected one of {ARCHS}")
+
+
+def check_model_config(cfg: ModelConfig) -> None:
+    """Raise ValueError unless ``cfg`` is finalized and its shapes are consistent."""
+    arch_spec(cfg.arch)
+    derived = ("num_kv_heads", "ffn_hidden_size", "rotary_pct", "padded_vocab_size")
+    missing = [name for name in derived if getattr(cfg, name) is None]
+    if missing:
+        raise ValueError(f"ModelConfig is not finalized, {', '.join(missing)} unset: run the config loader's "
+                         "finalize() first")
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(f"hidden_size {cfg.hidden_size} is not divisible by num_heads {cfg.num_heads}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(f"num_heads {cfg.num_heads} is not divisible by num_kv_heads {cfg.num_kv_heads}")
+    if rotary_dim(cfg) % 2:
+        raise ValueError(f"rotary dims per head ({rotary_dim(cfg)}) must be even")
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    """Dims per attention head."""
+    return cfg.hidden_size // cfg.num_heads
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Leading dims of each head that receive rotary embeddings (GPT-NeoX's ``int(d * rotary_pct)``)."""
+    return int(head_dim(cfg) * cfg.rotary_pct)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """LayerNorm (neox) or RMSNorm (llama) over the hidden dim, eps ``norm_eps``."""
+    if arch_spec(cfg.arch).layernorm:
+        return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables of the rotary angles ``position · base^(-2i/rotary_dim)``, i < rotary_dim/2.
+
+    The rotate-half convention (GPT-NeoX, HF Llama) pairs dim ``i`` with dim ``i + rotary_dim/2``
+    and uses the same angle for both; the tables are ``cat(cos, cos)`` and the signed
+    ``cat(-sin, sin)`` that ``apply_rotary`` expects. Angles are computed in fp32 (fp64 for an fp64 model),
+    as HF does, then cast to the compute dtype. The tables for the default positions
+    ``arange(s)`` are cached per (length, device, dtype); explicit ``position_ids`` are computed
+    once per forward and shared by all layers.
+    """
+
+    def __init__(self, rotary_dim: int, base: float) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.base = base
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def inv_freq(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``base^(-2i/rotary_dim)`` for i < rotary_dim/2. # [rotary_dim/2]"""
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).to(dtype) / self.rotary_dim
+        return 1.0 / (self.base ** exponents)
+
+    def forward(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device,
+                angle_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each ``[s, b, rotary_dim]`` (``[s, 1, rotary_dim]`` for default positions).
+
+        ``position_ids`` is ``[b, s]`` or None for ``arange(seq_len)``.
+        """
+        if position_ids is None:
+            key = (seq_len, device, angle_dtype, out_dtype)
+            cached = self._cache.get(key)
+            if cached is None:
+                with torch.inference_mode(False):  # a table made under inference mode could not train later
+                    positions = torch.arange(seq_len, device=device)[:, None]  # [s, 1]
+                    cached = self._tables(positions, angle_dtype, out_dtype)
+                self._cache[key] = cached
+            return cached
+        return self._tables(position_ids.t(), angle_dtype, out_dtype)  # positions [s, b]
+
+    def _tables(self, positions: torch.Tensor, angle_dtype: torch.dtype,
+                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(angle_dtype)[..., None] * self.inv_freq(positions.device, angle_dtype)  # [s, b, rd/2]
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat([cos, cos], dim=-1).to(out_dtype), torch.cat([-sin, sin], dim=-1).to(out_dtype)  # [s, b, rd]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding on the first ``rd = cos.shape[-1]`` dims of ``x``; the rest pass.
+
+    ``x [..., d]``; ``cos = cat(c, c)`` and ``sin = cat(-s, s)`` broadcast to ``[..., rd]`` (see
+    ``RotaryEmbedding``). With ``x_rot = cat(x1, x2)``: ``x_rot · cos + cat(x2, x1) · sin``
+    ``= cat(x1·c − x2·s, x2·c + x1·s)``, HF's ``x_rot·cos + rotate_half(x_rot)·sin``. The swapped halves
+    come from one ``flip`` of a ``[..., 2, rd/2]`` view, so no concatenation is needed for full rotary.
+    """
+    rd = cos.shape[-1]
+    d = x.shape[-1]
+    x_rot, x_pass = (x, None) if rd == d else x.split([rd, d - rd], dim=-1)
+    swapped = x_rot.unflatten(-1, (2, rd // 2)).flip(-2).flatten(-2)  # cat(x2, x1)
+    rotated = x_rot * cos + swapped * sin
+    return rotated if x_pass is None else torch.cat([rotated, x_pass], dim=-1)
+
+
+MATH_ATTENTION_MAX_SCORES = 1 << 24
+"""CPU attention in ``MATH_ATTENTION_DTYPES`` materialises the scores when ``b · n · s²`` is at most this.
+
+Trade-off: in bf16 on CPU, ``baddbmm → softmax → bmm`` is about 1.6–2× faster (forward + backward)
+than torch's CPU flash kernel, which recomputes the scores in backward with small tiles; in fp32
+the two are on par, so fp32 keeps the flash kernel. The price is keeping the ``[b·n, s, s]``
+probabilities for backward: at most 32 MiB per layer in bf16 with this bound; longer sequences use
+the O(s)-memory flash kernel. Set to 0 to always use SDPA.
+"""
+
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+MATH_ATTENTION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+"""Dtypes for which the explicit-scores CPU kernel is used (see ``MATH_ATTENTION_MAX_SCORES``)."""
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_bias(s: int, repeats: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """Additive causal mask ``[repeats·s, s]``: 0 where key j <= query i, -inf above the diagonal."""
+    with torch.inference_mode(False):  # cached: must stay usable outside inference mode
+        bias = torch.full((s, s), float("-inf"), dtype=dtype, device=dev).triu(1)
+        return bias.repeat(repeats, 1)
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal attention with explicit scores; q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` → ``[s, b, n, d]``.
+
+    The ``n / g`` query heads of a group are stacked along the rows, so GQA needs no k/v copies.
+    """
+    s, b, n, d = q.shape
+    g = k.shape[2]
+    r = n // g
+    q_grouped = q.permute(1, 2, 0, 3).reshape(b * g, r * s, d)  # [b·g, r·s, d]
+    k_grouped = k.permute(1, 2, 0, 3).reshape(b * g, s, d)  # [b·g, s, d]
+    v_grouped = v.permute(1, 2, 0, 3).reshape(b * g, s, d)  # [b·g, s, d]
+    bias = _causal_bias(s, r, q.dtype, q.device)  # [r·s, s]
+    scores = torch.baddbmm(bias, q_grouped, k_grouped.transpose(1, 2), alpha=1.0 / math.sqrt(d))  # [b·g, r·s, s]
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    out = torch.bmm(probs.to(v_grouped.dtype), v_grouped)  # [b·g, r·s, d]
+    return out.view(b, n, s, d).permute(2, 0, 1, 3)  # [s, b, n, d]
+
+
+def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal softmax(q kᵀ / √d) v. q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` with g | n → ``[s, b, n, d]``.
+
+    Query head ``j`` attends with key/value head ``j // (n / g)``. Kernels: on CUDA, flash-attn
+    when ``device.flash_attn_func()`` provides it (half precision, head dim <= 256); on CPU in bf16,
+    explicit scores for short sequences (see ``MATH_ATTENTION_MAX_SCORES``); otherwise torch's
+    ``scaled_dot_product_attention`` with ``is_causal=True`` on strided ``[b, n, s, d]`` views.
+    """
+    s, b, n, d = q.shape
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256:
+        flash = device_mod.flash_attn_func()
+        if flash is not None:
+            out_bsnd = flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                             dropout_p=dropout_p, causal=True)  # [b, s, n, d]
+            return out_bsnd.transpose(0, 1)
+    if (not q.is_cuda and q.dtype in MATH_ATTENTION_DTYPES and k.shape[0] == s
+            and b * n * s * s <= MATH_ATTENTION_MAX_SCORES):
+        return _math_attention(q, k, v, dropout_p)
+    g = k.shape[2]
+    if g != n and not _SDPA_HAS_GQA:  # torch < 2.5: repeat each kv head for its n/g query heads
+        k = k[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d)
+        v = v[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d)
+    q_bnsd = q.permute(1, 2, 0, 3)
+    k_bgsd = k.permute(1, 2, 0, 3)
+    v_bgsd = v.permute(1, 2, 0, 3)
+    gqa = {"enable_gqa": True} if k.shape[2] != n else {}
+    out_bnsd = F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout_p, is_causal=True, **gqa)
+    return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection, rotary on queries and keys, causal attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        bias = arch_spec(cfg.arch).bias
+        self.head_dim = head_dim(cfg)
+        self.q_per_kv = cfg.num_heads // cfg.num_kv_heads
+        qkv_width = cfg.num_kv_heads * (self.q_per_kv + 2) * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_width, bias=bias)
+        self.out = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.dropout_p = cfg.attention_dropout
+        self.attention_fn: Callable[..., torch.Tensor] = dot_product_attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x ``[s, b, h]``, cos/sin ``[s, b|1, rd]`` (from ``RotaryEmbedding``) → ``[s, b, h]``."""
+        s, b = x.shape[0], x.shape[1]
+        r, d = self.q_per_kv, self.head_dim
+        qkv = self.qkv(x).view(s, b, -1, r + 2, d)  # [s, b, g, r+2, d]
+        cos = cos.to(qkv.dtype)[:, :, None, None, :]  # [s, b|1, 1, 1, rd]
+        sin = sin.to(qkv.dtype)[:, :, None, None, :]
+        qk, v = qkv.split([r + 1, 1], dim=3)  # [s, b, g, r+1, d], [s, b, g, 1, d]
+        qk = apply_rotary(qk, cos, sin)  # queries and keys rotated together
+        q, k = qk.split([r, 1], dim=3)
+        q = q.reshape(s, b, -1, d)  # [s, b, n, d]
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, g, d]
+        ctx = self.attention_fn(q, k, v, self.dropout_p if self.training else 0.0)  # [s, b, n, d]
+        return self.out(ctx.reshape(s, b, -1))  # [s, b, h]
+
+
+class MLP(nn.Module):
+    """neox: ``fc2(gelu(fc1(x)))`` with exact (erf) GeLU; llama: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        spec = arch_spec(cfg.arch)
+        self.swiglu = spec.swiglu
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        if self.swiglu:
+            self.gate = nn.Linear(h, f, bias=spec.bias)
+            self.up = nn.Linear(h, f, bias=spec.bias)
+            self.down = nn.Linear(f, h, bias=spec.bias)
+        else:
+            self.fc1 = nn.Linear(h, f, bias=spec.bias)
+            self.fc2 = nn.Linear(f, h, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[s, b, h]`` → ``[s, b, h]``."""
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x)) * self.up(x))  # [s, b, ffn] inside
+        return self.fc2(F.gelu(self.fc1(x)))  # [s, b, ffn] inside
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm transformer layer with parallel (neox) or sequential (llama) residual."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.parallel_residual = arch_spec(cfg.arch).parallel_residual
+        self.hidden_dropout = cfg.hidden_dropout
+        self.attn_norm = make_norm(cfg)
+        self.attention = SelfAttention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x ``[s, b, h]`` → ``[s, b, h]``."""
+        if self.parallel_residual:
+            attn = self._dropout(self.attention(self.attn_norm(x), cos, sin))  # [s, b, h]
+            mlp = self._dropout(self.mlp(self.mlp_norm(x)))  # [s, b, h]
+            return x + attn + mlp
+        x = x + self._dropout(self.attention(self.attn_norm(x), cos, sin))
+        return x + self._dropout(self.mlp(self.mlp_norm(x)))
+
+
+def scaled_init_std(cfg: ModelConfig) -> float:
+    """Init std of the output projections: ``init_std / sqrt(2 · num_layers)`` when ``scaled_init``."""
+    return cfg.init_std / math.sqrt(2.0 * cfg.num_layers) if cfg.scaled_init else cfg.init_std

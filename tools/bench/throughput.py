@@ -1,0 +1,182 @@
+"""Single-process training throughput of our GPTModel against Hugging Face transformers.
+
+For each architecture (``neox`` vs ``GPTNeoXForCausalLM``, ``llama`` vs ``LlamaForCausalLM``) and
+precision (fp32; bf16 = torch.autocast with fp32 parameters), both models are built with the same
+config and the same weights (ours exported with ``hf_names.to_hf_state_dict``), and trained on the
+same random batch: forward, loss, backward, AdamW step. Warm-up steps are followed by
+``rounds · steps`` timed steps that alternate between the two models step by step; tokens/s is
+from each model's fastest step (the JSON line also has the median), which is robust to other
+processes sharing the cores.
+
+MFU = flops_per_token(cfg) · tokens/s / device.measured_peak_flops(dtype).
+
+Run from the repo root:  python tools/bench/throughput.py [--arch neox] [--dtype bf16] ...
+Prints a table, then one JSON line with every number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+try:
+    import megatron_sp  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron_sp import device
+from megatron_sp.config import Config, finalize, set_vocab
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model import GPTModel, flops_per_token
+from megatron_sp.model.hf_names import hf_config_dict, to_hf_state_dict
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="neox,llama", help="comma-separated: neox,llama")
+    p.add_argument("--dtype", default="fp32,bf16", help="comma-separated: fp32,bf16")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="llama key/value heads (default: --heads)")
+    p.add_argument("--ffn", type=int, default=None, help="MLP width (default: the config's derived value)")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round (and model)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per model")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-hf", action="store_true", help="only time our model")
+    return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace, arch: str) -> ModelConfig:
+    """A finalized ModelConfig for ``arch`` from the flags (derived sizes from the config loader)."""
+    cfg = Config()
+    m = cfg.model
+    m.arch, m.num_layers, m.hidden_size, m.num_heads = arch, args.layers, args.hidden, args.heads
+    m.num_kv_heads = args.kv_heads if arch == "llama" else None
+    m.ffn_hidden_size, m.seq_length = args.ffn, args.seq
+    cfg.tokenizer.type = "byte"
+    cfg.data.paths = ["unused-by-the-benchmark"]
+    finalize(cfg)
+    set_vocab(cfg, args.vocab)
+    return cfg.model
+
+
+def build_hf(cfg: ModelConfig, ours: GPTModel) -> torch.nn.Module:
+    """The HF model of ``cfg.arch`` with our weights."""
+    import transformers
+
+    kwargs = hf_config_dict(cfg)
+    kwargs.pop("architectures")
+    kwargs.pop("model_type")
+    if cfg.arch == "neox":
+        hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**kwargs))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    state = to_hf_state_dict(ours.state_dict(), cfg)
+    if "embed_out.weight" in state and not hasattr(hf, "embed_out"):
+        state["lm_head.weight"] = state.pop("embed_out.weight")  # transformers >= 5 naming
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF weight mapping mismatch: missing {missing}, unexpected {unexpected}")
+    return hf
+
+
+def make_step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], float]:
+    """One training step (forward under autocast for bf16, backward, fused AdamW) as a closure."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = loss_fn()
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return step
+
+
+def time_step(step: Callable[[], float]) -> float:
+    """Seconds for one step."""
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def best_peak_flops(dtype: torch.dtype, tries: int = 5) -> float:
+    """The best of ``tries`` ``device.measured_peak_flops`` measurements (the MFU denominator).
+
+    Like the step times, the best measurement is the one least disturbed by other processes on the
+    cores. ``measured_peak_flops`` caches per argument tuple, so slightly different durations give
+    independent measurements.
+    """
+    return max(device.measured_peak_flops(dtype, seconds=0.3 + 0.01 * i) for i in range(tries))
+
+
+def bench_one(args: argparse.Namespace, arch: str, dtype_name: str) -> dict:
+    """Tokens/s of ours (and HF) for one (arch, dtype)."""
+    dtype = DTYPES[dtype_name]
+    cfg = model_config(args, arch)
+    ours = GPTModel(cfg, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()  # [b, s]
+
+    steps = {"ours": make_step(ours, lambda: ours(tokens, labels=labels).mean(), dtype)}
+    if not args.no_hf:
+        hf = build_hf(cfg, ours)
+        # HF shifts labels itself (labels=input_ids): the same b·s cross-entropy rows, the last one ignored.
+        steps["hf"] = make_step(hf, lambda: hf(input_ids=tokens, labels=tokens).loss, dtype)
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.rounds * args.steps):  # models alternate step by step: noise hits both alike
+        for name, step in steps.items():
+            times[name].append(time_step(step))
+    tokens_per_step = args.batch * args.seq
+    result = {"arch": arch, "dtype": dtype_name, "tokens_per_step": tokens_per_step,
+              "params": ours.num_parameters(), "flops_per_token": flops_per_token(cfg)}
+    for name, seconds in times.items():
+        result[f"{name}_tokens_per_s"] = tokens_per_step / min(seconds)
+        result[f"{name}_tokens_per_s_median"] = tokens_per_step / statistics.median(seconds)
+    peak = best_peak_flops(dtype)
+    result["peak_flops"] = peak
+    result["ours_mfu"] = result["flops_per_token"] * result["ours_tokens_per_s"] / peak
+    if "hf" in times:
+        result["ratio"] = result["ours_tokens_per_s"] / result["hf_tokens_per_s"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run every (arch, dtype) pair, print the table and the JSON line."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = [bench_one(args, arch, dt) for arch in args.arch.split(",") for dt in args.dtype.split(",")]
+    print(f"{'arch':6} {'dtype':5} {'ours tok/s':>11} {'HF tok/s':>10} {'ratio':>6} {'our MFU':>8}")
+    for r in results:
+        hf = f"{r['hf_tokens_per_s']:10.0f}" if "hf_tokens_per_s" in r else f"{'-':>10}"
+        ratio = f"{r['ratio']:6.2f}" if "ratio" in r else f"{'-':>6}"
+        print(f"{r['arch']:6} {r['dtype']:5} {r['ours_tokens_per_s']:11.0f} {hf} {ratio} {r['ours_mfu']:8.1%}")
+    config = {k: v for k, v in vars(args).items() if k not in ("arch", "dtype")}
+    print(json.dumps({"bench": "throughput", "torch": torch.__version__, "config": config, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
