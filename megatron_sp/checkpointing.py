@@ -6,12 +6,13 @@ Layout on disk (format version 1)::
       latest                    name of the newest complete checkpoint, written last
       iter_0000100/
         meta.json               format version, step, consumed samples, resolved config (plain JSON)
-        model.pt                {parameter name: full tensor}
+        model.pt                {parameter name: full (unsharded) tensor}
         optimizer.pt            {"state": {parameter name: {exp_avg, exp_avg_sq, step}}, "groups": [...]}
-        rng/rank_00000.pt       this rank's RNG states
+        rng/rank_00000.pt       this rank's RNG states (default generators + the TP RNG tracker's streams)
 
-Every tensor is stored under its unsharded parameter name, so the files do not depend on the
-layout that wrote them. A checkpoint is written under a temporary directory name and renamed when
+Every tensor is stored whole under its unsharded parameter name (TP shards are gathered on save
+and sliced again on load, see ``mpu.sharding``), so the files do not depend on the layout that
+wrote them: a tp2 checkpoint loads at tp1 or tp4. A checkpoint is written under a temporary directory name and renamed when
 complete; ``latest`` is replaced (temp file + rename) only after that, so a crash mid-save leaves
 the previous checkpoint intact and never a half-written one under a real name. Loading uses
 ``torch.load(weights_only=True)`` (no pickled code runs) and non-tensor state is JSON.
@@ -33,6 +34,9 @@ from torch import nn
 from . import device as device_mod
 from .config import Config, to_dict
 from .errors import DataError
+from .mpu import ParallelState
+from .mpu.random import RNGTracker
+from .mpu.sharding import gather_full, local_shard, stored_shape
 from .optim import named_trainable
 
 FORMAT_VERSION = 1
@@ -43,34 +47,43 @@ def _step_dir(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-def _optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    names = {id(p): n for n, p in named_trainable(model)}
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p in optimizer.state:
-                state[names[id(p)]] = {k: v.detach().cpu() if torch.is_tensor(v) else torch.tensor(v)
-                                       for k, v in optimizer.state[p].items()}
+def _optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       state: ParallelState | None) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name, each entry gathered to its full shape (collective)."""
+    named = named_trainable(model)
+    keys = sorted({k for per_param in optimizer.state.values() for k in per_param})
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    for key in keys:
+        def pick(p: nn.Parameter, key: str = key) -> torch.Tensor | None:
+            v = optimizer.state.get(p, {}).get(key)
+            return None if v is None else torch.as_tensor(v)
+        for name, tensor in gather_full(named, state, pick).items():
+            full.setdefault(name, {})[key] = tensor
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"state": state, "groups": groups}
+    return {"state": full, "groups": groups}
 
 
 def _load_optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
-                            path: Path) -> None:
+                            path: Path, state: ParallelState | None) -> None:
     by_name = dict(named_trainable(model))
     for name, tensors in saved["state"].items():
         if name not in by_name:
             raise DataError(f"{path}: optimizer state for unknown parameter '{name}'; the checkpoint does not match "
                             "this model config")
         p = by_name[name]
-        optimizer.state[p] = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in tensors.items()}
+        optimizer.state[p] = {k: (local_shard(v, p, state).to(p.device) if v.dim() else v.clone())
+                              for k, v in tensors.items()}
     for group, saved_group in zip(optimizer.param_groups, saved["groups"]):
         group.update({k: v for k, v in saved_group.items() if k not in ("params", "lr")})
 
 
 def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         rank: int, world_size: int, dev: torch.device) -> Path:
-    """Collectively write the checkpoint of ``step`` (every rank calls this)."""
+         state: ParallelState | None, dev: torch.device, tracker: RNGTracker | None = None) -> Path:
+    """Collectively write the checkpoint of ``step`` (every rank calls this; rank 0 writes the tensors).
+
+    ``state`` None: a single process without process groups.
+    """
+    rank, world_size = (state.rank, state.dims.world_size) if state is not None else (0, 1)
     root = Path(cfg.checkpoint.save)  # type: ignore[arg-type]
     final = root / _step_dir(step)
     tmp = root / f".tmp_{_step_dir(step)}"
@@ -80,11 +93,12 @@ def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimi
         (tmp / "rng").mkdir(parents=True)
     if world_size > 1:
         dist.barrier()
-    torch.save(device_mod.rng_state(dev), tmp / "rng" / f"rank_{rank:05d}.pt")
+    torch.save(_rng_states(dev, tracker), tmp / "rng" / f"rank_{rank:05d}.pt")
+    weights = gather_full(named_trainable(model), state)
+    optim_state = _optimizer_by_name(model, optimizer, state)
     if rank == 0:
-        inner = getattr(model, "module", model)
-        torch.save({n: t.detach().cpu() for n, t in inner.state_dict().items()}, tmp / "model.pt")
-        torch.save(_optimizer_by_name(model, optimizer), tmp / "optimizer.pt")
+        torch.save(weights, tmp / "model.pt")
+        torch.save(optim_state, tmp / "optimizer.pt")
         meta = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
                 "world_size": world_size, "config": to_dict(cfg)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -102,6 +116,13 @@ def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimi
     if world_size > 1:
         dist.barrier()
     return final
+
+
+def _rng_states(dev: torch.device, tracker: RNGTracker | None) -> dict[str, torch.Tensor]:
+    states = dict(device_mod.rng_state(dev))
+    if tracker is not None:
+        states.update({f"tracker/{k}": v for k, v in tracker.get_states().items()})
+    return states
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -149,35 +170,42 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
     return meta
 
 
-def load_model_state(model: nn.Module, ckpt: Path) -> None:
-    """Copy the checkpoint's tensors into ``model`` (names and shapes must match exactly)."""
+def load_model_state(model: nn.Module, ckpt: Path, state: ParallelState | None) -> None:
+    """Copy this rank's shards of the checkpoint's full tensors into ``model`` (names and full shapes must match).
+
+    Pipeline stages check only the names they hold; the file must hold every one of them.
+    """
     path = ckpt / "model.pt"
     saved = _torch_load(path)
-    inner = getattr(model, "module", model)
-    own = inner.state_dict()
+    own = dict(named_trainable(model))
+    tp = state.tp_size if state is not None else 1
     missing = sorted(set(own) - set(saved))
-    unexpected = sorted(set(saved) - set(own))
+    unexpected = sorted(set(saved) - set(own)) if state is None or state.pp_size == 1 else []
     if missing or unexpected:
         raise DataError(f"checkpoint file '{path}' does not match this model config: missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]}")
-    for name, tensor in own.items():
-        if tuple(saved[name].shape) != tuple(tensor.shape):
+    for name, p in own.items():
+        if tuple(saved[name].shape) != stored_shape(p, tp):
             raise DataError(f"checkpoint file '{path}': '{name}' has shape {tuple(saved[name].shape)}, the model "
-                            f"config needs {tuple(tensor.shape)}")
+                            f"config needs {stored_shape(p, tp)}")
     with torch.no_grad():
-        for name, tensor in own.items():
-            tensor.copy_(saved[name])
+        for name, p in own.items():
+            p.copy_(local_shard(saved[name], p, state))
 
 
-def load(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-         dev: torch.device, seed: int) -> dict[str, Any]:
+def load(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState | None,
+         dev: torch.device, seed: int, tracker: RNGTracker | None = None) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG; return the meta (step, consumed samples)."""
     meta = read_meta(ckpt)
-    load_model_state(model, ckpt)
-    _load_optimizer_by_name(model, optimizer, _torch_load(ckpt / "optimizer.pt"), ckpt / "optimizer.pt")
+    rank, world_size = (state.rank, state.dims.world_size) if state is not None else (0, 1)
+    load_model_state(model, ckpt, state)
+    _load_optimizer_by_name(model, optimizer, _torch_load(ckpt / "optimizer.pt"), ckpt / "optimizer.pt", state)
     rng_path = ckpt / "rng" / f"rank_{rank:05d}.pt"
-    if rng_path.is_file():
-        device_mod.set_rng_state(_torch_load(rng_path), dev)
+    if rng_path.is_file() and meta.get("world_size") == world_size:
+        states = _torch_load(rng_path)
+        device_mod.set_rng_state({k: v for k, v in states.items() if not k.startswith("tracker/")}, dev)
+        if tracker is not None:
+            tracker.set_states({k[len("tracker/"):]: v for k, v in states.items() if k.startswith("tracker/")})
     else:
         log.warning("no RNG state for rank %d in %s (different world size); reseeding from seed and step", rank, ckpt)
         device_mod.manual_seed_all(seed + 1_000_003 * meta["step"] + rank)

@@ -15,32 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .mpu import ParallelState
+from .mpu.sharding import gather_full
 from .optim import named_trainable
 
 
 def full_grads_by_name(model: nn.Module, state: ParallelState | None) -> dict[str, torch.Tensor]:
     """{name: full fp32 gradient on CPU} for the whole model; collective over TP and PP groups."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in named_trainable(model):
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        grad = grad.detach().float()
-        if state is not None and state.tp_size > 1 and getattr(p, "tensor_model_parallel", False):
-            parts = [torch.empty_like(grad) for _ in range(state.tp_size)]
-            dist.all_gather(parts, grad.contiguous(), group=state.tp_group)
-            grad = torch.cat(parts, dim=p.partition_dim)
-        out[name] = grad.cpu()
-    if state is not None and state.pp_size > 1:
-        stages: list[dict[str, torch.Tensor] | None] = [None] * state.pp_size
-        dist.all_gather_object(stages, out, group=state.pp_group)
-        merged: dict[str, torch.Tensor] = {}
-        for stage in stages:
-            merged.update(stage or {})
-        out = merged
-    return out
+    return gather_full(named_trainable(model), state,
+                       lambda p: (p.grad if p.grad is not None else torch.zeros_like(p)).float())
 
 
 def grad_diffs(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -31,6 +31,7 @@ from . import checkpointing, config as config_mod, device as device_mod, metrics
 from .config import Config
 from .errors import TrainingError, UserError
 from .mpu import ParallelDims, ParallelState, init_default_group, initialize
+from .mpu.random import get_tracker, init_rng
 from .optim import build_optimizer, clip_grads, lr_at, named_trainable, set_lr, sync_tp_replicated_grads
 from .parity import full_grads_by_name
 
@@ -157,6 +158,7 @@ def setup(cfg: Config) -> Runtime:
     """Everything before the first step, on every rank."""
     from .data import build_datasets
     from .model import GPTModel
+    from .model.transformer import TensorParallel
 
     p = cfg.parallel
     if not dist.is_initialized():
@@ -181,8 +183,12 @@ def setup(cfg: Config) -> Runtime:
     if rank == 0:
         config_mod.save(cfg, Path(cfg.logging.dir) / "config.yml")
 
-    device_mod.manual_seed_all(cfg.train.seed)
-    model: nn.Module = GPTModel(cfg.model, seed=cfg.train.seed).to(dev)
+    tracker = get_tracker()
+    init_rng(tracker, cfg.train.seed, state.tp_rank, state.pp_rank)
+    tp = TensorParallel(group=state.tp_group, size=state.tp_size, rank=state.tp_rank,
+                        sequence_parallel=p.sequence_parallel, recompute_allgather=p.tp_recompute_allgather,
+                        recompute=cfg.model.recompute, tracker=tracker)
+    model: nn.Module = GPTModel(cfg.model, seed=cfg.train.seed, tp=tp).to(dev)
     if state.dp_cp_size > 1:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[dev.index] if dev.type == "cuda" else None, process_group=state.dp_cp_group,
@@ -202,7 +208,7 @@ def setup(cfg: Config) -> Runtime:
     rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds)
     if cfg.checkpoint.load:
         ckpt = checkpointing.resolve(cfg.checkpoint.load)
-        meta = checkpointing.load(ckpt, model, optimizer, rank, dev, cfg.train.seed)
+        meta = checkpointing.load(ckpt, model, optimizer, state, dev, cfg.train.seed, tracker)
         rt.step, rt.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
         log.info("resumed from %s at step %d", ckpt, rt.step)
     return rt
@@ -388,11 +394,11 @@ def _loop(rt: Runtime) -> None:
             t_window = time.perf_counter()
         if cfg.checkpoint.save and ((cfg.checkpoint.interval and rt.step % cfg.checkpoint.interval == 0)
                                     or (done and cfg.checkpoint.save_at_end)):
-            checkpointing.save(cfg, rt.step, rt.consumed_samples, rt.model, rt.optimizer, st.rank,
-                               st.dims.world_size, rt.device)  # type: ignore[arg-type]
+            checkpointing.save(cfg, rt.step, rt.consumed_samples, rt.model, rt.optimizer, st, rt.device,
+                               get_tracker())
             t_window = time.perf_counter()
     metrics.close()
-    if cfg.train.sample_prompt and rank0:
+    if cfg.train.sample_prompt and st.dp_rank == 0 and st.cp_rank == 0:  # one model replica (its TP ranks) decodes
         ids = rt.tokenizer.encode(cfg.train.sample_prompt)
         out_ids = generate(inner, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)
         log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(out_ids[len(ids):]))

@@ -253,11 +253,11 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     if p.zero not in (0, 1):
         raise ConfigError(f"parallel.zero: {p.zero} must be 0 or 1")
     # Dimensions whose implementation has not landed yet are refused here, not deep inside a layer.
-    for key, value, issue in (("parallel.tp", p.tp, "tensor parallelism"), ("parallel.pp", p.pp, "pipeline parallelism"),
+    for key, value, issue in (("parallel.pp", p.pp, "pipeline parallelism"),
                               ("parallel.cp", p.cp, "context parallelism")):
         if value != 1:
             raise ConfigError(f"{key}={value}: {issue} is not available in this version yet; use {key}=1 "
-                              "(data parallelism via parallel.dp works)")
+                              "(data and tensor parallelism via parallel.dp and parallel.tp work)")
     if p.zero:
         raise ConfigError("parallel.zero=1 is not available in this version yet; use parallel.zero=0")
     if p.virtual_stages != 1:

@@ -24,9 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_sp.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron_sp.mpu.mappings import gather_from_tp
+from megatron_sp.mpu.random import checkpoint
+from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.transformer import (
     RotaryEmbedding,
+    TensorParallel,
     TransformerLayer,
     arch_spec,
     check_model_config,
@@ -98,10 +104,13 @@ def init_full_tensor(name: str, shape: Sequence[int], kind: str, cfg: ModelConfi
 
 
 def tag_parameter(param: nn.Parameter, shared_embedding: bool = False) -> None:
-    """Set the attributes distributed code reads: no tensor-parallel split, not sequence-parallel."""
-    param.tensor_model_parallel = False
-    param.partition_dim = -1
-    param.sequence_parallel = False
+    """Set the attributes distributed code reads, keeping those a parallel layer already set.
+
+    Defaults: not split over TP (``partition_dim`` -1), no TP gradient sync.
+    """
+    for attr, default in (("tensor_model_parallel", False), ("partition_dim", -1), ("sequence_parallel", False)):
+        if not hasattr(param, attr):
+            setattr(param, attr, default)
     param.shared_embedding = shared_embedding
 
 
@@ -115,46 +124,60 @@ class GPTModel(nn.Module):
         layer_range: global indices of the layers this stage holds (default: all).
         pre_process: hold the input embedding (first stage).
         post_process: hold the final norm and output layer (last stage).
+        tp: the tensor-parallel split (default: none). Parameters are this rank's shards of the
+            full tensors; ``reset_parameters`` draws each full tensor and keeps the shard.
     """
 
     def __init__(self, cfg: ModelConfig, seed: int, layer_range: range | None = None,
-                 pre_process: bool = True, post_process: bool = True) -> None:
+                 pre_process: bool = True, post_process: bool = True, tp: TensorParallel | None = None) -> None:
         super().__init__()
         check_model_config(cfg)
+        tp = tp or TensorParallel()
+        self.tp = tp
         self.cfg = cfg
         self.seed = seed
         self.pre_process = pre_process
         self.post_process = post_process
         self.padded_vocab_size = cfg.padded_vocab_size
+        self.vocab_size = cfg.vocab_size or cfg.padded_vocab_size
         self.layer_range = range(cfg.num_layers) if layer_range is None else layer_range
         if self.layer_range and (self.layer_range[0] < 0 or self.layer_range[-1] >= cfg.num_layers):
             raise ValueError(f"layer_range {self.layer_range} outside 0..{cfg.num_layers - 1}")
         self.hidden_dropout = cfg.hidden_dropout
 
-        self.embedding = nn.Embedding(self.padded_vocab_size, cfg.hidden_size) if pre_process else None
+        sp = tp.sequence_parallel and tp.size > 1
+        self.embedding = (VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=tp.group,
+                                                 sequence_parallel=sp) if pre_process else None)
         self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in self.layer_range})
-        self.final_norm = make_norm(cfg) if post_process else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, tp) for i in self.layer_range})
+        self.final_norm = make_norm(cfg, tp) if post_process else None
         tied_here = cfg.tie_embeddings and pre_process
-        self.output_layer = (nn.Linear(cfg.hidden_size, self.padded_vocab_size, bias=False)
-                             if post_process and not tied_here else None)
+        # Output layer: column-parallel over the vocab; logits stay split ([s, b, V/t]) into the
+        # vocab-parallel cross entropy. Tied on this stage: it multiplies by the embedding's shard.
+        self.output_layer = (ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, bias=False, group=tp.group,
+                                                  sequence_parallel=sp, recompute_allgather=tp.recompute_allgather,
+                                                  skip_weight=tied_here)
+                             if post_process else None)
 
         for name, param in self.named_parameters():
             shared = cfg.tie_embeddings and (name == EMBEDDING_NAME or name == "output_layer.weight")
             tag_parameter(param, shared_embedding=shared)
+            if name in (EMBEDDING_NAME, "output_layer.weight"):
+                param.vocab_rows = self.vocab_size  # rows past it are padding (see mpu.sharding)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Set every parameter to its ``init_full_tensor`` value (a tied copy takes the embedding's)."""
+        """Set every parameter to its shard of the ``init_full_tensor`` value (a tied copy takes the embedding's)."""
         for name, param in self.named_parameters():
             init_name = EMBEDDING_NAME if getattr(param, "shared_embedding", False) else name
-            full = init_full_tensor(init_name, param.shape, init_kind(init_name), self.cfg, self.seed)
-            param.copy_(full)
+            full = init_full_tensor(init_name, stored_shape(param, self.tp.size), init_kind(init_name), self.cfg,
+                                    self.seed)
+            param.copy_(local_shard_of(full, param, self.tp.rank, self.tp.size))
 
     def output_weight(self) -> torch.Tensor:
-        """The ``[padded_vocab, h]`` weight of the output layer (the embedding when tied on this stage)."""
-        if self.output_layer is not None:
+        """This rank's ``[padded_vocab/t, h]`` output weight (the embedding's when tied on this stage)."""
+        if self.output_layer is not None and self.output_layer.weight is not None:
             return self.output_layer.weight
         if self.embedding is None:
             raise RuntimeError("this stage has no output layer")
@@ -177,30 +200,35 @@ class GPTModel(nn.Module):
         if self.embedding is not None:
             if tokens is None:
                 raise ValueError("the first stage needs tokens")
-            x = self.embedding(tokens.t())  # [s, b, h]
-            if self.hidden_dropout > 0:
-                x = F.dropout(x, self.hidden_dropout, self.training)
+            x = self.embedding(tokens.t())  # [s/t, b, h] under SP, else [s, b, h]
+            x = self.tp.hidden_dropout(x, self.hidden_dropout, self.training)
         else:
             if hidden_states is None:
                 raise ValueError("a stage without the embedding needs hidden_states")
-            x = hidden_states  # [s, b, h]
+            x = hidden_states  # [s/t, b, h] under SP, else [s, b, h]
 
+        sp = self.tp.sequence_parallel and self.tp.size > 1
+        seq_len = x.shape[0] * (self.tp.size if sp else 1)
         angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         dev_type = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
-        cos, sin = self.rotary(position_ids, x.shape[0], x.device, angle_dtype, rope_dtype)  # [s, b|1, rd]
+        cos, sin = self.rotary(position_ids, seq_len, x.device, angle_dtype, rope_dtype)  # [s, b|1, rd/2]
 
+        full_recompute = self.tp.recompute == "full" and self.training and torch.is_grad_enabled()
         for layer in self.layers.values():
-            x = layer(x, cos, sin)  # [s, b, h]
+            if full_recompute:
+                x = checkpoint(layer, x, cos, sin, tracker=self.tp.tracker)  # keeps only the layer input
+            else:
+                x = layer(x, cos, sin)  # [s/t, b, h] under SP, else [s, b, h]
         if not self.post_process:
             return x
 
-        x = self.final_norm(x)  # [s, b, h]
-        logits = F.linear(x.transpose(0, 1), self.output_weight())  # [b, s, V]
+        x = self.final_norm(x)
+        logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/t]
         if labels is None:
-            return logits
-        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # [b·s]
-        return losses.view(labels.shape)  # [b, s]
+            return gather_from_tp(logits, self.tp.group).transpose(0, 1)  # [b, s, V]
+        # Padded vocab rows (ids >= vocab_size) are outside the softmax: the loss is the same for any padding.
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, vocab_size=self.vocab_size).t()  # [b, s]
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters on this stage (a tied weight counted once).
@@ -209,7 +237,7 @@ class GPTModel(nn.Module):
         layer (tied), in which case it is counted as the output layer.
         """
         total = sum(p.numel() for p in self.parameters())
-        embedding_is_output = self.post_process and self.output_layer is None
+        embedding_is_output = self.post_process and self.output_layer is not None and self.output_layer.weight is None
         if exclude_embeddings and self.embedding is not None and not embedding_is_output:
             total -= self.embedding.weight.numel()
         return total
@@ -266,9 +294,13 @@ def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, eod: i
     try:
         with torch.no_grad():
             for _ in range(max_new_tokens):
-                context = torch.tensor([tokens[-model.cfg.seq_length:]], dtype=torch.long, device=dev)  # [1, s]
+                window = tokens[-model.cfg.seq_length:]
+                # Sequence parallelism splits s over TP: pad on the right (causal: earlier logits unchanged).
+                multiple = model.tp.size if model.tp.sequence_parallel else 1
+                padded = window + [0] * (-len(window) % multiple)
+                context = torch.tensor([padded], dtype=torch.long, device=dev)  # [1, s]
                 logits = model(context)  # [1, s, V]
-                next_id = int(logits[0, -1, :limit].argmax())
+                next_id = int(logits[0, len(window) - 1, :limit].argmax())
                 if eod is not None and next_id == eod:
                     break
                 tokens.append(next_id)

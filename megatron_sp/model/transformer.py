@@ -38,10 +38,12 @@ The attention kernel is the module-level function ``dot_product_attention`` held
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,9 @@ from torch import nn
 
 from megatron_sp import device as device_mod
 from megatron_sp.config.schema import ModelConfig
+from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, set_tp_attributes
+from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
+from megatron_sp.mpu.random import TP_DIFFERENT, RNGTracker, checkpoint, get_tracker
 
 ARCHS = ("neox", "llama")
 
@@ -74,6 +79,38 @@ def arch_spec(arch: str) -> ArchSpec:
     if arch == "llama":
         return ArchSpec(layernorm=False, bias=False, parallel_residual=False, swiglu=True)
     raise ValueError(f"unknown model.arch {arch!r}; expected one of {ARCHS}")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How the model is split over its tensor-parallel group; the default is the plain model.
+
+    ``group`` is the TP process group (``None`` outside torch.distributed: size 1). Under
+    ``sequence_parallel`` the activations between TP regions are ``[s/t, b, h]``. ``tracker``
+    holds the "tp-different" RNG stream used for dropout on TP-sharded tensors (see
+    ``megatron_sp.mpu.random``); ``recompute`` is ``none | selective | full``.
+    """
+
+    group: Any = None
+    size: int = 1
+    rank: int = 0
+    sequence_parallel: bool = False
+    recompute_allgather: bool = True
+    recompute: str = "none"
+    tracker: RNGTracker = field(default_factory=get_tracker)
+
+    def sharded_dropout(self) -> contextlib.AbstractContextManager:
+        """The RNG context for dropout on a tensor that is split over TP (different per TP rank)."""
+        return self.tracker.fork(TP_DIFFERENT) if TP_DIFFERENT in self.tracker else contextlib.nullcontext()
+
+    def hidden_dropout(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+        """Dropout on a hidden state: ``[s/t, b, h]`` shards under SP use the TP-different stream."""
+        if p <= 0 or not training:
+            return x
+        if self.sequence_parallel and self.size > 1:
+            with self.sharded_dropout():
+                return F.dropout(x, p, True)
+        return F.dropout(x, p, True)
 
 
 def check_model_config(cfg: ModelConfig) -> None:
@@ -102,11 +139,21 @@ def rotary_dim(cfg: ModelConfig) -> int:
     return int(head_dim(cfg) * cfg.rotary_pct)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    """LayerNorm (neox) or RMSNorm (llama) over the hidden dim, eps ``norm_eps``."""
+def make_norm(cfg: ModelConfig, tp: TensorParallel | None = None) -> nn.Module:
+    """LayerNorm (neox) or RMSNorm (llama) over the hidden dim, eps ``norm_eps``.
+
+    Under sequence parallelism a norm sees s/t of the tokens on each TP rank, so its parameters
+    are tagged ``sequence_parallel`` (their grads are summed over TP after backward).
+    """
+    norm: nn.Module
     if arch_spec(cfg.arch).layernorm:
-        return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    else:
+        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    sp = tp is not None and tp.sequence_parallel and tp.size > 1
+    for param in norm.parameters():
+        set_tp_attributes(param, False, -1, sequence_parallel=sp)
+    return norm
 
 
 class RotaryEmbedding(nn.Module):
@@ -245,80 +292,152 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
     return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
 
 
-class SelfAttention(nn.Module):
-    """Fused QKV projection, rotary on queries and keys, causal attention, output projection."""
+class ReplicatedGroupQKV(nn.Module):
+    """The fused QKV projection when tp > num_kv_heads: each rank computes one kv group's share.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    The full weight ``[g·(r+2)·d, h]`` is replicated on every TP rank (tagged
+    ``sequence_parallel``: its grad is summed over TP, where each rank contributes only the rows
+    it used); rank ``j`` uses group ``j // (t/g)``: its ``r·g/t`` query heads numbered
+    ``j % (t/g)`` within the group, plus the group's key and value. Trade-off: the QKV weight and
+    its optimizer state are not sharded (t× their memory) in exchange for keeping the parameter
+    identical to the unsharded model's, so checkpoints stay layout-free.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, bias: bool) -> None:
         super().__init__()
+        g, n, d = cfg.num_kv_heads, cfg.num_heads, head_dim(cfg)
+        self.tp = tp
+        self.groups, self.q_per_kv, self.head_dim = g, n // g, d
+        self.ranks_per_group = tp.size // g
+        self.group_index, self.sub = divmod(tp.rank, self.ranks_per_group)
+        self.local_q = self.q_per_kv // self.ranks_per_group
+        width = g * (self.q_per_kv + 2) * d
+        self.weight = nn.Parameter(torch.empty(width, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(width)) if bias else None
+        for param in self.parameters():
+            set_tp_attributes(param, False, -1, sequence_parallel=True)
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        grouped = t.view(self.groups, self.q_per_kv + 2, self.head_dim, *t.shape[1:])[self.group_index]
+        q = grouped[self.sub * self.local_q:(self.sub + 1) * self.local_q]
+        return torch.cat([q, grouped[self.q_per_kv:]], dim=0).flatten(0, 1)  # [(r'+2)·d, ...]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → ``[s, b, (r'+2)·d]`` for this rank's heads."""
+        x_full = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)
+        bias = self._rows(self.bias) if self.bias is not None else None
+        return F.linear(x_full, self._rows(self.weight), bias)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection (column-parallel over kv groups), rotary, causal attention, row-parallel output.
+
+    Each TP rank holds ``n/t`` query heads: with ``num_kv_heads % t == 0`` a contiguous slice of
+    the kv groups; with ``t % num_kv_heads == 0`` part of one group whose key/value it shares
+    (``ReplicatedGroupQKV``).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        tp = tp or TensorParallel()
+        self.tp = tp
         bias = arch_spec(cfg.arch).bias
-        self.head_dim = head_dim(cfg)
-        self.q_per_kv = cfg.num_heads // cfg.num_kv_heads
-        qkv_width = cfg.num_kv_heads * (self.q_per_kv + 2) * self.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_width, bias=bias)
-        self.out = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        g, n, d = cfg.num_kv_heads, cfg.num_heads, head_dim(cfg)
+        self.head_dim = d
+        self.qkv: nn.Module
+        if g % tp.size == 0:
+            self.q_per_kv = n // g
+            self.qkv = ColumnParallelLinear(cfg.hidden_size, g * (self.q_per_kv + 2) * d, bias=bias, group=tp.group,
+                                            sequence_parallel=tp.sequence_parallel,
+                                            recompute_allgather=tp.recompute_allgather)
+        else:
+            self.qkv = ReplicatedGroupQKV(cfg, tp, bias)
+            self.q_per_kv = self.qkv.local_q
+        self.out = RowParallelLinear(n * d, cfg.hidden_size, bias=bias, group=tp.group,
+                                     sequence_parallel=tp.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
         self.attention_fn: Callable[..., torch.Tensor] = dot_product_attention
 
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core on local heads; its dropout draws from the TP-different stream."""
+        p = self.dropout_p if self.training else 0.0
+        if p > 0:
+            with self.tp.sharded_dropout():
+                return self.attention_fn(q, k, v, p)
+        return self.attention_fn(q, k, v, 0.0)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[s, b, h]``, cos/sin ``[s, b|1, rd]`` (from ``RotaryEmbedding``) → ``[s, b, h]``."""
-        s, b = x.shape[0], x.shape[1]
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]``, cos/sin ``[s, b|1, rd/2]`` → same shape as x."""
         r, d = self.q_per_kv, self.head_dim
-        qkv = self.qkv(x).view(s, b, -1, r + 2, d)  # [s, b, g, r+2, d]
-        cos = cos.to(qkv.dtype)[:, :, None, None, :]  # [s, b|1, 1, 1, rd]
+        qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, -1, r + 2, d)  # [s, b, g_local, r+2, d]
+        cos = cos.to(qkv.dtype)[:, :, None, None, :]  # [s, b|1, 1, 1, rd/2]
         sin = sin.to(qkv.dtype)[:, :, None, None, :]
         qk, v = qkv.split([r + 1, 1], dim=3)  # [s, b, g, r+1, d], [s, b, g, 1, d]
         qk = apply_rotary(qk, cos, sin)  # queries and keys rotated together
         q, k = qk.split([r, 1], dim=3)
-        q = q.reshape(s, b, -1, d)  # [s, b, n, d]
-        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, g, d]
-        ctx = self.attention_fn(q, k, v, self.dropout_p if self.training else 0.0)  # [s, b, n, d]
-        return self.out(ctx.reshape(s, b, -1))  # [s, b, h]
+        q = q.reshape(s, b, -1, d)  # [s, b, n/t, d]
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, g_local, d]
+        if self.tp.recompute == "selective" and self.training and torch.is_grad_enabled():
+            ctx = checkpoint(self.core, q, k, v, tracker=self.tp.tracker)  # [s, b, n/t, d]
+        else:
+            ctx = self.core(q, k, v)  # [s, b, n/t, d]
+        return self.out(ctx.reshape(s, b, -1))  # [s/t, b, h] (SP) or [s, b, h]
 
 
 class MLP(nn.Module):
-    """neox: ``fc2(gelu(fc1(x)))`` with exact (erf) GeLU; llama: ``down(silu(gate(x)) * up(x))``."""
+    """neox: ``fc2(gelu(fc1(x)))`` with exact (erf) GeLU; llama: ``down(silu(gate(x)) * up(x))``.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    fc1/gate/up are column-parallel (``ffn/t`` per rank), fc2/down row-parallel.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         spec = arch_spec(cfg.arch)
         self.swiglu = spec.swiglu
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        col = {"group": tp.group, "sequence_parallel": tp.sequence_parallel, "recompute_allgather": tp.recompute_allgather}
+        row = {"group": tp.group, "sequence_parallel": tp.sequence_parallel, "input_is_parallel": True}
         if self.swiglu:
-            self.gate = nn.Linear(h, f, bias=spec.bias)
-            self.up = nn.Linear(h, f, bias=spec.bias)
-            self.down = nn.Linear(f, h, bias=spec.bias)
+            self.gate = ColumnParallelLinear(h, f, bias=spec.bias, **col)
+            self.up = ColumnParallelLinear(h, f, bias=spec.bias, **col)
+            self.down = RowParallelLinear(f, h, bias=spec.bias, **row)
         else:
-            self.fc1 = nn.Linear(h, f, bias=spec.bias)
-            self.fc2 = nn.Linear(f, h, bias=spec.bias)
+            self.fc1 = ColumnParallelLinear(h, f, bias=spec.bias, **col)
+            self.fc2 = RowParallelLinear(f, h, bias=spec.bias, **row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[s, b, h]`` → ``[s, b, h]``."""
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape."""
         if self.swiglu:
-            return self.down(F.silu(self.gate(x)) * self.up(x))  # [s, b, ffn] inside
-        return self.fc2(F.gelu(self.fc1(x)))  # [s, b, ffn] inside
+            return self.down(F.silu(self.gate(x)) * self.up(x))  # [s, b, ffn/t] inside
+        return self.fc2(F.gelu(self.fc1(x)))  # [s, b, ffn/t] inside
 
 
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer with parallel (neox) or sequential (llama) residual."""
 
-    def __init__(self, cfg: ModelConfig, layer_number: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_number: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
+        self.tp = tp
         self.layer_number = layer_number
         self.parallel_residual = arch_spec(cfg.arch).parallel_residual
         self.hidden_dropout = cfg.hidden_dropout
-        self.attn_norm = make_norm(cfg)
-        self.attention = SelfAttention(cfg)
-        self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.attn_norm = make_norm(cfg, tp)
+        self.attention = SelfAttention(cfg, tp)
+        self.mlp_norm = make_norm(cfg, tp)
+        self.mlp = MLP(cfg, tp)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
+        return self.tp.hidden_dropout(x, self.hidden_dropout, self.training)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[s, b, h]`` → ``[s, b, h]``."""
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape."""
         if self.parallel_residual:
-            attn = self._dropout(self.attention(self.attn_norm(x), cos, sin))  # [s, b, h]
-            mlp = self._dropout(self.mlp(self.mlp_norm(x)))  # [s, b, h]
+            attn = self._dropout(self.attention(self.attn_norm(x), cos, sin))
+            mlp = self._dropout(self.mlp(self.mlp_norm(x)))
             return x + attn + mlp
         x = x + self._dropout(self.attention(self.attn_norm(x), cos, sin))
         return x + self._dropout(self.mlp(self.mlp_norm(x)))

@@ -9,6 +9,10 @@ column-parallel linear over the vocab, sliced like ``VocabParallelEmbedding``). 
 3. ``loss = log Σexp − target logit``.
 
 Backward is ``softmax − one-hot`` scaled by the incoming grad, with no communication.
+
+Padded vocabulary rows (ids ≥ ``vocab_size``, added so the vocab divides by ``t ×
+make_vocab_size_divisible_by``) are excluded from the softmax: their logits count as −inf. So the
+loss does not depend on how much padding a layout needs, and padded rows get no gradient.
 """
 from __future__ import annotations
 
@@ -25,12 +29,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any,
-                label_smoothing: float) -> torch.Tensor:
+                label_smoothing: float, vocab_size: int | None) -> torch.Tensor:
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         x = logits.to(compute_dtype)  # [.., V/t]
         v_local = x.shape[-1]
         v_full = v_local * comm.group_size(group)
         start = comm.group_rank(group) * v_local
+        padded_from = v_local
+        if vocab_size is not None and vocab_size < v_full:
+            padded_from = min(v_local, max(0, vocab_size - start))  # local index where padding starts
+            if padded_from < v_local:
+                x = x.clone() if x is logits else x
+                x[..., padded_from:] = float("-inf")
+            v_full = vocab_size
 
         logits_max = x.amax(dim=-1)  # [..]
         comm.all_reduce(logits_max, group, op=comm.ReduceOp.MAX)
@@ -40,7 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = (target >= start) & (target < start + v_local)  # [..]; False where ignored
         local_target = torch.where(local, target - start, 0)  # [..], an index into this slice
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill_(~local, 0.0)  # [..]
-        sum_shifted = shifted.sum(dim=-1) if label_smoothing > 0 else None  # [..]
+        sum_shifted = shifted[..., :padded_from].sum(dim=-1) if label_smoothing > 0 else None  # [..]
         exp = shifted.exp_()  # [.., V/t], in place: shifted is not needed any more
         per_token = [target_logit, exp.sum(dim=-1)] + ([sum_shifted] if sum_shifted is not None else [])
         totals = comm.all_reduce(torch.stack(per_token), group)  # [2 or 3, ..]
@@ -54,6 +65,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         ctx.save_for_backward(probs, local_target, local, ignored)
         ctx.label_smoothing, ctx.v_full, ctx.in_dtype = label_smoothing, v_full, logits.dtype
+        ctx.padded_from = padded_from
         return loss
 
     @staticmethod
@@ -67,11 +79,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -on_target.unsqueeze(-1))
         if eps > 0:
             grad.sub_((eps / ctx.v_full) * g.unsqueeze(-1))
-        return grad.to(ctx.in_dtype), None, None, None
+        if eps > 0 and ctx.padded_from < grad.shape[-1]:
+            grad[..., ctx.padded_from:] = 0.0
+        return grad.to(ctx.in_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, vocab_size: int | None = None) -> torch.Tensor:
     """Per-token cross entropy ``[..]`` of vocab-sharded logits ``[.., V/t]`` without gathering them.
 
     Args:
@@ -79,6 +93,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         target: ``[..]`` global vocabulary ids; negative ids are ignored (loss 0, zero grad).
         group: the TP group the vocabulary is split over.
         label_smoothing: ε of ``F.cross_entropy``, spread over the full vocabulary ``V``.
+        vocab_size: the real vocabulary size; logits of ids at or beyond it (padding) are excluded.
 
     Returns:
         the unreduced loss, computed in fp32 whatever the logits' dtype (fp64 logits stay fp64);
@@ -89,4 +104,4 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         raise ValueError(f"target {tuple(target.shape)} does not match logits {tuple(logits.shape)} minus the vocab dim")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing = {label_smoothing} must be in [0, 1]")
-    return _VocabParallelCrossEntropy.apply(logits, target, group, float(label_smoothing))
+    return _VocabParallelCrossEntropy.apply(logits, target, group, float(label_smoothing), vocab_size)

@@ -25,7 +25,7 @@ def _setup(tmp_path, *extra):
 
 
 def _save(cfg, model, opt, step):
-    return checkpointing.save(cfg, step, step * 4, model, opt, rank=0, world_size=1, dev=torch.device("cpu"))
+    return checkpointing.save(cfg, step, step * 4, model, opt, None, torch.device("cpu"))
 
 
 def test_save_load_round_trip_and_keep(tmp_path):
@@ -44,7 +44,7 @@ def test_save_load_round_trip_and_keep(tmp_path):
         for p in model2.parameters():
             p.add_(1.0)
     ckpt = checkpointing.resolve(root)
-    out = checkpointing.load(ckpt, model2, opt2, rank=0, dev=torch.device("cpu"), seed=1)
+    out = checkpointing.load(ckpt, model2, opt2, None, torch.device("cpu"), seed=1)
     assert out["step"] == 3
     for (n, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
         assert torch.equal(a, b), n
@@ -66,7 +66,7 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     data = (ckpt / "model.pt").read_bytes()
     (ckpt / "model.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(DataError, match=r"model\.pt' is corrupted or truncated"):
-        checkpointing.load(ckpt, model, opt, 0, torch.device("cpu"), 1)
+        checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
 
     # a config that does not match the weights
     ckpt = _save(cfg, model, opt, 2)
@@ -74,12 +74,12 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     config.set_vocab(other, 258)
     bigger = GPTModel(other.model, seed=1)
     with pytest.raises(DataError, match="does not match this model config|has shape"):
-        checkpointing.load(ckpt, bigger, build_optimizer(bigger, other.train), 0, torch.device("cpu"), 1)
+        checkpointing.load(ckpt, bigger, build_optimizer(bigger, other.train), None, torch.device("cpu"), 1)
 
     # a missing shard
     (ckpt / "optimizer.pt").unlink()
     with pytest.raises(DataError, match=r"optimizer\.pt' is missing"):
-        checkpointing.load(ckpt, model, opt, 0, torch.device("cpu"), 1)
+        checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
 
 
 def test_pickled_code_is_never_executed(tmp_path):
@@ -92,5 +92,5 @@ def test_pickled_code_is_never_executed(tmp_path):
 
     torch.save({"x": Evil()}, ckpt / "model.pt")
     with pytest.raises(DataError):
-        checkpointing.load(ckpt, model, opt, 0, torch.device("cpu"), 1)
+        checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
     assert not (tmp_path / "pwned").exists()

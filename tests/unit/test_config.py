@@ -98,7 +98,7 @@ def test_dp_derived_from_world_size():
 
 
 def test_not_yet_available_dimensions_are_refused_clearly():
-    for key in ("parallel.tp=2", "parallel.pp=2", "parallel.cp=2"):
+    for key in ("parallel.pp=2", "parallel.cp=2"):
         with pytest.raises(ConfigError, match="not available in this version yet"):
             config.load(overrides=BASE + [key, "model.num_layers=2"])
 

@@ -1,0 +1,93 @@
+"""Full (unsharded) tensors ↔ this rank's shards, from the parameter attributes alone.
+
+A parameter with ``tensor_model_parallel`` is split into ``t`` contiguous chunks along its
+``partition_dim`` over the TP group; every other parameter is whole on each rank. Pipeline stages
+hold disjoint sets of parameter names. A parameter with ``vocab_rows`` (the embedding and output
+layer) is stored without its padding rows: the padding depends on the layout
+(``make_vocab_size_divisible_by × tp``), is never used (the loss excludes it) and is zero-filled
+when sliced back in. Checkpoints and the parity witness use these two functions,
+so both stay independent of the layout that wrote them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .layers import shard
+from .parallel_state import ParallelState
+
+
+def is_sharded(param: nn.Parameter) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False)) and getattr(param, "partition_dim", -1) >= 0
+
+
+def gather_full(named: Iterable[tuple[str, nn.Parameter]], state: ParallelState | None,
+                tensor_of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.data) -> dict[str, torch.Tensor]:
+    """{name: full tensor on CPU} for the whole model: TP shards concatenated, PP stages merged.
+
+    ``tensor_of(param)`` picks what to gather (the value, its grad, an optimizer moment); None
+    skips the parameter. A tensor not shaped like the parameter's shard (Adam's scalar ``step``)
+    is the same on every TP rank and taken as it is. Collective over the TP and PP groups: every
+    rank of them must call it.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, p in named:
+        local = tensor_of(p)
+        if local is None:
+            continue
+        local = local.detach()
+        if local.shape != p.shape:  # not shaped like the parameter: the same on every TP rank
+            out[name] = local.cpu()
+            continue
+        if state is not None and state.tp_size > 1 and is_sharded(p):
+            local = comm.all_gather(local.contiguous(), state.tp_group, dim=p.partition_dim)
+        rows = getattr(p, "vocab_rows", None)
+        out[name] = (local[:rows] if rows is not None else local).cpu()
+    if state is not None and state.pp_size > 1:
+        stages: list[dict[str, torch.Tensor] | None] = [None] * state.pp_size
+        dist.all_gather_object(stages, out, group=state.pp_group)
+        out = {k: v for stage in stages for k, v in (stage or {}).items()}
+    return out
+
+
+def full_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:
+    """The unsharded shape of a (possibly TP-sharded) parameter."""
+    shape = list(param.shape)
+    if is_sharded(param):
+        shape[param.partition_dim] *= tp_size
+    return tuple(shape)
+
+
+def stored_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:
+    """The shape a parameter has in checkpoints and gathered gradients: full, without vocab padding."""
+    shape = list(full_shape(param, tp_size))
+    rows = getattr(param, "vocab_rows", None)
+    if rows is not None:
+        shape[0] = rows
+    return tuple(shape)
+
+
+def local_shard_of(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's part of ``full`` (of ``stored_shape``) for ``param``, a copy; zero-filled padding rows.
+
+    A tensor not of the parameter's stored shape (a scalar like Adam's step) is copied whole.
+    """
+    if tuple(full.shape) != stored_shape(param, tp_size):
+        return full.detach().clone()
+    target = full_shape(param, tp_size)
+    if tuple(full.shape) != target:  # re-add the vocab padding this layout needs
+        full = torch.cat([full, full.new_zeros((target[0] - full.shape[0], *full.shape[1:]))])
+    if not is_sharded(param):
+        return full.detach().clone()
+    return shard(full, param.partition_dim, tp_rank, tp_size)
+
+
+def local_shard(full: torch.Tensor, param: nn.Parameter, state: ParallelState | None) -> torch.Tensor:
+    """``local_shard_of`` with this rank's TP coordinates from ``state`` (None: unsharded)."""
+    if state is None:
+        return local_shard_of(full, param, 0, 1)
+    return local_shard_of(full, param, state.tp_rank, state.tp_size)
