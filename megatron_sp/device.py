@@ -108,7 +108,8 @@ def apex_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
+def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5,
+                        window: float = 0.1) -> float:
     """Dense-matmul FLOP/s of this host's CPU cores for ``dtype``, measured once with every core.
 
     This is the MFU denominator on CPU. Call it while no other rank of this host computes (the
@@ -121,13 +122,18 @@ def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, secon
         a = torch.randn(n, n, dtype=dtype)
         b = torch.randn(n, n, dtype=dtype)
         a @ b  # warm-up
-        reps, t0 = 0, time.perf_counter()
-        while True:
-            a @ b
-            reps += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds:
-                break
+        # Other processes only ever slow a window down: the fastest of several short windows is the
+        # best estimate of the peak on a shared machine.
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            reps, t0 = 0, time.perf_counter()
+            while True:
+                a @ b
+                reps += 1
+                elapsed = time.perf_counter() - t0
+                if elapsed >= window:
+                    break
+            best = max(best, 2.0 * n**3 * reps / elapsed)
     finally:
         torch.set_num_threads(threads)
-    return 2.0 * n**3 * reps / elapsed
+    return best
