@@ -143,3 +143,21 @@ def test_train_py_config_error_is_one_line_exit_2(repo_root):
 
 def _raw(overrides):
     return config.load(overrides=BASE + overrides, finalize_config=False)
+
+
+def test_tensor_parallel_validation():
+    ok = config.load(overrides=BASE + ["model.arch=llama", "model.num_kv_heads=2", "parallel.tp=4",
+                                       "parallel.sequence_parallel=true", "model.ffn_multiple_of=64"])
+    assert ok.parallel.world_size == 4  # tp 4 > 2 kv heads: kv heads replicated
+    with pytest.raises(ConfigError, match="num_kv_heads 3 and parallel.tp 2"):
+        config.load(overrides=BASE + ["model.arch=llama", "model.num_heads=6", "model.hidden_size=96",
+                                      "model.num_kv_heads=3", "parallel.tp=2"])
+    with pytest.raises(ConfigError, match="ffn_hidden_size 130 must be divisible by parallel.tp 4"):
+        config.load(overrides=BASE + ["model.ffn_hidden_size=130", "parallel.tp=4"])
+    with pytest.raises(ConfigError, match="seq_length 130 must be divisible by parallel.tp 4"):
+        config.load(overrides=BASE + ["model.seq_length=130", "parallel.tp=4", "parallel.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match="model.recompute"):
+        config.load(overrides=BASE + ["model.recompute=some"])
+    cfg = config.load(overrides=BASE + ["parallel.tp=2"])
+    config.set_vocab(cfg, 300)
+    assert cfg.model.padded_vocab_size == 512  # multiple of 128 · tp
