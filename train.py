@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_sp.training import main  # noqa: E402
+from megatron_sp.training import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,8 @@ import logging
 import os
 import resource
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -76,7 +77,7 @@ def memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flash_attn_func() -> Callable[..., Any] | None:
     """flash-attn's ``flash_attn_func`` when the package imports and a GPU is present, else None.
 
@@ -93,7 +94,7 @@ def flash_attn_func() -> Callable[..., Any] | None:
     return fn
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def apex_available() -> bool:
     """True when NVIDIA apex (built from source with its CUDA extensions) imports on a GPU machine."""
     if not cuda_available():
@@ -107,7 +108,7 @@ def apex_available() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5,
                         window: float = 0.1) -> float:
     """Dense-matmul FLOP/s of this host's CPU cores for ``dtype``, measured once with every core.

@@ -20,7 +20,8 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 _PRELOAD = ["torch", "torch.distributed", "megatron_sp.testing"]
 _CTX: Any = None

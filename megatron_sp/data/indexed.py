@@ -99,7 +99,7 @@ class IndexedDatasetWriter:
         tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._tmp_bin = self.bin_path.with_name(self.bin_path.name + tag)
         self._tmp_idx = self.idx_path.with_name(self.idx_path.name + tag)
-        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 (held across calls; closed by finalize/discard)
+        self._bin = open(self._tmp_bin, "wb")
         self._sizes: list[int] = []
         self._document_indices: list[int] = [0]
         self._closed = False

@@ -21,7 +21,6 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_sp.mpu.cross_entropy import vocab_parallel_cross_entropy

@@ -12,10 +12,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from megatron_sp.testing import run_distributed  # noqa: E402
+from megatron_sp.testing import run_distributed
 
 
 def _all_reduce(rank: int, world: int) -> float:
