@@ -378,7 +378,8 @@ class SelfAttention(nn.Module):
         qk = apply_rotary(qk, cos, sin)  # queries and keys rotated together
         q, k = qk.split([r, 1], dim=3)
         q = q.reshape(s, b, -1, d)  # [s, b, n/t, d]
-        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, g_local, d]
+        # v is a view into the projection output: copy it so autograd does not keep all of qkv alive.
+        k, v = k.squeeze(3), v.squeeze(3).contiguous()  # [s, b, g_local, d]
         if self.tp.recompute == "selective" and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core, q, k, v, tracker=self.tp.tracker)  # [s, b, n/t, d]
         else:
@@ -411,7 +412,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape."""
         if self.swiglu:
-            return self.down(F.silu(self.gate(x)) * self.up(x))  # [s, b, ffn/t] inside
+            # gate and up share one input all-gather (SP) / all-reduce of the input grad (TP):
+            # one column-parallel matmul on their concatenated local weights.
+            weight = torch.cat([self.gate.weight, self.up.weight])  # [2·ffn/t, h]
+            bias = torch.cat([self.gate.bias, self.up.bias]) if self.gate.bias is not None else None
+            gate, up = self.gate(x, weight=weight, bias=bias).chunk(2, dim=-1)  # [s, b, ffn/t] each
+            return self.down(F.silu(gate) * up)
         return self.fc2(F.gelu(self.fc1(x)))  # [s, b, ffn/t] inside
 
 

@@ -208,24 +208,30 @@ class ColumnParallelLinear(_TPModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[s/t, b, in]`` (SP) or ``[s, b, in]`` → ``[s, b, out/t]`` (``[s, b, out]`` with gather_output).
 
-        ``weight``: an external ``[out/t, in]`` weight used instead of ``self.weight`` (required with
-        ``skip_weight``), e.g. the vocab-parallel embedding's weight for a tied output layer.
+        ``weight``: an external ``[rows, in]`` weight used instead of ``self.weight`` (required with
+        ``skip_weight``): the vocab-parallel embedding's weight for a tied output layer, or several
+        column layers' local weights concatenated so they share one input all-gather (SwiGLU's
+        gate and up); ``bias`` then goes with it (``self.bias`` is used only with ``self.weight``).
         """
         if weight is None:
             weight = self.weight
             if weight is None:
                 raise ValueError("ColumnParallelLinear(skip_weight=True) needs forward(x, weight=...)")
-        if tuple(weight.shape) != (self.out_per_rank, self.in_features):
-            raise ValueError(f"ColumnParallelLinear: weight {tuple(weight.shape)} is not the local "
-                             f"[{self.out_per_rank}, {self.in_features}]")
+            if tuple(weight.shape) != (self.out_per_rank, self.in_features):
+                raise ValueError(f"ColumnParallelLinear: weight {tuple(weight.shape)} is not the local "
+                                 f"[{self.out_per_rank}, {self.in_features}]")
+            bias = self.bias
+        elif weight.dim() != 2 or weight.shape[1] != self.in_features:
+            raise ValueError(f"ColumnParallelLinear: external weight {tuple(weight.shape)} must be [rows, {self.in_features}]")
         if self.sequence_parallel and self.tp_size > 1:
-            out = _GatherLinear.apply(x, weight, self.bias, self.group, self.recompute_allgather,
-                                      self.gather_buffer)  # [s, b, out/t]
+            out = _GatherLinear.apply(x, weight, bias, self.group, self.recompute_allgather,
+                                      self.gather_buffer)  # [s, b, rows]
         else:
-            out = F.linear(copy_to_tp(x, self.group), weight, self.bias)  # [s, b, out/t]
+            out = F.linear(copy_to_tp(x, self.group), weight, bias)  # [s, b, rows]
         if self.gather_output:
             out = gather_from_tp(out, self.group)  # [s, b, out]
         return out
