@@ -37,7 +37,7 @@ from .errors import DataError
 from .mpu import ParallelState
 from .mpu.random import RNGTracker
 from .mpu.sharding import gather_full, local_shard, stored_shape
-from .optim import named_trainable
+from .optim import DistributedOptimizer, named_trainable
 
 FORMAT_VERSION = 1
 log = logging.getLogger("megatron_sp")
@@ -47,37 +47,37 @@ def _step_dir(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-def _optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer,
+def _optimizer_by_name(model: nn.Module, optimizer: DistributedOptimizer,
                        state: ParallelState | None) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name, each entry gathered to its full shape (collective)."""
+    """Optimizer state keyed by parameter name, each entry at its full shape (collective: dp_cp, TP, PP)."""
+    local = optimizer.state_dict_by_name()  # ZeRO shards already gathered over dp_cp
     named = named_trainable(model)
-    keys = sorted({k for per_param in optimizer.state.values() for k in per_param})
+    name_of = {id(p): n for n, p in named}
+    keys = sorted({k for entry in local.values() for k in entry})
     full: dict[str, dict[str, torch.Tensor]] = {}
     for key in keys:
-        def pick(p: nn.Parameter, key: str = key) -> torch.Tensor | None:
-            v = optimizer.state.get(p, {}).get(key)
-            return None if v is None else torch.as_tensor(v)
-        for name, tensor in gather_full(named, state, pick).items():
+        for name, tensor in gather_full(named, state, lambda p, key=key: local[name_of[id(p)]].get(key)).items():
             full.setdefault(name, {})[key] = tensor
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"state": full, "groups": groups}
+    return {"state": full, "format": "by_name"}
 
 
-def _load_optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
+def _load_optimizer_by_name(model: nn.Module, optimizer: DistributedOptimizer, saved: dict[str, Any],
                             path: Path, state: ParallelState | None) -> None:
     by_name = dict(named_trainable(model))
-    for name, tensors in saved["state"].items():
-        if name not in by_name:
-            raise DataError(f"{path}: optimizer state for unknown parameter '{name}'; the checkpoint does not match "
-                            "this model config")
-        p = by_name[name]
-        optimizer.state[p] = {k: (local_shard(v, p, state).to(p.device) if v.dim() else v.clone())
-                              for k, v in tensors.items()}
-    for group, saved_group in zip(optimizer.param_groups, saved["groups"]):
-        group.update({k: v for k, v in saved_group.items() if k not in ("params", "lr")})
+    entries = saved.get("state", {}) if isinstance(saved, dict) else {}
+    unknown = sorted(set(entries) - set(by_name))
+    if unknown:
+        raise DataError(f"{path}: optimizer state for unknown parameters {unknown[:3]}; the checkpoint does not match "
+                        "this model config")
+    mine = {name: {k: (local_shard(v, by_name[name], state) if v.dim() else v) for k, v in entry.items()}
+            for name, entry in entries.items() if name in by_name}
+    try:
+        optimizer.load_state_dict_by_name(mine)
+    except DataError as exc:
+        raise DataError(f"{path}: {exc}") from None
 
 
-def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
          state: ParallelState | None, dev: torch.device, tracker: RNGTracker | None = None) -> Path:
     """Collectively write the checkpoint of ``step`` (every rank calls this; rank 0 writes the tensors).
 
@@ -193,7 +193,7 @@ def load_model_state(model: nn.Module, ckpt: Path, state: ParallelState | None) 
             p.copy_(local_shard(saved[name], p, state))
 
 
-def load(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState | None,
+def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None,
          dev: torch.device, seed: int, tracker: RNGTracker | None = None) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG; return the meta (step, consumed samples)."""
     meta = read_meta(ckpt)

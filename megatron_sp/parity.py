@@ -19,7 +19,16 @@ from torch import nn
 
 from .mpu import ParallelState
 from .mpu.sharding import gather_full
-from .optim import named_trainable
+from .optim import DistributedOptimizer, named_trainable
+
+
+def full_main_grads(model: nn.Module, optimizer: DistributedOptimizer,
+                    state: ParallelState | None) -> dict[str, torch.Tensor]:
+    """{name: full reduced fp32 gradient} from the optimizer's main grads (collective: dp_cp, TP, PP)."""
+    grads = optimizer.main_grads_by_name()
+    named = named_trainable(model)
+    name_of = {id(p): n for n, p in named}
+    return gather_full(named, state, lambda p: grads[name_of[id(p)]])
 
 
 def full_grads_by_name(model: nn.Module, state: ParallelState | None) -> dict[str, torch.Tensor]:

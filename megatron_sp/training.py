@@ -32,8 +32,8 @@ from .config import Config
 from .errors import TrainingError, UserError
 from .mpu import ParallelDims, ParallelState, init_default_group, initialize
 from .mpu.random import get_tracker, init_rng
-from .optim import build_optimizer, clip_grads, lr_at, named_trainable, set_lr, sync_tp_replicated_grads
-from .parity import full_grads_by_name
+from .optim import DistributedOptimizer, lr_at, named_trainable
+from .parity import full_main_grads
 
 log = logging.getLogger("megatron_sp")
 
@@ -140,18 +140,12 @@ class Runtime:
     state: ParallelState
     device: torch.device
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: DistributedOptimizer
     tokenizer: Any
     train_ds: Any
     valid_ds: Any
     step: int = 0
     consumed_samples: int = 0
-
-
-def _allreduce_sum_hook(group, bucket):  # no annotations: DDP checks them and this module's are strings
-    """DDP comm hook: SUM the bucket over dp_cp (the loss is already divided by the global token count)."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
 
 
 def setup(cfg: Config) -> Runtime:
@@ -189,12 +183,10 @@ def setup(cfg: Config) -> Runtime:
                         sequence_parallel=p.sequence_parallel, recompute_allgather=p.tp_recompute_allgather,
                         recompute=cfg.model.recompute, tracker=tracker)
     model: nn.Module = GPTModel(cfg.model, seed=cfg.train.seed, tp=tp).to(dev)
-    if state.dp_cp_size > 1:
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[dev.index] if dev.type == "cuda" else None, process_group=state.dp_cp_group,
-            forward_sync_buffers=False, bucket_cap_mb=25)
-        model.register_comm_hook(state.dp_cp_group, _allreduce_sum_hook)
-    optimizer = build_optimizer(model, cfg.train)
+    # Gradients: fp32 main-grad buffer reduced over dp_cp in buckets during backward; bf16 keeps bf16
+    # params with fp32 masters; parallel.zero=1 shards the optimizer state and masters over dp_cp.
+    optimizer = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
+                                     precision="bf16" if cfg.train.precision == "bf16" else "fp32")
 
     t = cfg.train
     n_train = t.iters * t.global_batch_size  # type: ignore[operator]
@@ -242,38 +234,31 @@ def _global_sum(values: list[float], rt: Runtime) -> list[float]:
 
 def train_step(rt: Runtime) -> dict[str, float]:
     """One optimizer step over one global batch. Returns loss, grad_norm, lr, tokens."""
-    cfg, model = rt.cfg, rt.model
-    lr = lr_at(rt.step, cfg.train)
-    set_lr(rt.optimizer, lr)
-    rt.optimizer.zero_grad(set_to_none=True)
+    cfg, model, opt = rt.cfg, rt.model, rt.optimizer
+    opt.zero_grad()
     batch = rank_batch(rt, rt.train_ds, rt.consumed_samples)
     micro = cfg.train.micro_batch_size
     n_micro = cfg.train.grad_accum_steps
-    local_tokens = float(batch["loss_mask"].sum())
-    global_tokens = _global_sum([local_tokens], rt)[0]
+    global_tokens = _global_sum([float(batch["loss_mask"].sum())], rt)[0]
     denom = max(global_tokens, 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64)
     for i in range(n_micro):  # type: ignore[arg-type]
         mb = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
-        last = i == n_micro - 1
-        sync = model.no_sync() if (isinstance(model, nn.parallel.DistributedDataParallel) and not last) \
-            else contextlib.nullcontext()
-        with sync:
-            with _autocast(cfg, rt.device):
-                token_losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"])
-            loss = (token_losses.float() * mb["loss_mask"]).sum() / denom
-            loss.backward()
+        opt.sync_grads = i == n_micro - 1  # reduce over dp_cp only during the last micro-batch's backward
+        with _autocast(cfg, rt.device):
+            token_losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"])
+        loss = (token_losses.float() * mb["loss_mask"]).sum() / denom
+        loss.backward()
         loss_sum += loss.detach().double().cpu()
+    opt.finish_grad_sync()
     global_loss = _global_sum([loss_sum.item()], rt)[0]
-    params = [p for _, p in named_trainable(model)]
-    sync_tp_replicated_grads(params, rt.state.tp_group)
     if cfg.logging.dump_grads_step == rt.step + 1:
         dump_grads(rt)
-    grad_norm = clip_grads(params, cfg.train.clip_grad, rt.state).item()
-    if not math.isfinite(grad_norm) or not math.isfinite(global_loss):
+    lr = lr_at(rt.step, cfg.train)
+    grad_norm, stepped = opt.step(lr, cfg.train.clip_grad)
+    if not stepped or not math.isfinite(global_loss):
         raise TrainingError(f"step {rt.step + 1}: loss {global_loss} / grad norm {grad_norm} is not finite; "
-                                 "lower train.lr or check the data")
-    rt.optimizer.step()
+                            "lower train.lr or check the data")
     rt.step += 1
     rt.consumed_samples += cfg.train.global_batch_size  # type: ignore[operator]
     return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens}
@@ -281,7 +266,7 @@ def train_step(rt: Runtime) -> dict[str, float]:
 
 def dump_grads(rt: Runtime) -> None:
     """Write every parameter's full gradient (after reduction, before clipping) on rank 0."""
-    grads = full_grads_by_name(rt.model, rt.state)
+    grads = full_main_grads(rt.model, rt.optimizer, rt.state)
     if rt.state.rank == 0:
         path = Path(rt.cfg.logging.dir) / f"grads_step{rt.step + 1}.pt"
         tmp = path.with_name(path.name + ".tmp")

@@ -258,8 +258,6 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         if value != 1:
             raise ConfigError(f"{key}={value}: {issue} is not available in this version yet; use {key}=1 "
                               "(data and tensor parallelism via parallel.dp and parallel.tp work)")
-    if p.zero:
-        raise ConfigError("parallel.zero=1 is not available in this version yet; use parallel.zero=0")
     if p.virtual_stages != 1:
         raise ConfigError("parallel.virtual_stages > 1 needs pipeline parallelism, not available yet; use 1")
     if t.precision == "fp16":
