@@ -78,10 +78,12 @@ def _load_optimizer_by_name(model: nn.Module, optimizer: DistributedOptimizer, s
 
 
 def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
-         state: ParallelState | None, dev: torch.device, tracker: RNGTracker | None = None) -> Path:
+         state: ParallelState | None, dev: torch.device, tracker: RNGTracker | None = None,
+         extra: dict[str, Any] | None = None) -> Path:
     """Collectively write the checkpoint of ``step`` (every rank calls this; rank 0 writes the tensors).
 
-    ``state`` None: a single process without process groups.
+    ``state`` None: a single process without process groups. ``extra``: more JSON-able training
+    state for meta.json (skipped steps, the fp16 loss scaler).
     """
     rank, world_size = (state.rank, state.dims.world_size) if state is not None else (0, 1)
     root = Path(cfg.checkpoint.save)  # type: ignore[arg-type]
@@ -100,7 +102,7 @@ def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimi
         torch.save(weights, tmp / "model.pt")
         torch.save(optim_state, tmp / "optimizer.pt")
         meta = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
-                "world_size": world_size, "config": to_dict(cfg)}
+                "world_size": world_size, "config": to_dict(cfg), **(extra or {})}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     if world_size > 1:
         dist.barrier()

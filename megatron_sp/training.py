@@ -32,6 +32,7 @@ from .config import Config
 from .errors import TrainingError, UserError
 from .mpu import ParallelDims, ParallelState, init_default_group, initialize
 from .mpu.random import get_tracker, init_rng
+from .optim.grad_scaler import DynamicLossScaler
 from .optim import DistributedOptimizer, lr_at, named_trainable
 from .parity import full_main_grads
 
@@ -144,8 +145,10 @@ class Runtime:
     tokenizer: Any
     train_ds: Any
     valid_ds: Any
+    scaler: DynamicLossScaler
     step: int = 0
     consumed_samples: int = 0
+    skipped_steps: int = 0
 
 
 def setup(cfg: Config) -> Runtime:
@@ -186,9 +189,11 @@ def setup(cfg: Config) -> Runtime:
     # Gradients: fp32 main-grad buffer reduced over dp_cp in buckets during backward; bf16 keeps bf16
     # params with fp32 masters; parallel.zero=1 shards the optimizer state and masters over dp_cp.
     optimizer = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
-                                     precision="bf16" if cfg.train.precision == "bf16" else "fp32")
-
+                                     precision=cfg.train.precision)
     t = cfg.train
+    scaler = DynamicLossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init,
+                               growth_interval=t.loss_scale_window, hysteresis=t.loss_scale_hysteresis)
+
     n_train = t.iters * t.global_batch_size  # type: ignore[operator]
     n_valid = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0  # type: ignore[operator]
     if rank == 0:
@@ -197,19 +202,22 @@ def setup(cfg: Config) -> Runtime:
     if rank != 0:
         train_ds, valid_ds = build_datasets(cfg, tokenizer, n_train, n_valid)
 
-    rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds)
+    rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds, scaler)
     if cfg.checkpoint.load:
         ckpt = checkpointing.resolve(cfg.checkpoint.load)
         meta = checkpointing.load(ckpt, model, optimizer, state, dev, cfg.train.seed, tracker)
         rt.step, rt.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
+        rt.skipped_steps = int(meta.get("skipped_steps", 0))
+        if scaler.enabled and "loss_scaler" in meta:
+            scaler.load_state_dict(meta["loss_scaler"])
         log.info("resumed from %s at step %d", ckpt, rt.step)
     return rt
 
 
 
 def _autocast(cfg: Config, dev: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.train.precision == "bf16":
-        return torch.autocast(dev.type, dtype=torch.bfloat16)
+    if cfg.train.precision in ("bf16", "fp16"):
+        return torch.autocast(dev.type, dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float16)
     return contextlib.nullcontext()
 
 
@@ -248,20 +256,30 @@ def train_step(rt: Runtime) -> dict[str, float]:
         with _autocast(cfg, rt.device):
             token_losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"])
         loss = (token_losses.float() * mb["loss_mask"]).sum() / denom
-        loss.backward()
+        (loss * rt.scaler.scale if rt.scaler.enabled else loss).backward()
         loss_sum += loss.detach().double().cpu()
     opt.finish_grad_sync()
+    if rt.scaler.enabled:
+        opt.scale_grads(rt.scaler.inv_scale)
     global_loss = _global_sum([loss_sum.item()], rt)[0]
     if cfg.logging.dump_grads_step == rt.step + 1:
         dump_grads(rt)
     lr = lr_at(rt.step, cfg.train)
     grad_norm, stepped = opt.step(lr, cfg.train.clip_grad)
-    if not stepped or not math.isfinite(global_loss):
-        raise TrainingError(f"step {rt.step + 1}: loss {global_loss} / grad norm {grad_norm} is not finite; "
-                            "lower train.lr or check the data")
     rt.step += 1
     rt.consumed_samples += cfg.train.global_batch_size  # type: ignore[operator]
-    return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens}
+    if rt.scaler.enabled:
+        rt.scaler.update(found_inf=not stepped)
+    if not stepped:
+        if not (rt.scaler.enabled or cfg.train.skip_nan_steps):
+            raise TrainingError(f"step {rt.step}: gradient norm {grad_norm} is not finite; lower train.lr, check the "
+                                "data, or set train.skip_nan_steps=true")
+        rt.skipped_steps += 1
+        log.warning("step %d skipped: gradient norm %s is not finite%s", rt.step, grad_norm,
+                    f" (loss scale now {rt.scaler.scale:g})" if rt.scaler.enabled else "")
+    elif not math.isfinite(global_loss):
+        raise TrainingError(f"step {rt.step}: loss {global_loss} is not finite; lower train.lr or check the data")
+    return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens, "stepped": stepped}
 
 
 def dump_grads(rt: Runtime) -> None:
@@ -365,7 +383,10 @@ def _loop(rt: Runtime) -> None:
             record = {"step": rt.step, "loss": float(np.mean([w["loss"] for w in window])), "lr": out["lr"],
                       "grad_norm": out["grad_norm"], "tokens_per_s": tp["tokens_per_s"], "tflops": tp["tflops"],
                       "mfu": tp["mfu"], "memory_bytes": device_mod.memory_bytes(rt.device),
-                      "world_size": st.dims.world_size, "consumed_samples": rt.consumed_samples}
+                      "world_size": st.dims.world_size, "consumed_samples": rt.consumed_samples,
+                      "skipped_steps": rt.skipped_steps}
+            if rt.scaler.enabled:
+                record["loss_scale"] = rt.scaler.scale
             metrics.write(record)
             log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | MFU %.1f%% | ETA %s",
                      rt.step, cfg.train.iters, record["loss"], out["lr"], out["grad_norm"], tp["tokens_per_s"],
@@ -380,7 +401,8 @@ def _loop(rt: Runtime) -> None:
         if cfg.checkpoint.save and ((cfg.checkpoint.interval and rt.step % cfg.checkpoint.interval == 0)
                                     or (done and cfg.checkpoint.save_at_end)):
             checkpointing.save(cfg, rt.step, rt.consumed_samples, rt.model, rt.optimizer, st, rt.device,
-                               get_tracker())
+                               get_tracker(), extra={"skipped_steps": rt.skipped_steps,
+                                                     "loss_scaler": rt.scaler.state_dict()})
             t_window = time.perf_counter()
     metrics.close()
     if cfg.train.sample_prompt and st.dp_rank == 0 and st.cp_rank == 0:  # one model replica (its TP ranks) decodes

@@ -187,7 +187,8 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
               "model.ffn_hidden_size", "model.seq_length", "model.ffn_multiple_of", "model.make_vocab_size_divisible_by",
               "parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp", "parallel.virtual_stages",
               "parallel.timeout_s", "train.iters", "train.micro_batch_size", "train.global_batch_size",
-              "train.eval_iters", "logging.interval", "train.sample_tokens", "tokenizer.vocab_size")
+              "train.eval_iters", "logging.interval", "train.sample_tokens", "tokenizer.vocab_size",
+              "train.loss_scale_init", "train.loss_scale_window", "train.loss_scale_hysteresis")
     _positive(cfg, "train.lr", "train.min_lr", "train.lr_warmup_iters", "train.weight_decay", "train.clip_grad",
               "train.eval_interval", "checkpoint.interval", "checkpoint.keep", "logging.dump_grads_step", "logging.peak_tflops",
               "model.hidden_dropout", "model.attention_dropout", allow_zero=True)
@@ -260,8 +261,6 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
                               "(data and tensor parallelism via parallel.dp and parallel.tp work)")
     if p.virtual_stages != 1:
         raise ConfigError("parallel.virtual_stages > 1 needs pipeline parallelism, not available yet; use 1")
-    if t.precision == "fp16":
-        raise ConfigError("train.precision=fp16 (loss scaling) is not available in this version yet; use bf16 or fp32")
     if p.device is None:
         from .. import device as _device
         p.device = _device.default_device_type()

@@ -85,7 +85,13 @@ class TrainConfig:
     grad_accum_steps: int | None = doc(None, "Derived: micro-batches per rank per step = global_batch_size / "
                                              "(micro_batch_size · dp).")
     seed: int = doc(1234, "Seed of the model initialisation, data order and dropout.")
-    precision: str = doc("fp32", "fp32 | bf16 (bf16 autocast, fp32 params and grads) | fp16.")
+    precision: str = doc("fp32", "fp32 | bf16 (bf16 params, fp32 master params and grad accumulation) | fp16 "
+                                 "(like bf16, with dynamic loss scaling: overflowing steps are skipped).")
+    skip_nan_steps: bool = doc(False, "fp32/bf16: skip a step whose gradient norm is inf/NaN (logged) instead of "
+                                      "stopping with an error. fp16 always skips overflowing steps.")
+    loss_scale_init: float = doc(65536.0, "fp16: initial loss scale.")
+    loss_scale_window: int = doc(1000, "fp16: grow the loss scale ×2 after this many steps without overflow.")
+    loss_scale_hysteresis: int = doc(2, "fp16: overflows tolerated before the loss scale is halved.")
     lr: float = doc(3e-4, "Peak learning rate.")
     min_lr: float = doc(3e-5, "Learning rate at the end of the decay.")
     lr_warmup_iters: int = doc(0, "Linear warm-up steps from 0 to lr.")

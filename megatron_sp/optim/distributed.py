@@ -97,7 +97,7 @@ from ..errors import ConfigError, DataError
 from ..mpu import ParallelState, comm
 from ..mpu.comm import Pending
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -149,7 +149,7 @@ class DistributedOptimizer:
             grads and norm counting; mp for the norm). None: one process, no communication.
         zero: 0 (every rank holds the full optimizer state) or 1 (state and master weights
             sharded over dp_cp).
-        precision: ``"fp32"`` (params are the fp32 masters) or ``"bf16"`` (params become bf16,
+        precision: ``"fp32"`` (params are the fp32 masters) or ``"bf16"`` / ``"fp16"`` (params become 16-bit,
             fp32 masters kept here). Gradients always accumulate in fp32.
         bucket_bytes: target size of a bucket's fp32 gradient.
 
@@ -165,7 +165,7 @@ class DistributedOptimizer:
             raise ConfigError(f"parallel.zero = {zero}: must be 0 or 1")
         if precision not in PRECISIONS:
             raise ConfigError(f"precision '{precision}' is not supported by DistributedOptimizer "
-                              f"(one of {sorted(PRECISIONS)}; fp16 needs a loss scaler)")
+                              f"(one of {sorted(PRECISIONS)})")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes = {bucket_bytes} must be positive")
         named = list(named_params)
@@ -453,6 +453,12 @@ class DistributedOptimizer:
         return self._align_cache[key]
 
     # ---------------------------------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the reduced main grads by ``factor`` (fp16: undo the loss scale before the norm)."""
+        self.finish_grad_sync()
+        self.grad_buffer.mul_(factor)
 
     def zero_grad(self) -> None:
         """Zero the main grads and re-arm the reduction for the next step."""

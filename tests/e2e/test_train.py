@@ -91,3 +91,25 @@ def test_missing_data_is_one_line_naming_the_file(tmp_path):
     assert "Traceback" not in p.stderr
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "missing_text_document" in lines[0] and "preprocess_data.py" in lines[0], p.stderr
+
+
+def test_fp16_loss_scaler_skips_overflows_and_recovers(tmp_path, byte_data):
+    """fp16 with an absurd initial loss scale: early steps overflow and are skipped, the scale backs off,
+    then training proceeds (finite losses)."""
+    train(tmp_path, byte_data, "train.iters=14", "train.precision=fp16", "train.loss_scale_init=1e9",
+          "train.loss_scale_hysteresis=1", "parallel.dp=2")
+    m = metrics(tmp_path)
+    assert m[1]["skipped_steps"] == 1 and m[1]["loss_scale"] == 5e8
+    assert 1 <= m[14]["skipped_steps"] < 14
+    assert m[14]["loss_scale"] < 1e30
+    last = max(s for s in m if m[s]["skipped_steps"] == m[14]["skipped_steps"] and s > 1 and
+               m[s - 1]["skipped_steps"] < m[s]["skipped_steps"])  # the last skipped step
+    assert last < 14                                              # steps after it were taken
+    assert all(torch.isfinite(torch.tensor(m[s]["loss"])) for s in m)
+
+
+def test_nan_stops_with_the_step_unless_skipped(tmp_path, byte_data):
+    p = train(tmp_path / "stop", byte_data, "train.iters=3", "train.lr=1e30", "train.clip_grad=0",
+              expect_ok=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "is not finite" in p.stderr and "step " in p.stderr
