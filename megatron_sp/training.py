@@ -6,7 +6,7 @@ then on every rank: process groups → data → model → optimizer → (resume)
 
 One step (``train_step``) is short and linear: split this rank's share of the global batch into
 micro-batches → count valid tokens over dp_cp → forward/backward each micro-batch with
-``loss = Σ token losses / global valid tokens`` (DDP sums, never averages) → global grad norm and
+``loss = Σ token losses / global valid tokens`` (gradients summed over dp_cp, never averaged) → global grad norm and
 clip → optimizer step.
 """
 from __future__ import annotations
