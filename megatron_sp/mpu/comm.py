@@ -146,6 +146,18 @@ def all_reduce(t: torch.Tensor, group: Any, op: Any = ReduceOp.SUM) -> torch.Ten
     return t.copy_(buf)
 
 
+def all_reduce_async(t: torch.Tensor, group: Any) -> Pending:
+    """Start a SUM all-reduce of the contiguous ``t`` in place; ``wait()`` returns ``t`` reduced."""
+    n = group_size(group)
+    if n == 1:
+        return Pending(None, t)
+    if not t.is_contiguous():
+        raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
+    if _ACTIVE_COUNTERS:
+        _record("all_reduce", 2.0 * (n - 1) / n * t.numel() * t.element_size())
+    return Pending(dist.all_reduce(t, op=ReduceOp.SUM, group=group, async_op=True), t)
+
+
 # ---------------------------------------------------------------------------------------------
 # all-gather
 

@@ -48,10 +48,8 @@ divided by the global token count). Invariants of the async handles:
 * ZeRO-1: a reduce-scatter per bucket; the reduced chunk is copied into this rank's chunk of
   ``grad_buffer``. After ``finish_grad_sync`` ONLY this rank's chunks of ``grad_buffer`` (so of
   ``main_grad``) hold reduced values; use ``main_grads_by_name()`` for full gradients.
-* Without ZeRO: ``comm`` offers no asynchronous all-reduce, so the all-reduce is done as its two
-  ring halves: the reduce-scatter is launched from the hook (overlapping backward), the all-gather
-  of the reduced chunk back into the bucket in ``finish_grad_sync`` (not overlapped). The bytes
-  equal one ring all-reduce. Every ``main_grad`` is then fully reduced.
+* Without ZeRO: an asynchronous all-reduce of the bucket in place, launched from the hook (so the
+  whole reduction overlaps backward). Every ``main_grad`` is then fully reduced.
 * One data-parallel rank: no bookkeeping and no communication.
 
 ``finish_grad_sync()`` then sums the gradients of ``sequence_parallel``-tagged parameters over TP
@@ -349,7 +347,9 @@ class DistributedOptimizer:
 
     def _launch(self, bucket: _Bucket) -> None:
         region = self.grad_buffer[bucket.start:bucket.start + bucket.numel]
-        bucket.reduce = comm.reduce_scatter_async(region, self._dp_group)
+        # ZeRO-1: each rank keeps its reduced chunk; otherwise every rank needs the whole reduced bucket.
+        bucket.reduce = (comm.reduce_scatter_async(region, self._dp_group) if self._sharded
+                         else comm.all_reduce_async(region, self._dp_group))
         bucket.launched = True
         self._next_launch = bucket.index + 1
 
@@ -373,18 +373,12 @@ class DistributedOptimizer:
         if self.dp_size > 1:
             for bucket in self._buckets[self._next_launch:]:
                 self._launch(bucket)
-            gathers: list[Pending] = []
             for bucket, piece in zip(self._buckets, self._grad_pieces):
                 assert bucket.reduce is not None
                 reduced = bucket.reduce.wait()
                 bucket.reduce = None
                 if self._sharded:
-                    piece.copy_(reduced)
-                else:  # the second half of the all-reduce
-                    region = self.grad_buffer[bucket.start:bucket.start + bucket.numel]
-                    gathers.append(comm.all_gather_async(reduced, self._dp_group, out=region))
-            for pending in gathers:
-                pending.wait()
+                    piece.copy_(reduced)  # (an all-reduce already reduced the bucket in place)
         self._synced = True
         if self._sp_params and self.state is not None and self.state.tp_size > 1:
             self.sync_grads_over(self._sp_params, self.state.tp_group)
