@@ -51,6 +51,7 @@ from torch import nn
 
 from megatron_sp import device as device_mod
 from megatron_sp.config.schema import ModelConfig
+from megatron_sp.mpu import comm
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.random import TP_DIFFERENT, RNGTracker, checkpoint, get_tracker
@@ -85,13 +86,13 @@ def arch_spec(arch: str) -> ArchSpec:
 class TensorParallel:
     """How the model is split over its tensor-parallel group; the default is the plain model.
 
-    ``group`` is the TP process group (``None`` outside torch.distributed: size 1). Under
+    ``group`` is the TP process group (default ``comm.LOCAL``: this process alone). Under
     ``sequence_parallel`` the activations between TP regions are ``[s/t, b, h]``. ``tracker``
     holds the "tp-different" RNG stream used for dropout on TP-sharded tensors (see
     ``megatron_sp.mpu.random``); ``recompute`` is ``none | selective | full``.
     """
 
-    group: Any = None
+    group: Any = comm.LOCAL
     size: int = 1
     rank: int = 0
     sequence_parallel: bool = False

@@ -85,9 +85,16 @@ def _record(op: str, nbytes: float) -> None:
         counter.record(op, nbytes)
 
 
+LOCAL = "local"
+"""A group of this process alone: every collective over it is the identity, whatever the world.
+
+(``None`` means torch's default group, i.e. every rank.) A model built without tensor parallelism
+uses it, so that building one inside a data-parallel job does not shard it over the world."""
+
+
 def group_size(group: Any) -> int:
-    """Ranks in ``group`` (1 when torch.distributed is not initialised)."""
-    if not dist.is_available() or not dist.is_initialized():
+    """Ranks in ``group`` (1 for ``LOCAL`` or when torch.distributed is not initialised)."""
+    if group is LOCAL or not dist.is_available() or not dist.is_initialized():
         return 1
     size = dist.get_world_size(group)
     if size < 1:
@@ -96,8 +103,8 @@ def group_size(group: Any) -> int:
 
 
 def group_rank(group: Any) -> int:
-    """This process's rank inside ``group`` (0 when torch.distributed is not initialised)."""
-    if not dist.is_available() or not dist.is_initialized():
+    """This process's rank inside ``group`` (0 for ``LOCAL`` or when torch.distributed is not initialised)."""
+    if group is LOCAL or not dist.is_available() or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
 

@@ -1,0 +1,509 @@
+"""How much of the data-parallel gradient reduction the DistributedOptimizer hides behind backward.
+
+Two gloo ranks (dp = 2, ``run_distributed``) train a small GPT for a few steps; each step is
+``zero_grad`` → forward → backward (the optimizer's post-accumulate-grad hooks launch each bucket's
+reduction as soon as its parameters have their gradients) → ``finish_grad_sync`` (waits) → ``step``.
+Four optimizers, each on its own copy of the same model and data, take steps in turn (so other
+load on the shared cores hits all alike): ZeRO-1 off/on × small buckets (``--bucket-bytes``:
+several buckets, the early ones launched while backward still runs) / one bucket (``bucket_bytes``
+huge: the only bucket is ready with the last gradient and launched as backward ends, i.e. the
+no-overlap baseline).
+
+Method
+------
+The benchmark (never the library) swaps ``megatron_sp.mpu.comm``'s asynchronous collectives — the
+functions the optimizer calls: ``reduce_scatter_async`` (ZeRO-1), ``all_reduce_async`` (ZeRO off),
+``all_gather_async`` (ZeRO-1 parameters in ``step``; ZeRO off in earlier revisions) — for timed
+versions and records with ``time.perf_counter`` in each rank, per collective: when its launch call
+began and returned, when it completed, when the optimizer's ``wait()`` began and returned; per
+step: the ends of forward, backward (``loss.backward()`` returned), ``finish_grad_sync`` and
+``step``. A collective is in flight from the return of its launch call to its completion; for the
+gradient collectives (launched during backward or in ``finish_grad_sync``)::
+
+    hidden = Σ_ops |[launched, done] ∩ (−∞, backward end]|  ÷  Σ_ops (done − launched)
+
+and, counting concurrent collectives once, the same over the union of the intervals ("wall").
+The time inside the launch calls runs on the main thread and is reported apart ("launch").
+
+Completion time. A gloo collective runs on the process group's worker threads, which complete the
+``Work``'s future; an ``add_done_callback`` stamps the time. All-reduces and all-gathers are the
+optimizer's real calls, stamped this way. Reduce-scatters cannot be: gloo implements
+``reduce_scatter_single`` (ProcessGroupGloo::``reduce_scatter_tensor_coalesced``) as a clone of the
+input on the calling thread + an async all-reduce of the clone, returned as a ``LambdaWork`` that
+waits and copies this rank's chunk inside ``wait()`` — it has no future and ``is_completed()``
+never becomes true. So the timed ``reduce_scatter_async`` performs exactly those steps itself
+(clone, ``dist.all_reduce(async_op=True)``, chunk copy in ``wait()``; checked bit-identical to the
+library call at start-up), which exposes the all-reduce's future. ``wait()`` return times are no
+substitute: the optimizer waits only in ``finish_grad_sync``, after backward, so every op would
+look unfinished when backward ends.
+
+Limits
+------
+* The callback needs the GIL: its stamp can lag completion by up to the interpreter's switch
+  interval (5 ms) while the main thread runs Python (backward mostly runs without the GIL).
+* A collective launched after backward (in ``finish_grad_sync``) cannot overlap at all: "bound"
+  is the share of the in-flight time of those launched before backward ends. The current
+  optimizer launches every bucket from the hooks (ZeRO off: one all-reduce per bucket; earlier
+  revisions did a reduce-scatter in backward + an all-gather in ``finish_grad_sync``, of which
+  only the first half could overlap); the last bucket (the embedding, whose gradient comes last)
+  is launched as backward ends, so it is hardly hidden either.
+* [launched, done] includes waiting for the other rank to launch the same collective (rank skew)
+  and queueing behind earlier collectives on the worker threads, so Σ in flight grows with the
+  number of buckets; the wall column counts concurrent ones once.
+* On this CPU the "background" transfer and gloo's summation share the 2 cores with both ranks'
+  compute: hidden communication still slows backward. The step times (small buckets vs one
+  bucket) are the real test; "finish" is the exposed part of the reduction.
+
+Run from the repo root:  python tools/bench/grad_overlap.py [--bucket-bytes 1048576] [--steps 10] [--verbose]
+Prints a table, notes (--verbose: rank 0's per-collective timeline of the last step), then one
+JSON line with every number.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:
+    import megatron_sp  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron_sp import config
+from megatron_sp.config import Config
+from megatron_sp.model import GPTModel
+from megatron_sp.model.transformer import TensorParallel
+from megatron_sp.mpu import ParallelDims, ParallelState, comm, initialize
+from megatron_sp.optim import DistributedOptimizer, named_trainable
+from megatron_sp.testing import run_distributed
+
+WORLD = 2
+ONE_BUCKET = 1 << 50  # bucket_bytes larger than any model: one bucket
+GRAD_PHASES = ("backward", "finish")  # ops launched here reduce gradients
+TRACED = tuple(name for name in ("reduce_scatter_async", "all_reduce_async", "all_gather_async") if hasattr(comm, name))
+"""The asynchronous collectives of ``comm`` (the ones the optimizer calls) that exist in this revision."""
+KINDS = ("reduce_scatter", "all_reduce", "all_gather")
+KIND_LABEL = {"reduce_scatter": "RS", "all_reduce": "AR", "all_gather": "AG"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bucket-bytes", type=int, default=2**20, help="the small-bucket configuration's bucket_bytes")
+    p.add_argument("--arch", default="neox", choices=("neox", "llama"))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="micro-batch per rank (one micro-batch per step)")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="bf16: bf16 params (fp32 masters) under autocast, as the trainer")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--verbose", action="store_true", help="print rank 0's per-op timeline of the last timed step")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """A finalized Config from the flags (derived sizes from the config loader)."""
+    cfg = config.load(overrides=["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte",
+                                 f"model.arch={args.arch}", f"model.num_layers={args.layers}",
+                                 f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}",
+                                 f"model.seq_length={args.seq}"])
+    config.set_vocab(cfg, args.vocab)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ tracing
+
+
+@dataclass
+class Op:
+    """One asynchronous collective the optimizer issued; times are ``perf_counter`` seconds."""
+
+    kind: str  # one of KINDS
+    phase: str  # backward | finish | step: where it was launched
+    nbytes: int  # input bytes
+    launch: float
+    launched: float = 0.0  # when the launch call returned (the RS clone runs on the caller's thread)
+    done: float | None = None  # the work's future completed (callback)
+    wait_start: float | None = None
+    wait_end: float | None = None
+
+    @property
+    def end(self) -> float:
+        """Completion: the callback stamp, else (no callback ran) when ``wait()`` returned."""
+        stamps = [t for t in (self.done, self.wait_end) if t is not None]
+        return min(stamps)
+
+
+@dataclass
+class Tracer:
+    """Collects the ops of the current configuration; ``phase`` is set by the step loop."""
+
+    phase: str = "idle"
+    ops: list[Op] = field(default_factory=list)
+
+
+TRACER = Tracer()
+
+
+class TimedPending:
+    """Stands in for ``comm.Pending``: ``wait()`` stamps its start and return around ``finish``."""
+
+    def __init__(self, op: Op, finish: Callable[[], torch.Tensor]) -> None:
+        self._op = op
+        self._finish = finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._op.wait_start = time.perf_counter()
+            self._result = self._finish()
+            self._op.wait_end = time.perf_counter()
+        return self._result
+
+
+def _stamp_done(op: Op, work: Any) -> None:
+    def done(_: Any) -> None:
+        op.done = time.perf_counter()
+    work.get_future().add_done_callback(done)
+
+
+def gloo_reduce_scatter_async(t: torch.Tensor, group: Any, tracer: Tracer | None = None) -> Any:
+    """gloo's ``reduce_scatter_single`` done step by step (clone, async all-reduce, chunk copy in
+    ``wait()``), so the all-reduce's future gives the completion time. Same result as
+    ``comm.reduce_scatter_async`` for a dim-0 reduce-scatter (checked by ``check_replica``)."""
+    n = comm.group_size(group)
+    if n == 1:
+        return comm.Pending(None, t)
+    if t.shape[0] % n:
+        raise ValueError(f"reduce_scatter: dim 0 of {tuple(t.shape)} is not divisible by {n}")
+    op = Op("reduce_scatter", tracer.phase if tracer else "idle", t.numel() * t.element_size(), time.perf_counter())
+    buf = t.contiguous().clone()
+    out = torch.empty((t.shape[0] // n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    _stamp_done(op, work)
+    op.launched = time.perf_counter()
+    if tracer is not None:
+        tracer.ops.append(op)
+    rank = comm.group_rank(group)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out.copy_(buf.chunk(n)[rank])
+    return TimedPending(op, finish)
+
+
+@contextmanager
+def traced(tracer: Tracer) -> Iterator[None]:
+    """Swap comm's async collectives for timed versions while the block runs (this process only)."""
+    originals = {name: getattr(comm, name) for name in TRACED}
+
+    def timed(kind: str, call: Callable[[], Any], nbytes: int) -> Any:
+        op = Op(kind, tracer.phase, nbytes, time.perf_counter())
+        pending = call()
+        op.launched = time.perf_counter()
+        if pending._work is None:  # a group of one: nothing to time
+            return pending
+        _stamp_done(op, pending._work)
+        tracer.ops.append(op)
+        return TimedPending(op, pending.wait)
+
+    def reduce_scatter_async(t: torch.Tensor, group: Any) -> Any:
+        return gloo_reduce_scatter_async(t, group, tracer)
+
+    def all_reduce_async(t: torch.Tensor, group: Any) -> Any:
+        return timed("all_reduce", lambda: originals["all_reduce_async"](t, group), t.numel() * t.element_size())
+
+    def all_gather_async(t: torch.Tensor, group: Any, out: torch.Tensor | None = None) -> Any:
+        return timed("all_gather", lambda: originals["all_gather_async"](t, group, out=out), t.numel() * t.element_size())
+
+    wrappers = {"reduce_scatter_async": reduce_scatter_async, "all_reduce_async": all_reduce_async,
+                "all_gather_async": all_gather_async}
+    for name in originals:
+        setattr(comm, name, wrappers[name])
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(comm, name, fn)
+
+
+def check_replica(group: Any, seed: int) -> bool:
+    """Whether the timed reduce-scatter returns exactly what the library's (gloo's) does."""
+    x = torch.randn(4096 * comm.group_size(group), generator=torch.Generator().manual_seed(seed + comm.group_rank(group)))
+    ours = gloo_reduce_scatter_async(x, group).wait()
+    theirs = comm.reduce_scatter_async(x, group).wait()
+    return bool(torch.equal(ours, theirs))
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+@dataclass
+class Setup:
+    """One configuration on this rank: its model copy, optimizer and per-step records."""
+
+    name: str
+    zero: int
+    bucket_bytes: int
+    model: torch.nn.Module
+    opt: DistributedOptimizer
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+
+def make_setups(args: argparse.Namespace, cfg: Config, state: ParallelState) -> list[Setup]:
+    """ZeRO off/on × small buckets/one bucket, each on its own model built from the same seed."""
+    tp = TensorParallel(group=state.tp_group, size=1, rank=0)  # explicit: group None would mean the world
+    setups = []
+    for zero in (0, 1):
+        for label, bucket_bytes in (("small buckets", args.bucket_bytes), ("one bucket", ONE_BUCKET)):
+            model = GPTModel(cfg.model, seed=args.seed, tp=tp).train()
+            opt = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=zero, precision=args.precision,
+                                       bucket_bytes=bucket_bytes)
+            setups.append(Setup(f"zero={zero} {label}", zero, bucket_bytes, model, opt))
+    return setups
+
+
+def train_step(s: Setup, tokens: torch.Tensor, labels: torch.Tensor, bf16: bool) -> dict[str, Any]:
+    """One traced step of ``s``; returns its phase times and the ops it issued (times from step start)."""
+    first = len(TRACER.ops)
+    t0 = time.perf_counter()
+    TRACER.phase = "zero_grad"
+    s.opt.zero_grad()
+    TRACER.phase = "forward"
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        token_losses = s.model(tokens, labels=labels)  # [b, s]
+    loss = token_losses.float().sum() / (token_losses.numel() * WORLD)  # normalised by the global token count
+    t_fwd = time.perf_counter()
+    TRACER.phase = "backward"
+    loss.backward()
+    t_bwd = time.perf_counter()
+    TRACER.phase = "finish"
+    s.opt.finish_grad_sync()
+    t_sync = time.perf_counter()
+    TRACER.phase = "step"
+    s.opt.step(lr=1e-4, clip=1.0)
+    t_end = time.perf_counter()
+    TRACER.phase = "idle"
+    ops = TRACER.ops[first:]
+    return {"t0": t0, "forward": t_fwd - t0, "backward": t_bwd - t_fwd, "finish": t_sync - t_bwd,
+            "optimizer_step": t_end - t_sync, "step": t_end - t0, "backward_end": t_bwd, "ops": ops}
+
+
+def union_length(spans: list[tuple[float, float]], cut: float) -> tuple[float, float]:
+    """Total length of the union of ``spans`` and the part of it before ``cut``."""
+    total = before = 0.0
+    lo = hi = None
+    for a, b in sorted(spans) + [(float("inf"), float("inf"))]:
+        if hi is None or a > hi:
+            if hi is not None:
+                total += hi - lo
+                before += max(0.0, min(hi, cut) - lo)
+            lo, hi = a, b
+        else:
+            hi = max(hi, b)
+    return total, before
+
+
+def summarize_step(rec: dict[str, Any]) -> dict[str, Any]:
+    """Per op kind: in-flight and hidden reduction time of one step (seconds), launch cost, and the op timeline.
+
+    An op is in flight from the return of its launch call to its completion; the launch call itself
+    (gloo's reduce-scatter clones its input there) runs on the main thread and is counted apart.
+    """
+    bwd_end, t0 = rec.pop("backward_end"), rec.pop("t0")
+    out: dict[str, Any] = {k: v for k, v in rec.items() if k != "ops"}
+    totals = {f"{kind}_{what}": 0.0 for kind in KINDS for what in ("time", "hidden")}
+    totals.update(launch_time=0.0, hideable_time=0.0)
+    timeline = []
+    grad_spans, gather_spans = [], []
+    for op in rec["ops"]:
+        end = op.end
+        timeline.append({"kind": op.kind, "phase": op.phase, "nbytes": op.nbytes, "launch": op.launch - t0,
+                         "launched": op.launched - t0, "done": None if op.done is None else op.done - t0,
+                         "wait_start": None if op.wait_start is None else op.wait_start - t0,
+                         "wait_end": None if op.wait_end is None else op.wait_end - t0, "backward_end": bwd_end - t0})
+        if op.phase not in GRAD_PHASES:
+            gather_spans.append((op.launch, end))
+            continue
+        grad_spans.append((op.launched, end))
+        totals[f"{op.kind}_time"] += end - op.launched
+        totals[f"{op.kind}_hidden"] += max(0.0, min(end, bwd_end) - op.launched)
+        totals["launch_time"] += op.launched - op.launch
+        if op.launched < bwd_end:
+            totals["hideable_time"] += end - op.launched
+    out.update(totals)
+    out["wall_time"], out["wall_hidden"] = union_length(grad_spans, bwd_end)
+    out["param_gather_wall"] = union_length(gather_spans, bwd_end)[0]
+    out["grad_ops"] = sum(op.phase in GRAD_PHASES for op in rec["ops"])
+    out["grad_kinds"] = sorted({op.kind for op in rec["ops"] if op.phase in GRAD_PHASES})
+    out["missing_callbacks"] = sum(op.done is None for op in rec["ops"])
+    out["timeline"] = timeline
+    return out
+
+
+def rank_run(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train every configuration in turn on this rank; returns the per-step summaries."""
+    state = initialize(ParallelDims(dp=world_size))
+    cfg = build_config(args)
+    replica_ok = check_replica(state.dp_cp_group, args.seed)
+    setups = make_setups(args, cfg, state)
+    gen = torch.Generator().manual_seed(args.seed + rank)  # each data-parallel rank its own batch
+    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()  # [b, s]
+    with traced(TRACER):
+        for i in range(args.warmup + args.steps):
+            for s in setups:  # configurations alternate step by step
+                rec = train_step(s, tokens, labels, args.precision == "bf16")
+                if i >= args.warmup:
+                    s.steps.append(rec)
+                TRACER.ops.clear()
+    # Callbacks run on gloo's threads; every op has been waited, so they have all had their chance.
+    return {"rank": rank, "replica_matches_gloo": replica_ok,
+            "configs": [{"name": s.name, "zero": s.zero, "bucket_bytes": s.bucket_bytes,
+                         "buckets": len(s.opt._buckets), "steps": [summarize_step(r) for r in s.steps]}
+                        for s in setups]}
+
+
+def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` looked up in this file imported under its module name, so that run_distributed's
+    forkserver children unpickle it by that name (the script's directory is ``sys.path[0]``)."""
+    if fn.__module__ != "__main__":
+        return fn
+    here = Path(__file__).resolve()
+    if str(here.parent) not in sys.path:
+        sys.path.insert(0, str(here.parent))
+    return getattr(importlib.import_module(here.stem), fn.__name__)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def combine(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per configuration: phase times (median over steps of the slower rank), fractions pooled over ranks and steps."""
+    rows = []
+    for i, first in enumerate(per_rank[0]["configs"]):
+        steps = [r["configs"][i]["steps"] for r in per_rank]  # [rank][step]
+        n_steps, per_step = len(steps[0]), len(steps[0]) * len(per_rank)
+
+        def slowest(key: str, steps: list[list[dict[str, Any]]] = steps, n_steps: int = n_steps) -> list[float]:
+            return [max(rank_steps[j][key] for rank_steps in steps) for j in range(n_steps)]
+
+        def pooled(key: str, steps: list[list[dict[str, Any]]] = steps) -> float:
+            return sum(st[key] for rank_steps in steps for st in rank_steps)
+
+        row = {k: first[k] for k in ("name", "zero", "bucket_bytes", "buckets")}
+        row.update({f"{k}_ms": 1e3 * statistics.median(slowest(k))
+                    for k in ("step", "forward", "backward", "finish", "optimizer_step")})
+        row["step_ms_min"] = 1e3 * min(slowest("step"))
+        row["grad_kinds"] = steps[0][0]["grad_kinds"]
+        row["grad_ops_per_step"] = steps[0][0]["grad_ops"]
+        total = sum(pooled(f"{k}_time") for k in KINDS)
+        for kind in KINDS:
+            t = pooled(f"{kind}_time")
+            row[f"{kind}_ms"] = 1e3 * t / per_step  # mean in-flight time per rank per step
+            row[f"{kind}_hidden"] = pooled(f"{kind}_hidden") / t if t else None
+        row["comm_ms"] = 1e3 * total / per_step
+        row["hidden"] = sum(pooled(f"{k}_hidden") for k in KINDS) / total if total else 0.0
+        row["wall_ms"] = 1e3 * pooled("wall_time") / per_step
+        row["wall_hidden"] = pooled("wall_hidden") / pooled("wall_time") if pooled("wall_time") else 0.0
+        row["hideable"] = pooled("hideable_time") / total if total else 0.0
+        row["hidden_ms"] = 1e3 * sum(pooled(f"{k}_hidden") for k in KINDS) / per_step
+        row["launch_ms"] = 1e3 * pooled("launch_time") / per_step
+        row["param_gather_ms"] = 1e3 * pooled("param_gather_wall") / per_step
+        row["missing_callbacks"] = int(pooled("missing_callbacks"))
+        row["per_rank_hidden"] = [
+            sum(st[f"{k}_hidden"] for st in rank_steps for k in KINDS)
+            / max(1e-12, sum(st[f"{k}_time"] for st in rank_steps for k in KINDS)) for rank_steps in steps]
+        row["last_step_timeline_rank0"] = steps[0][-1]["timeline"]
+        rows.append(row)
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def print_report(args: argparse.Namespace, per_rank: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """The table, the notes, the verbose timeline and the JSON line."""
+    print(f"gradient-reduction overlap at dp={WORLD} (gloo, {args.arch} L={args.layers} h={args.hidden} s={args.seq} "
+          f"b={args.batch}/rank, {args.precision}, {rows[0]['buckets']} buckets of <= ~{args.bucket_bytes:,} B vs one); "
+          f"ms: median over {args.steps} steps of the slower rank")
+    print(f"{'configuration':22} {'grad collectives':>22} {'step':>7} {'fwd':>6} {'bwd':>6} {'finish':>6} {'opt':>6} "
+          f"{'launch':>6} {'Σ flight':>8} {'hidden':>7} {'wall':>6} {'hidden':>7} {'bound':>6}")
+    for r in rows:
+        kinds = "+".join(f"{r['grad_ops_per_step'] // max(1, len(r['grad_kinds']))} {KIND_LABEL[k]}" for k in r["grad_kinds"])
+        print(f"{r['name']:22} {kinds:>22} {r['step_ms']:>7.1f} {r['forward_ms']:>6.1f} {r['backward_ms']:>6.1f} "
+              f"{r['finish_ms']:>6.1f} {r['optimizer_step_ms']:>6.1f} {r['launch_ms']:>6.1f} {r['comm_ms']:>8.1f} "
+              f"{r['hidden']:>7.1%} {r['wall_ms']:>6.1f} {r['wall_hidden']:>7.1%} {r['hideable']:>6.1%}")
+    print("Σ flight = Σ over the step's gradient collectives of [launch call returned, done] (ms per rank per step; "
+          "done = the work's future callback); hidden = Σ of their parts before backward ends ÷ Σ flight. wall = the "
+          "union of those intervals (concurrent collectives counted once), hidden = its part before backward ends. "
+          "bound = the share of Σ flight of collectives launched before backward ends (the rest cannot overlap). "
+          "launch = time inside the launch calls (main thread). finish = backward end -> finish_grad_sync return "
+          "(the exposed reduction). fwd/bwd/finish/opt: phase medians, so they need not add up to step.")
+
+    print("\nnotes:")
+    by = {(r["zero"], r["bucket_bytes"] == ONE_BUCKET): r for r in rows}
+    for zero in (0, 1):
+        small, one = by.get((zero, False)), by.get((zero, True))
+        if small and one:
+            kinds = ", ".join(f"{KIND_LABEL[k]} {_pct(small[f'{k}_hidden'])}" for k in small["grad_kinds"])
+            print(f"  zero={zero}: step {small['step_ms']:.1f} ms with small buckets vs {one['step_ms']:.1f} ms with one "
+                  f"({one['step_ms'] / small['step_ms']:.3f}x); exposed finish {small['finish_ms']:.1f} vs "
+                  f"{one['finish_ms']:.1f} ms; backward {small['backward_ms']:.1f} vs {one['backward_ms']:.1f} ms; "
+                  f"hidden {small['hidden_ms']:.1f} of {small['comm_ms']:.1f} ms in flight ({kinds}).")
+    for r in rows:
+        if r["param_gather_ms"]:
+            print(f"  {r['name']}: ZeRO parameter all-gathers in step: {r['param_gather_ms']:.1f} ms wall per rank "
+                  "(waited at once, so not overlapped; not counted above).")
+    print("  per-rank hidden fractions: " + "; ".join(
+        f"{r['name']} " + "/".join(f"{h:.1%}" for h in r["per_rank_hidden"]) for r in rows))
+    ok = all(p["replica_matches_gloo"] for p in per_rank)
+    print(f"  timed reduce-scatter == library reduce-scatter (bitwise): {'yes' if ok else 'NO'}; ops without a "
+          f"completion callback: {sum(r['missing_callbacks'] for r in rows)} (wait() return used); GIL switch interval "
+          f"{sys.getswitchinterval() * 1e3:.1f} ms (the most a callback stamp lags completion while the main thread runs "
+          "Python).")
+    if args.verbose:
+        for r in rows:
+            tl = r["last_step_timeline_rank0"]
+            print(f"\n-- {r['name']}: rank 0, last timed step, ms from step start (backward ends at "
+                  f"{tl[0]['backward_end'] * 1e3 if tl else 0:.1f})")
+            for op in tl:
+                def ms(t: float | None) -> str:
+                    return "-" if t is None else f"{t * 1e3:.1f}"
+                print(f"  {op['kind']:14} {op['phase']:8} {op['nbytes']:>10,} B  launch {ms(op['launch'])}..{ms(op['launched'])}"
+                      f"  done {ms(op['done'])}  wait {ms(op['wait_start'])}..{ms(op['wait_end'])}")
+    slim = [{k: v for k, v in r.items() if k != "last_step_timeline_rank0" or args.verbose} for r in rows]
+    print(json.dumps({"bench": "grad_overlap", "torch": torch.__version__, "world": WORLD, "config": vars(args),
+                      "traced": list(TRACED), "replica_matches_gloo": ok, "rows": slim}))
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the dp=2 training on gloo ranks and print the report; returns the rows."""
+    args = parse_args(argv)
+    if args.steps < 1 or args.bucket_bytes < 1:
+        raise SystemExit("--steps and --bucket-bytes must be positive")
+    per_rank = run_distributed(_importable(rank_run), WORLD, args=args)
+    rows = combine(per_rank)
+    print_report(args, per_rank, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
