@@ -9,17 +9,21 @@ that rank with its traceback; the other ranks are terminated rather than left ha
 collective.
 
 ``fn`` must be importable by the children: a module-level function of a module on ``sys.path``
-(pytest test modules qualify).
+(pytest test modules qualify) or of the script being run (``__main__``: looked up again in that
+file imported under its own name, so benchmark scripts can define their rank functions).
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
@@ -41,6 +45,17 @@ def _context() -> Any:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(_PRELOAD)
     return _CTX
+
+
+def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` itself, or for a function of the ``__main__`` script the same function from that file
+    imported by module name (children unpickle functions by module name)."""
+    if getattr(fn, "__module__", None) != "__main__":
+        return fn
+    main_file = Path(sys.modules["__main__"].__file__).resolve()  # type: ignore[arg-type]
+    if str(main_file.parent) not in sys.path:
+        sys.path.insert(0, str(main_file.parent))
+    return getattr(importlib.import_module(main_file.stem), fn.__name__)
 
 
 def free_port() -> int:
@@ -80,6 +95,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float
 
     ``init=False`` leaves process-group creation to ``fn`` (the torchrun variables are set).
     """
+    fn = _importable(fn)
     ctx = _context()
     results = ctx.Queue()
     port = free_port()

@@ -31,10 +31,9 @@ Prints a table, notes, then one JSON line with every number.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -441,17 +440,6 @@ def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
     return rows
 
 
-def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` looked up in this file imported under its module name, so that run_distributed's
-    forkserver children unpickle it by that name (the script's directory is ``sys.path[0]``)."""
-    if fn.__module__ != "__main__":
-        return fn
-    here = Path(__file__).resolve()
-    if str(here.parent) not in sys.path:
-        sys.path.insert(0, str(here.parent))
-    return getattr(importlib.import_module(here.stem), fn.__name__)
-
-
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -533,7 +521,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if t == 1:
             rows += rank_rows(0, 1, args)
         else:
-            rows += run_distributed(_importable(rank_rows), t, args=args)[0]  # rank 0's numbers
+            rows += run_distributed(rank_rows, t, args=args)[0]  # rank 0's numbers
     print_report(args, rows)
     return rows
 

@@ -27,10 +27,8 @@ Prints a table, notes on rows off their theory, then one JSON line with every nu
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,17 +150,6 @@ def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
     return rows
 
 
-def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` looked up in this file imported under its module name, so that run_distributed's
-    forkserver children unpickle it by that name (the script's directory is ``sys.path[0]``)."""
-    if fn.__module__ != "__main__":
-        return fn
-    here = Path(__file__).resolve()
-    if str(here.parent) not in sys.path:
-        sys.path.insert(0, str(here.parent))
-    return getattr(importlib.import_module(here.stem), fn.__name__)
-
-
 def finish_row(args: argparse.Namespace, row: dict[str, Any]) -> dict[str, Any]:
     """Add the totals, the theory, the ratio and the per-op differences to a measured row."""
     ring = (row["tp"] - 1) / row["tp"] * args.seq * args.batch * args.hidden * ELEMENT_BYTES
@@ -238,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             raise SystemExit(f"--tp {t}: needs t > 1 dividing heads ({args.heads}) and seq ({args.seq})")
     rows: list[dict[str, Any]] = []
     for t in sizes:
-        rows += run_distributed(_importable(rank_rows), t, args=args)[0]  # rank 0's numbers
+        rows += run_distributed(rank_rows, t, args=args)[0]  # rank 0's numbers
     rows = [finish_row(args, r) for r in rows]
     print_report(args, rows)
     return rows

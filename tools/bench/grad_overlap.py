@@ -61,7 +61,6 @@ JSON line with every number.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -380,17 +379,6 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
                         for s in setups]}
 
 
-def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` looked up in this file imported under its module name, so that run_distributed's
-    forkserver children unpickle it by that name (the script's directory is ``sys.path[0]``)."""
-    if fn.__module__ != "__main__":
-        return fn
-    here = Path(__file__).resolve()
-    if str(here.parent) not in sys.path:
-        sys.path.insert(0, str(here.parent))
-    return getattr(importlib.import_module(here.stem), fn.__name__)
-
-
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -499,7 +487,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     if args.steps < 1 or args.bucket_bytes < 1:
         raise SystemExit("--steps and --bucket-bytes must be positive")
-    per_rank = run_distributed(_importable(rank_run), WORLD, args=args)
+    per_rank = run_distributed(rank_run, WORLD, args=args)
     rows = combine(per_rank)
     print_report(args, per_rank, rows)
     return rows

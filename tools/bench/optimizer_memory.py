@@ -39,11 +39,10 @@ Prints a table, notes, then one JSON line with every number.
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -171,17 +170,6 @@ def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
     return rows
 
 
-def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` looked up in this file imported under its module name, so that run_distributed's
-    forkserver children unpickle it by that name (the script's directory is ``sys.path[0]``)."""
-    if fn.__module__ != "__main__":
-        return fn
-    here = Path(__file__).resolve()
-    if str(here.parent) not in sys.path:
-        sys.path.insert(0, str(here.parent))
-    return getattr(importlib.import_module(here.stem), fn.__name__)
-
-
 def finish_row(row: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
     """Add totals, bytes/param, the theory, the ratio and the padding to rank 0's row."""
     n, d, precision, zero = row["n_params"], row["dp"], row["precision"], row["zero"]
@@ -274,7 +262,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             raise SystemExit(f"--precision {precision}: one of {sorted(PARAM_BYTES)}")
     rows: list[dict[str, Any]] = []
     for d in sizes:
-        per_rank = [rank_rows(0, 1, args)] if d == 1 else run_distributed(_importable(rank_rows), d, args=args)
+        per_rank = [rank_rows(0, 1, args)] if d == 1 else run_distributed(rank_rows, d, args=args)
         for i, row in enumerate(per_rank[0]):
             rows.append(finish_row(row, [ranks[i] for ranks in per_rank[1:]]))
     rows.sort(key=lambda r: (args.precision.split(",").index(r["precision"]), r["zero"], r["dp"]))
