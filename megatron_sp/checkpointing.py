@@ -36,7 +36,7 @@ from .config import Config, to_dict
 from .errors import DataError
 from .mpu import ParallelState
 from .mpu.random import RNGTracker
-from .mpu.sharding import gather_full, local_shard, stored_shape
+from .mpu.sharding import gather_full, local_shard, stored_name, stored_shape
 from .optim import DistributedOptimizer, named_trainable
 
 FORMAT_VERSION = 1
@@ -63,14 +63,18 @@ def _optimizer_by_name(model: nn.Module, optimizer: DistributedOptimizer,
 
 def _load_optimizer_by_name(model: nn.Module, optimizer: DistributedOptimizer, saved: dict[str, Any],
                             path: Path, state: ParallelState | None) -> None:
-    by_name = dict(named_trainable(model))
+    named = named_trainable(model)
     entries = saved.get("state", {}) if isinstance(saved, dict) else {}
-    unknown = sorted(set(entries) - set(by_name))
+    stored = {stored_name(n, p) for n, p in named}
+    unknown = sorted(set(entries) - stored) if state is None or state.pp_size == 1 else []
     if unknown:
         raise DataError(f"{path}: optimizer state for unknown parameters {unknown[:3]}; the checkpoint does not match "
                         "this model config")
-    mine = {name: {k: (local_shard(v, by_name[name], state) if v.dim() else v) for k, v in entry.items()}
-            for name, entry in entries.items() if name in by_name}
+    mine = {}
+    for name, p in named:  # a tied copy takes the embedding's state (same init, same synced grads)
+        entry = entries.get(stored_name(name, p))
+        if entry is not None:
+            mine[name] = {k: (local_shard(v, p, state) if v.dim() else v) for k, v in entry.items()}
     try:
         optimizer.load_state_dict_by_name(mine)
     except DataError as exc:
@@ -179,7 +183,7 @@ def load_model_state(model: nn.Module, ckpt: Path, state: ParallelState | None) 
     """
     path = ckpt / "model.pt"
     saved = _torch_load(path)
-    own = dict(named_trainable(model))
+    own = {stored_name(n, p): p for n, p in named_trainable(model)}
     tp = state.tp_size if state is not None else 1
     missing = sorted(set(own) - set(saved))
     unexpected = sorted(set(saved) - set(own)) if state is None or state.pp_size == 1 else []

@@ -30,11 +30,12 @@ from torch import nn
 from . import checkpointing, config as config_mod, device as device_mod, metrics as metrics_mod
 from .config import Config
 from .errors import TrainingError, UserError
-from .mpu import ParallelDims, ParallelState, init_default_group, initialize
+from .mpu import ParallelDims, ParallelState, comm, init_default_group, initialize
 from .mpu.random import get_tracker, init_rng
 from .optim.grad_scaler import DynamicLossScaler
 from .optim import DistributedOptimizer, lr_at, named_trainable
 from .parity import full_main_grads
+from .pipeline import forward_backward, forward_only, tied_embedding_params
 
 log = logging.getLogger("megatron_sp")
 
@@ -154,8 +155,8 @@ class Runtime:
 def setup(cfg: Config) -> Runtime:
     """Everything before the first step, on every rank."""
     from .data import build_datasets
-    from .model import GPTModel
     from .model.transformer import TensorParallel
+    from .pipeline import build_stage
 
     p = cfg.parallel
     if not dist.is_initialized():
@@ -185,7 +186,7 @@ def setup(cfg: Config) -> Runtime:
     tp = TensorParallel(group=state.tp_group, size=state.tp_size, rank=state.tp_rank,
                         sequence_parallel=p.sequence_parallel, recompute_allgather=p.tp_recompute_allgather,
                         recompute=cfg.model.recompute, tracker=tracker)
-    model: nn.Module = GPTModel(cfg.model, seed=cfg.train.seed, tp=tp).to(dev)
+    model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, tp).to(dev)  # the whole model when pp == 1
     # Gradients: fp32 main-grad buffer reduced over dp_cp in buckets during backward; bf16 keeps bf16
     # params with fp32 masters; parallel.zero=1 shards the optimizer state and masters over dp_cp.
     optimizer = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
@@ -249,18 +250,26 @@ def train_step(rt: Runtime) -> dict[str, float]:
     n_micro = cfg.train.grad_accum_steps
     global_tokens = _global_sum([float(batch["loss_mask"].sum())], rt)[0]
     denom = max(global_tokens, 1.0)
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    for i in range(n_micro):  # type: ignore[arg-type]
-        mb = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
-        opt.sync_grads = i == n_micro - 1  # reduce over dp_cp only during the last micro-batch's backward
-        with _autocast(cfg, rt.device):
-            token_losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"])
-        loss = (token_losses.float() * mb["loss_mask"]).sum() / denom
-        (loss * rt.scaler.scale if rt.scaler.enabled else loss).backward()
-        loss_sum += loss.detach().double().cpu()
+    micro_batches = [{k: v[i * micro:(i + 1) * micro] for k, v in batch.items()} for i in range(n_micro)]  # type: ignore[arg-type]
+    st = rt.state
+
+    def loss_fn(token_losses: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (token_losses.float() * mb["loss_mask"]).sum() / denom
+
+    # 1F1B through the pipeline (plain accumulation when pp == 1); the optimizer reduces gradients over
+    # dp_cp only during the last micro-batch's backward.
+    loss_sum = forward_backward(model, micro_batches, st, loss_fn, "1f1b" if st.pp_size > 1 else "none",
+                                lambda on: setattr(opt, "sync_grads", on),
+                                grad_scale=rt.scaler.scale if rt.scaler.enabled else 1.0,
+                                forward_context=lambda: _autocast(cfg, rt.device))
     opt.finish_grad_sync()
+    tied = tied_embedding_params(model, st)
+    if tied:  # tied input/output embeddings on the first and last stage: sum their grads
+        opt.sync_grads_over(tied, st.embedding_group)
     if rt.scaler.enabled:
         opt.scale_grads(rt.scaler.inv_scale)
+    if st.pp_size > 1:  # the loss lives on the last stage
+        loss_sum = comm.all_reduce(loss_sum, st.pp_group)
     global_loss = _global_sum([loss_sum.item()], rt)[0]
     if cfg.logging.dump_grads_step == rt.step + 1:
         dump_grads(rt)
@@ -295,26 +304,27 @@ def dump_grads(rt: Runtime) -> None:
 @torch.no_grad()
 def evaluate(rt: Runtime) -> float:
     """Mean loss over ``eval_iters`` global batches of the validation split (same for every layout)."""
-    cfg, model = rt.cfg, rt.model
+    cfg, model, st = rt.cfg, rt.model, rt.state
     model.eval()
     gbs = cfg.train.global_batch_size
-    total, count = 0.0, 0.0
     micro = cfg.train.micro_batch_size
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0.0
     start0 = ((rt.step // cfg.train.eval_interval) * cfg.train.eval_iters * gbs) % max(1, len(rt.valid_ds))  # type: ignore[operator]
     for k in range(cfg.train.eval_iters):
         start = start0 + k * gbs  # type: ignore[operator]
         if start + gbs > len(rt.valid_ds):  # type: ignore[operator]
             start = 0
         batch = rank_batch(rt, rt.valid_ds, start)
-        for i in range(cfg.train.grad_accum_steps):  # type: ignore[arg-type]
-            mb = {kk: v[i * micro:(i + 1) * micro] for kk, v in batch.items()}
-            with _autocast(cfg, rt.device):
-                losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"])
-            total += float((losses.float() * mb["loss_mask"]).sum())
-            count += float(mb["loss_mask"].sum())
+        mbs = [{kk: v[i * micro:(i + 1) * micro] for kk, v in batch.items()} for i in range(cfg.train.grad_accum_steps)]  # type: ignore[arg-type]
+        total += forward_only(model, mbs, st, lambda tl, mb: (tl.float() * mb["loss_mask"]).sum(),
+                              forward_context=lambda: _autocast(cfg, rt.device))
+        count += float(batch["loss_mask"].sum())
     model.train()
-    total, count = _global_sum([total, count], rt)
-    return total / max(count, 1.0)
+    if st.pp_size > 1:
+        total = comm.all_reduce(total, st.pp_group)
+    total_sum, count_sum = _global_sum([total.item(), count], rt)
+    return total_sum / max(count_sum, 1.0)
 
 
 def run(cfg: Config) -> Runtime:
@@ -360,7 +370,8 @@ def _loop(rt: Runtime) -> None:
     rank0 = st.rank == 0
     metrics = metrics_mod.MetricsLogger(cfg, enabled=rank0, resume_step=rt.step)
     inner = getattr(rt.model, "module", rt.model)
-    n_params = sum(p.numel() for p in inner.parameters())
+    n_params = comm.all_reduce(torch.tensor(float(sum(p.numel() for p in inner.parameters()) if st.tp_rank == 0 else 0)),
+                               st.mp_group).item()  # every stage, each TP shard counted once
     peak = peak_flops_total(rt)
     fpt = flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # type: ignore[operator]
@@ -405,7 +416,9 @@ def _loop(rt: Runtime) -> None:
                                                      "loss_scaler": rt.scaler.state_dict()})
             t_window = time.perf_counter()
     metrics.close()
-    if cfg.train.sample_prompt and st.dp_rank == 0 and st.cp_rank == 0:  # one model replica (its TP ranks) decodes
+    if cfg.train.sample_prompt and st.pp_size > 1:
+        log.info("no sample: generation through pipeline stages is not available yet (parallel.pp > 1)")
+    elif cfg.train.sample_prompt and st.dp_rank == 0 and st.cp_rank == 0:  # one model replica (its TP ranks) decodes
         ids = rt.tokenizer.encode(cfg.train.sample_prompt)
         out_ids = generate(inner, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)
         log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(out_ids[len(ids):]))

@@ -254,13 +254,13 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     if p.zero not in (0, 1):
         raise ConfigError(f"parallel.zero: {p.zero} must be 0 or 1")
     # Dimensions whose implementation has not landed yet are refused here, not deep inside a layer.
-    for key, value, issue in (("parallel.pp", p.pp, "pipeline parallelism"),
-                              ("parallel.cp", p.cp, "context parallelism")):
-        if value != 1:
-            raise ConfigError(f"{key}={value}: {issue} is not available in this version yet; use {key}=1 "
-                              "(data and tensor parallelism via parallel.dp and parallel.tp work)")
+    if p.cp != 1:
+        raise ConfigError(f"parallel.cp={p.cp}: context parallelism is not available in this version yet; use "
+                          "parallel.cp=1 (data, tensor and pipeline parallelism work)")
+    if p.pp_schedule != "1f1b":
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} is not available in this version yet; use parallel.pp_schedule=1f1b")
     if p.virtual_stages != 1:
-        raise ConfigError("parallel.virtual_stages > 1 needs pipeline parallelism, not available yet; use 1")
+        raise ConfigError("parallel.virtual_stages > 1 needs the interleaved schedule, not available yet; use 1")
     if p.device is None:
         from .. import device as _device
         p.device = _device.default_device_type()
@@ -284,6 +284,9 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.grad_accum_steps {t.grad_accum_steps} != global_batch_size / (micro_batch_size·dp) "
                           f"= {t.global_batch_size} / {per_step} = {accum}; drop one of them")
     t.grad_accum_steps = accum
+    if p.pp > 1 and accum < p.pp:
+        raise ConfigError(f"{accum} micro-batches per step with parallel.pp {p.pp}: 1F1B needs at least pp; raise "
+                          "train.global_batch_size or lower train.micro_batch_size")
     if t.lr_decay_iters is None:
         t.lr_decay_iters = t.iters
     if t.min_lr > t.lr:

@@ -36,6 +36,8 @@ def gather_full(named: Iterable[tuple[str, nn.Parameter]], state: ParallelState 
     """
     out: dict[str, torch.Tensor] = {}
     for name, p in named:
+        if is_tied_copy(name, p):
+            continue  # the last stage's copy of the tied embedding: stored once, as embedding.weight
         local = tensor_of(p)
         if local is None:
             continue
@@ -52,6 +54,20 @@ def gather_full(named: Iterable[tuple[str, nn.Parameter]], state: ParallelState 
         dist.all_gather_object(stages, out, group=state.pp_group)
         out = {k: v for stage in stages for k, v in (stage or {}).items()}
     return out
+
+
+EMBEDDING = "embedding.weight"
+
+
+def is_tied_copy(name: str, param: nn.Parameter) -> bool:
+    """True for a pipeline's last-stage copy of a tied input/output embedding (kept in sync with
+    ``embedding.weight`` through the embedding group, so it is never stored separately)."""
+    return name != EMBEDDING and bool(getattr(param, "shared_embedding", False))
+
+
+def stored_name(name: str, param: nn.Parameter) -> str:
+    """The name under which a parameter's full tensor is stored (a tied copy reads the embedding's)."""
+    return EMBEDDING if is_tied_copy(name, param) else name
 
 
 def full_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:

@@ -48,3 +48,34 @@ def test_tp_checkpoint_resumes_bitwise_and_at_another_layout(tmp_path, byte_data
     for s in same:
         assert same[s]["loss"] == ref[s]["loss"], s                                 # same layout: bitwise
         assert abs(moved[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], s   # tp2 → tp1: reduction order only
+
+
+PP_LAYOUTS = {
+    "pp2": ([], ["parallel.pp=2"]),
+    "pp2_tp2_sp": ([], ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp2_dp2_zero1": ([], ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1"]),
+    "llama_tied_pp2": (LLAMA + ["model.tie_embeddings=true"], ["parallel.pp=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(PP_LAYOUTS))
+def test_pipeline_parallel_parity(tmp_path, byte_data, reference_run, name):
+    """1F1B pipeline (alone and with TP+SP, DP+ZeRO-1, tied embeddings) meets the parity standard."""
+    model, layout = PP_LAYOUTS[name]
+    ref = reference_run(*model)
+    train(tmp_path, byte_data, *PARITY, *model, *layout)
+    report = compare_runs(ref, tmp_path / "log")
+    assert report.ok, f"{name}: {report.describe()}"
+
+
+def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path, byte_data):
+    """A pp2 checkpoint of a tied llama (the embedding stored once) resumes at pp1 on the same trajectory."""
+    tied = LLAMA + ["model.tie_embeddings=true"]
+    full, first, other = tmp_path / "full", tmp_path / "first", tmp_path / "pp1"
+    train(full, byte_data, "train.iters=8", "parallel.pp=2", *tied)
+    train(first, byte_data, "train.iters=4", "parallel.pp=2", f"checkpoint.save={first}/ckpt", *tied)
+    train(other, byte_data, "train.iters=8", f"checkpoint.load={first}/ckpt", *tied)
+    ref, got = metrics(full), metrics(other)
+    assert sorted(got) == [5, 6, 7, 8]
+    for s in got:
+        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], s

@@ -98,9 +98,13 @@ def test_dp_derived_from_world_size():
 
 
 def test_not_yet_available_dimensions_are_refused_clearly():
-    for key in ("parallel.pp=2", "parallel.cp=2"):
+    for key in ("parallel.cp=2", "parallel.pp_schedule=interleaved"):
         with pytest.raises(ConfigError, match="not available in this version yet"):
             config.load(overrides=BASE + [key, "model.num_layers=2"])
+    with pytest.raises(ConfigError, match="1F1B needs at least pp"):
+        config.load(overrides=BASE + ["parallel.pp=2", "model.num_layers=2"])
+    ok = config.load(overrides=BASE + ["parallel.pp=2", "model.num_layers=2", "train.global_batch_size=2"])
+    assert ok.parallel.world_size == 2 and ok.train.grad_accum_steps == 2
 
 
 def test_bad_files(tmp_path):
