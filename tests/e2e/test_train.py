@@ -1,12 +1,9 @@
 """End-to-end runs of train.py: determinism, exact resume, and the parity standard for data parallelism."""
 from __future__ import annotations
 
-import pytest
 import torch
 
-from megatron_sp.parity import compare_runs
-
-from .runs import PARITY, metrics, train
+from .runs import metrics, train
 
 def test_same_seed_same_losses_and_resume_is_bitwise(tmp_path, byte_data):
     full, again, first, second = (tmp_path / n for n in ("full", "again", "first", "second"))
@@ -31,33 +28,6 @@ def test_same_seed_same_losses_and_resume_is_bitwise(tmp_path, byte_data):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (full / "ckpt" / "latest").read_text().strip() == "iter_0000010"
     assert (full / "log" / "config.yml").is_file()
-
-
-LAYOUTS = {
-    "dp2": (["parallel.dp=2"], []),
-    "dp4": (["parallel.dp=4"], []),
-    "dp2_eod_masked": (["parallel.dp=2"], ["data.eod_mask_loss=true"]),  # ranks hold different token counts
-    "dp2_zero1": (["parallel.dp=2", "parallel.zero=1"], []),
-    "dp3_zero1_odd": (["parallel.dp=3", "parallel.zero=1", "train.global_batch_size=12"],
-                      ["train.global_batch_size=12"]),  # buffer padded for an odd DP size
-    "dp2_tp2_sp_zero1": (["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=1"], []),
-}
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_data_parallel_parity(tmp_path, byte_data, reference_run, name):
-    """The parity standard: per-step loss 5e-6, step-1 grad norm 1e-5, every full gradient 1e-5."""
-    layout, common = LAYOUTS[name]
-    ref = reference_run(*common)
-    train(tmp_path, byte_data, *PARITY, *common, *layout)
-    report = compare_runs(ref, tmp_path / "log")
-    assert report.ok, report.describe()
-    assert len(report.steps) == 5 and report.worst_grad[0] != "(none)"
-    world = 1
-    for item in layout:
-        if item.startswith(("parallel.dp=", "parallel.tp=")):
-            world *= int(item.split("=")[1])
-    assert metrics(tmp_path)[1]["world_size"] == world
 
 
 def test_bf16_trains_and_starts_close_to_fp32(tmp_path, byte_data):

@@ -1,0 +1,34 @@
+"""Checkpoints across layouts end to end: same-layout resume is bitwise, other layouts continue."""
+from __future__ import annotations
+
+from .runs import metrics, train
+
+LLAMA = ["model.arch=llama", "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_multiple_of=32"]
+
+
+def test_tp_checkpoint_resumes_bitwise_and_at_another_layout(tmp_path, byte_data):
+    """tp2+SP: 5 steps + resume + 5 steps is bitwise the 10-step run; the same checkpoint resumes at tp1."""
+    tp2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    full, first, again, other = (tmp_path / n for n in ("full", "first", "again", "tp1"))
+    train(full, byte_data, "train.iters=10", *tp2)
+    train(first, byte_data, "train.iters=5", f"checkpoint.save={first}/ckpt", *tp2)
+    train(again, byte_data, "train.iters=10", f"checkpoint.load={first}/ckpt", *tp2)
+    train(other, byte_data, "train.iters=10", f"checkpoint.load={first}/ckpt", "parallel.tp=1")
+    ref, same, moved = metrics(full), metrics(again), metrics(other)
+    assert sorted(same) == sorted(moved) == [6, 7, 8, 9, 10]
+    for s in same:
+        assert same[s]["loss"] == ref[s]["loss"], s                                 # same layout: bitwise
+        assert abs(moved[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], s   # tp2 → tp1: reduction order only
+
+
+def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path, byte_data):
+    """A pp2 checkpoint of a tied llama (the embedding stored once) resumes at pp1 on the same trajectory."""
+    tied = LLAMA + ["model.tie_embeddings=true"]
+    full, first, other = tmp_path / "full", tmp_path / "first", tmp_path / "pp1"
+    train(full, byte_data, "train.iters=8", "parallel.pp=2", *tied)
+    train(first, byte_data, "train.iters=4", "parallel.pp=2", f"checkpoint.save={first}/ckpt", *tied)
+    train(other, byte_data, "train.iters=8", f"checkpoint.load={first}/ckpt", *tied)
+    ref, got = metrics(full), metrics(other)
+    assert sorted(got) == [5, 6, 7, 8]
+    for s in got:
+        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], s

@@ -1,0 +1,59 @@
+"""Every layout meets the parity standard against the 1-rank run (shared/DESIGN.md).
+
+One table: (model overrides shared with the reference run, layout overrides). Each run trains
+5 steps via train.py and is compared by ``parity.compare_runs``: per-step loss within 5e-6
+relative, step-1 grad norm within 1e-5, every full gradient within 1e-5 of max|ref|.
+"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_sp.parity import compare_runs
+
+from .runs import PARITY, metrics, train
+
+LLAMA = ["model.arch=llama", "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_multiple_of=32"]
+TIED = LLAMA + ["model.tie_embeddings=true"]
+SP = ["parallel.sequence_parallel=true"]
+
+LAYOUTS = {
+    # data parallelism, ZeRO-1, uneven masking
+    "dp2": ([], ["parallel.dp=2"]),
+    "dp4": ([], ["parallel.dp=4"]),
+    "dp2_eod_masked": (["data.eod_mask_loss=true"], ["parallel.dp=2"]),  # ranks hold different token counts
+    "dp2_zero1": ([], ["parallel.dp=2", "parallel.zero=1"]),
+    "dp3_zero1_odd": (["train.global_batch_size=12"], ["parallel.dp=3", "parallel.zero=1"]),  # padded buffer
+    "dp2_tp2_sp_zero1": ([], ["parallel.dp=2", "parallel.tp=2", *SP, "parallel.zero=1"]),
+    # tensor + sequence parallelism
+    "tp2": ([], ["parallel.tp=2"]),
+    "tp4": ([], ["parallel.tp=4"]),
+    "tp2_sp": ([], ["parallel.tp=2", *SP]),
+    "tp4_sp": ([], ["parallel.tp=4", *SP]),
+    "tp2_sp_no_recompute_allgather": ([], ["parallel.tp=2", *SP, "parallel.tp_recompute_allgather=false"]),
+    "tp2_sp_full_recompute": ([], ["parallel.tp=2", *SP, "model.recompute=full"]),
+    "tp2_sp_selective_recompute": ([], ["parallel.tp=2", *SP, "model.recompute=selective"]),
+    "llama_gqa_tp2_sp": (LLAMA, ["parallel.tp=2", *SP]),
+    "llama_gqa_tp4_kv_replicated": (LLAMA, ["parallel.tp=4", *SP]),
+    "llama_tied_tp2_sp": (TIED, ["parallel.tp=2", *SP]),
+    "tp2_sp_dp2": ([], ["parallel.tp=2", *SP, "parallel.dp=2"]),
+    # pipeline (1F1B)
+    "pp2": ([], ["parallel.pp=2"]),
+    "pp2_tp2_sp": ([], ["parallel.pp=2", "parallel.tp=2", *SP]),
+    "pp2_dp2_zero1": ([], ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1"]),
+    "llama_tied_pp2": (TIED, ["parallel.pp=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_parity(tmp_path, byte_data, reference_run, name):
+    model, layout = LAYOUTS[name]
+    ref = reference_run(*model)
+    train(tmp_path, byte_data, *PARITY, *model, *layout)
+    report = compare_runs(ref, tmp_path / "log")
+    assert report.ok, f"{name}: {report.describe()}"
+    assert len(report.steps) == 5 and report.worst_grad[0] != "(none)"
+    world = 1
+    for item in layout:
+        if item.startswith(("parallel.dp=", "parallel.tp=", "parallel.pp=")):
+            world *= int(item.split("=")[1])
+    assert metrics(tmp_path)[1]["world_size"] == world
