@@ -382,6 +382,7 @@ def _loop(rt: Runtime) -> None:
     window: list[dict[str, float]] = []
     t_window = time.perf_counter()
     t_start, start_step = t_window, rt.step
+    paused = 0.0  # seconds of validation and checkpointing inside the current window (not training)
     while rt.step < cfg.train.iters:
         out = train_step(rt)
         window.append(out)
@@ -389,7 +390,7 @@ def _loop(rt: Runtime) -> None:
         if rt.step % cfg.logging.interval == 0 or done:
             device_mod.synchronize(rt.device)
             now = time.perf_counter()
-            tp = metrics_mod.throughput(tokens_per_step * len(window), now - t_window, fpt, peak)
+            tp = metrics_mod.throughput(tokens_per_step * len(window), now - t_window - paused, fpt, peak)
             rate = (rt.step - start_step) / max(now - t_start, 1e-9)
             record = {"step": rt.step, "loss": float(np.mean([w["loss"] for w in window])), "lr": out["lr"],
                       "grad_norm": out["grad_norm"], "tokens_per_s": tp["tokens_per_s"], "tflops": tp["tflops"],
@@ -402,19 +403,19 @@ def _loop(rt: Runtime) -> None:
             log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | MFU %.1f%% | ETA %s",
                      rt.step, cfg.train.iters, record["loss"], out["lr"], out["grad_norm"], tp["tokens_per_s"],
                      100 * tp["mfu"], metrics_mod.format_eta((cfg.train.iters - rt.step) / max(rate, 1e-9)))
-            window, t_window = [], time.perf_counter()
+            window, t_window, paused = [], time.perf_counter(), 0.0
+        t_pause = time.perf_counter()
         if cfg.train.eval_interval and (rt.step % cfg.train.eval_interval == 0 or done) and rt.valid_ds is not None \
                 and len(rt.valid_ds) >= cfg.train.global_batch_size:  # type: ignore[operator]
             val = evaluate(rt)
             metrics.write({"step": rt.step, "val_loss": val})
             log.info("step %d | validation loss %.4f | perplexity %.2f", rt.step, val, math.exp(min(val, 50.0)))
-            t_window = time.perf_counter()
         if cfg.checkpoint.save and ((cfg.checkpoint.interval and rt.step % cfg.checkpoint.interval == 0)
                                     or (done and cfg.checkpoint.save_at_end)):
             checkpointing.save(cfg, rt.step, rt.consumed_samples, rt.model, rt.optimizer, st, rt.device,
                                get_tracker(), extra={"skipped_steps": rt.skipped_steps,
                                                      "loss_scaler": rt.scaler.state_dict()})
-            t_window = time.perf_counter()
+        paused += time.perf_counter() - t_pause
     metrics.close()
     if cfg.train.sample_prompt and st.pp_size > 1:
         log.info("no sample: generation through pipeline stages is not available yet (parallel.pp > 1)")
