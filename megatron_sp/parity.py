@@ -1,7 +1,7 @@
 """Gather every parameter's full (unsharded) gradient by name: the parity standard's witness.
 
 The parity standard (shared/DESIGN.md) compares, after step 1, each parameter's full gradient of
-a parallel layout against the 1-rank run. ``full_grads_by_name`` reassembles them from any layout:
+a parallel layout against the 1-rank run. ``full_main_grads`` reassembles them from any layout:
 TP-sharded parameters (``tensor_model_parallel``, ``partition_dim``) are all-gathered over the TP
 group and concatenated along their partition dim; pipeline stages contribute their own parameters
 (gathered over the PP group). Data/context-parallel replicas hold identical reduced gradients, so
@@ -29,12 +29,6 @@ def full_main_grads(model: nn.Module, optimizer: DistributedOptimizer,
     named = named_trainable(model)
     name_of = {id(p): n for n, p in named}
     return gather_full(named, state, lambda p: grads[name_of[id(p)]])
-
-
-def full_grads_by_name(model: nn.Module, state: ParallelState | None) -> dict[str, torch.Tensor]:
-    """{name: full fp32 gradient on CPU} for the whole model; collective over TP and PP groups."""
-    return gather_full(named_trainable(model), state,
-                       lambda p: (p.grad if p.grad is not None else torch.zeros_like(p)).float())
 
 
 def grad_diffs(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -1,9 +1,11 @@
-"""full_grads_by_name reassembles full gradients from TP shards and PP stages (world 4: tp2·pp2)."""
+"""gather_full (behind parity.full_main_grads) reassembles full gradients from TP shards and PP stages (tp2·pp2)."""
 import torch
 from torch import nn
 
 from megatron_sp.mpu import ParallelDims, initialize
-from megatron_sp.parity import full_grads_by_name, grad_diffs
+from megatron_sp.mpu.sharding import gather_full
+from megatron_sp.optim import named_trainable
+from megatron_sp.parity import grad_diffs
 from megatron_sp.testing import run_distributed
 
 
@@ -34,7 +36,7 @@ class _Stage(nn.Module):
 def _gather(rank, world):
     st = initialize(ParallelDims(tp=2, pp=2, world_size=world))
     model = _Stage(st.pp_rank, st.tp_rank, st.tp_size)
-    out = full_grads_by_name(model, st)
+    out = gather_full(named_trainable(model), st, lambda p: p.grad)
     st.destroy()
     return out
 

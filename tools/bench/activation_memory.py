@@ -49,7 +49,7 @@ except ImportError:
 
 from megatron_sp import config
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.gpt import init_full_tensor, init_kind
+from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.transformer import (
     MATH_ATTENTION_MAX_SCORES,
     RotaryEmbedding,
@@ -60,7 +60,6 @@ from megatron_sp.model.transformer import (
     rotary_dim,
 )
 from megatron_sp.mpu.random import checkpoint, get_tracker, init_rng
-from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.testing import run_distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -128,14 +127,9 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def build_layer(cfg: ModelConfig, tp: TensorParallel, seed: int) -> TransformerLayer:
-    """Layer 0 of a GPTModel with this rank's shards of the model's initial weights."""
-    layer = TransformerLayer(cfg, 0, tp)
-    with torch.no_grad():
-        for name, param in layer.named_parameters():
-            full_name = f"layers.0.{name}"
-            full = init_full_tensor(full_name, stored_shape(param, tp.size), init_kind(full_name), cfg, seed)
-            param.copy_(local_shard_of(full, param, tp.rank, tp.size))
-    return layer.train()
+    """Layer 0 of a GPTModel with this rank's shards of the model's initial weights (the model's own init)."""
+    stage = GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, tp=tp)
+    return stage.layers["0"].train()
 
 
 # ------------------------------------------------------------------------------------------------ recording

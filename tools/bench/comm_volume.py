@@ -41,11 +41,10 @@ except ImportError:
 
 from megatron_sp import config
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.gpt import init_full_tensor, init_kind
+from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.transformer import RotaryEmbedding, TensorParallel, TransformerLayer, rotary_dim
 from megatron_sp.mpu import comm
 from megatron_sp.mpu.random import get_tracker, init_rng
-from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.testing import run_distributed
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -81,14 +80,9 @@ def model_config(args: argparse.Namespace, arch: str) -> ModelConfig:
 
 
 def build_layer(cfg: ModelConfig, tp: TensorParallel, seed: int) -> TransformerLayer:
-    """Layer 0 of a GPTModel with this rank's shards of the model's initial weights."""
-    layer = TransformerLayer(cfg, 0, tp)
-    with torch.no_grad():
-        for name, param in layer.named_parameters():
-            full_name = f"layers.0.{name}"
-            full = init_full_tensor(full_name, stored_shape(param, tp.size), init_kind(full_name), cfg, seed)
-            param.copy_(local_shard_of(full, param, tp.rank, tp.size))
-    return layer.train()
+    """Layer 0 of a GPTModel with this rank's shards of the model's initial weights (the model's own init)."""
+    stage = GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, tp=tp)
+    return stage.layers["0"].train()
 
 
 # ------------------------------------------------------------------------------------------------ theory
