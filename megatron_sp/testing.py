@@ -80,13 +80,13 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, init:
         out = fn(rank, world_size, **kwargs)
         payload = ("ok", pickle.dumps(out))
     except BaseException:  # report everything, including SystemExit from code under test
-        payload = ("error", traceback.format_exc())
+        payload = ("error", (time.time(), traceback.format_exc()))
+    results.put((rank, *payload))  # before closing the group: peers fail only after this report is queued
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:
         pass
-    results.put((rank, *payload))
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float = 300.0, init: bool = True,
@@ -107,6 +107,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float
     error: RankError | None = None
     deadline = time.monotonic() + timeout_s + 30
     pending: list[Any] = []
+    errors: list[tuple[float, int, str]] = []  # (when it raised, rank, traceback)
     while len(out) < world_size and error is None:
         item = pending.pop(0) if pending else _get(results, 0.05)
         if item is not None:
@@ -114,7 +115,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float
             if status == "ok":
                 out[rank] = pickle.loads(data)
             else:
-                error = RankError(rank, data)
+                errors.append((data[0], rank, data[1]))
+                error = RankError(rank, data[1])
             continue
         for r, p in enumerate(procs):
             if r not in out and not p.is_alive() and p.exitcode not in (None, 0):
@@ -128,10 +130,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float
             missing = [r for r in range(world_size) if r not in out]
             error = RankError(missing[0], f"timed out after {timeout_s:.0f}s; ranks {missing} did not finish")
     if error is not None:
-        # Give the other ranks a moment to report their own errors, then stop them.
+        # Give the other ranks a moment to report their own errors, then stop them. The error that
+        # was raised first is the cause; the others are usually peers losing their connection to it.
         grace = time.monotonic() + 1.0
         while time.monotonic() < grace and any(p.is_alive() for p in procs):
-            time.sleep(0.02)
+            item = _get(results, 0.02)
+            if item is not None and item[1] == "error":
+                errors.append((item[2][0], item[0], item[2][1]))
+        if errors:
+            _, rank, detail = min(errors)
+            error = RankError(rank, detail)
         for p in procs:
             if p.is_alive():
                 p.kill()

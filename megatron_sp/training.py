@@ -35,7 +35,7 @@ from .mpu.random import get_tracker, init_rng
 from .optim.grad_scaler import DynamicLossScaler
 from .optim import DistributedOptimizer, lr_at, named_trainable
 from .parity import full_main_grads
-from .pipeline import forward_backward, forward_only, tied_embedding_params
+from .pipeline import ScheduleStats, agree_costs, forward_backward, forward_only, tied_embedding_params
 
 log = logging.getLogger("megatron_sp")
 
@@ -150,6 +150,7 @@ class Runtime:
     step: int = 0
     consumed_samples: int = 0
     skipped_steps: int = 0
+    pipeline_costs: dict[str, float] | None = None  # zero-bubble: the last step's agreed action costs
 
 
 def setup(cfg: Config) -> Runtime:
@@ -186,7 +187,13 @@ def setup(cfg: Config) -> Runtime:
     tp = TensorParallel(group=state.tp_group, size=state.tp_size, rank=state.tp_rank,
                         sequence_parallel=p.sequence_parallel, recompute_allgather=p.tp_recompute_allgather,
                         recompute=cfg.model.recompute, tracker=tracker)
-    model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, tp).to(dev)  # the whole model when pp == 1
+    model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, tp, virtual_stages=cfg.parallel.virtual_stages,
+                                   partition=cfg.parallel.pp_partition).to(dev)  # the whole model when pp == 1
+    if state.pp_size > 1:
+        from .pipeline import stage_chunks
+        stages = "; ".join(f"stage {r}: " + ", ".join(f"{c.start}-{c.stop - 1}" for c in stage_chunks(
+            cfg.model, p.pp, r, p.virtual_stages, p.pp_partition)) for r in range(p.pp))
+        log.info("pipeline: schedule %s, partition %s, layers %s", p.pp_schedule, p.pp_partition, stages)
     # Gradients: fp32 main-grad buffer reduced over dp_cp in buckets during backward; bf16 keeps bf16
     # params with fp32 masters; parallel.zero=1 shards the optimizer state and masters over dp_cp.
     optimizer = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
@@ -256,12 +263,17 @@ def train_step(rt: Runtime) -> dict[str, float]:
     def loss_fn(token_losses: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         return (token_losses.float() * mb["loss_mask"]).sum() / denom
 
-    # 1F1B through the pipeline (plain accumulation when pp == 1); the optimizer reduces gradients over
-    # dp_cp only during the last micro-batch's backward.
-    loss_sum = forward_backward(model, micro_batches, st, loss_fn, "1f1b" if st.pp_size > 1 else "none",
+    # The pipeline schedule (plain accumulation when pp == 1); the optimizer reduces gradients over
+    # dp_cp from the last gradient-producing action on.
+    # Zero-bubble: each step's table is list-scheduled on the action costs measured in the previous one.
+    stats = ScheduleStats()
+    loss_sum = forward_backward(model, micro_batches, st, loss_fn, cfg.parallel.pp_schedule,
                                 lambda on: setattr(opt, "sync_grads", on),
                                 grad_scale=rt.scaler.scale if rt.scaler.enabled else 1.0,
-                                forward_context=lambda: _autocast(cfg, rt.device))
+                                forward_context=lambda: _autocast(cfg, rt.device), stats=stats,
+                                costs=rt.pipeline_costs)
+    if cfg.parallel.pp_schedule == "zero_bubble" and st.pp_size > 1:
+        rt.pipeline_costs = agree_costs(stats, st)
     opt.finish_grad_sync()
     tied = tied_embedding_params(model, st)
     if tied:  # tied input/output embeddings on the first and last stage: sum their grads

@@ -177,7 +177,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
     _choice("model.arch", m.arch, ("neox", "llama"))
     _choice("parallel.cp_algo", p.cp_algo, ("ring", "zigzag", "llama3", "ulysses", "usp"))
-    _choice("parallel.pp_schedule", p.pp_schedule, ("1f1b", "interleaved", "zero_bubble"))
+    _choice("parallel.pp_schedule", p.pp_schedule, ("1f1b", "interleaved", "zero_bubble", "none"))
     _choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
     _choice("train.lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
     _choice("model.recompute", m.recompute, ("none", "selective", "full"))
@@ -246,9 +246,14 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     if p.sequence_parallel and m.seq_length % p.tp:
         raise ConfigError(f"model.seq_length {m.seq_length} must be divisible by parallel.tp {p.tp} under "
                           "parallel.sequence_parallel")
-    if m.num_layers % (p.pp * p.virtual_stages):
-        raise ConfigError(f"model.num_layers {m.num_layers} must be divisible by parallel.pp·virtual_stages = "
-                          f"{p.pp}·{p.virtual_stages}")
+    if p.pp_schedule == "interleaved" and (p.virtual_stages < 2 or p.pp < 2):
+        raise ConfigError(f"parallel.pp_schedule=interleaved needs parallel.pp >= 2 and parallel.virtual_stages >= 2 "
+                          f"(got {p.pp}, {p.virtual_stages})")
+    if p.virtual_stages != 1 and p.pp_schedule != "interleaved":
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp_schedule=interleaved")
+    from ..pipeline.partition import layer_split  # the split's own checks (uniform divisibility, explicit list)
+    if p.pp_partition != "balanced" or m.padded_vocab_size is not None:  # balanced counts need the vocabulary
+        layer_split(m, p.pp, p.virtual_stages, p.pp_partition)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set parallel.sequence_parallel=false")
     if p.zero not in (0, 1):
@@ -257,10 +262,6 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     if p.cp != 1:
         raise ConfigError(f"parallel.cp={p.cp}: context parallelism is not available in this version yet; use "
                           "parallel.cp=1 (data, tensor and pipeline parallelism work)")
-    if p.pp_schedule != "1f1b":
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} is not available in this version yet; use parallel.pp_schedule=1f1b")
-    if p.virtual_stages != 1:
-        raise ConfigError("parallel.virtual_stages > 1 needs the interleaved schedule, not available yet; use 1")
     if p.device is None:
         from .. import device as _device
         p.device = _device.default_device_type()
@@ -284,9 +285,8 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.grad_accum_steps {t.grad_accum_steps} != global_batch_size / (micro_batch_size·dp) "
                           f"= {t.global_batch_size} / {per_step} = {accum}; drop one of them")
     t.grad_accum_steps = accum
-    if p.pp > 1 and accum < p.pp:
-        raise ConfigError(f"{accum} micro-batches per step with parallel.pp {p.pp}: 1F1B needs at least pp; raise "
-                          "train.global_batch_size or lower train.micro_batch_size")
+    from ..pipeline.partition import check_micro_batches
+    check_micro_batches(accum, p.pp, p.pp_schedule)
     if t.lr_decay_iters is None:
         t.lr_decay_iters = t.iters
     if t.min_lr > t.lr:

@@ -64,8 +64,14 @@ class ParallelConfig:
                                              "input shard for backward and all-gather it again there (1/tp of the "
                                              "memory, one more all-gather); false caches the gathered input.")
     cp_algo: str = doc("ring", "Context-parallel attention: ring | zigzag | llama3 | ulysses | usp.")
-    pp_schedule: str = doc("1f1b", "Pipeline schedule: 1f1b | interleaved | zero_bubble.")
-    virtual_stages: int = doc(1, "Model chunks per pipeline rank (interleaved schedule).")
+    pp_schedule: str = doc("1f1b", "Pipeline schedule: 1f1b | interleaved (needs virtual_stages >= 2) | zero_bubble "
+                                   "(ZB-H1: backward split into input and weight gradients) | none (no pipelining: "
+                                   "one micro-batch at a time through all stages).")
+    virtual_stages: int = doc(1, "Model chunks per pipeline rank (interleaved schedule): rank r holds layer blocks "
+                                 "r, r+pp, r+2pp, ...")
+    pp_partition: str = doc("uniform", "Layers per pipeline stage: uniform | balanced (even parameter counts, "
+                                       "embedding on the first stage and output layer on the last counted) | a "
+                                       "comma-separated layer count per virtual stage, e.g. \"3,5\".")
     zero: int = doc(0, "ZeRO stage: 0 (off) or 1 (optimizer state sharded over DP).")
     backend: str | None = doc(None, "Derived unless set: torch.distributed backend, 'nccl' on CUDA, 'gloo' on CPU.")
     device: str | None = doc(None, "Derived unless set: 'cuda' when a GPU is visible, else 'cpu'.")

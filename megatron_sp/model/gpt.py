@@ -121,6 +121,10 @@ class GPTModel(nn.Module):
             ``padded_vocab_size`` set).
         seed: the initialisation seed (see ``init_full_tensor``).
         layer_range: global indices of the layers this stage holds (default: all).
+        layer_chunks: instead of ``layer_range``, the model chunks of an interleaved pipeline rank:
+            one range of global layer indices per chunk; ``forward(..., chunk=c)`` runs chunk ``c``.
+            The embedding runs before chunk 0, the final norm, output layer and loss after the
+            last chunk.
         pre_process: hold the input embedding (first stage).
         post_process: hold the final norm and output layer (last stage).
         tp: the tensor-parallel split (default: none). Parameters are this rank's shards of the
@@ -128,7 +132,8 @@ class GPTModel(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, seed: int, layer_range: range | None = None,
-                 pre_process: bool = True, post_process: bool = True, tp: TensorParallel | None = None) -> None:
+                 pre_process: bool = True, post_process: bool = True, tp: TensorParallel | None = None, *,
+                 layer_chunks: Sequence[range] | None = None) -> None:
         super().__init__()
         check_model_config(cfg)
         tp = tp or TensorParallel()
@@ -139,16 +144,24 @@ class GPTModel(nn.Module):
         self.post_process = post_process
         self.padded_vocab_size = cfg.padded_vocab_size
         self.vocab_size = cfg.vocab_size or cfg.padded_vocab_size
-        self.layer_range = range(cfg.num_layers) if layer_range is None else layer_range
-        if self.layer_range and (self.layer_range[0] < 0 or self.layer_range[-1] >= cfg.num_layers):
-            raise ValueError(f"layer_range {self.layer_range} outside 0..{cfg.num_layers - 1}")
+        if layer_chunks is not None and layer_range is not None:
+            raise ValueError("give layer_range or layer_chunks, not both")
+        if layer_chunks is None:
+            layer_chunks = [range(cfg.num_layers) if layer_range is None else layer_range]
+        self.layer_chunks = [range(r.start, r.stop) for r in layer_chunks]
+        indices = [i for r in self.layer_chunks for i in r]
+        if not self.layer_chunks or len(set(indices)) != len(indices) or \
+                any(not 0 <= i < cfg.num_layers for i in indices):
+            raise ValueError(f"layer chunks {self.layer_chunks}: need at least one chunk and distinct layer "
+                             f"indices in 0..{cfg.num_layers - 1}")
+        self.layer_range = self.layer_chunks[0] if len(self.layer_chunks) == 1 else indices
         self.hidden_dropout = cfg.hidden_dropout
 
         sp = tp.sequence_parallel and tp.size > 1
         self.embedding = (VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=tp.group,
                                                  sequence_parallel=sp) if pre_process else None)
         self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, tp) for i in self.layer_range})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, tp) for i in indices})
         self.final_norm = make_norm(cfg, tp) if post_process else None
         tied_here = cfg.tie_embeddings and pre_process
         # Output layer: column-parallel over the vocab; logits stay split ([s, b, V/t]) into the
@@ -183,20 +196,24 @@ class GPTModel(nn.Module):
         return self.embedding.weight
 
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage.
+                labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                chunk: int = 0) -> torch.Tensor:
+        """Run this stage (or its model chunk ``chunk``, see ``layer_chunks``).
 
         Args:
             tokens: ``[b, s]`` token ids (first stage; ignored otherwise).
             position_ids: ``[b, s]`` rotary positions (default ``arange(s)`` for every sample).
             labels: ``[b, s]`` target ids (last stage); ``-100`` (torch's ``ignore_index``) gives loss 0.
             hidden_states: ``[s, b, h]`` input of a stage without the embedding.
+            chunk: the model chunk to run (0 unless built with several ``layer_chunks``).
 
         Returns:
             last stage: logits ``[b, s, padded_vocab]`` when ``labels`` is None, else per-token
             cross-entropy ``[b, s]`` in fp32 (no reduction); other stages: hidden ``[s, b, h]``.
         """
-        if self.embedding is not None:
+        if not 0 <= chunk < len(self.layer_chunks):
+            raise ValueError(f"chunk {chunk} outside 0..{len(self.layer_chunks) - 1}")
+        if self.embedding is not None and chunk == 0:
             if tokens is None:
                 raise ValueError("the first stage needs tokens")
             x = self.embedding(tokens.t())  # [s/t, b, h] under SP, else [s, b, h]
@@ -214,12 +231,13 @@ class GPTModel(nn.Module):
         cos, sin = self.rotary(position_ids, seq_len, x.device, angle_dtype, rope_dtype)  # [s, b|1, rd/2]
 
         full_recompute = self.tp.recompute == "full" and self.training and torch.is_grad_enabled()
-        for layer in self.layers.values():
+        for index in self.layer_chunks[chunk]:
+            layer = self.layers[str(index)]
             if full_recompute:
                 x = checkpoint(layer, x, cos, sin, tracker=self.tp.tracker)  # keeps only the layer input
             else:
                 x = layer(x, cos, sin)  # [s/t, b, h] under SP, else [s, b, h]
-        if not self.post_process:
+        if not self.post_process or chunk != len(self.layer_chunks) - 1:
             return x
 
         x = self.final_norm(x)
@@ -242,8 +260,10 @@ class GPTModel(nn.Module):
         return total
 
 
-def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True) -> int:
-    """Parameters of the full model from the config alone (the same count as ``GPTModel.num_parameters``)."""
+def parameter_parts(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts of the model's parts from the config alone: ``embedding`` (the input table),
+    ``layer`` (one transformer layer), ``final_norm`` and ``output_layer`` (its own weight, counted
+    even when tied: a pipeline's last stage holds a copy)."""
     check_model_config(cfg)
     spec = arch_spec(cfg.arch)
     h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, head_dim(cfg)
@@ -253,11 +273,17 @@ def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True) -> int:
     mlp = 3 * h * f if spec.swiglu else 2 * h * f
     if spec.bias:
         mlp += (2 * f if spec.swiglu else f) + h
-    per_layer = attention + mlp + 2 * norm
     embedding = cfg.padded_vocab_size * h
-    total = cfg.num_layers * per_layer + norm + embedding  # final norm + output layer (or tied embedding)
+    return {"embedding": embedding, "layer": attention + mlp + 2 * norm, "final_norm": norm, "output_layer": embedding}
+
+
+def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True) -> int:
+    """Parameters of the full model from the config alone (the same count as ``GPTModel.num_parameters``)."""
+    parts = parameter_parts(cfg)
+    # final norm + output layer (or the tied embedding, counted here as the output layer)
+    total = cfg.num_layers * parts["layer"] + parts["final_norm"] + parts["output_layer"]
     if not cfg.tie_embeddings:
-        total += 0 if exclude_embeddings else embedding
+        total += 0 if exclude_embeddings else parts["embedding"]
     return total
 
 

@@ -52,7 +52,7 @@ from torch import nn
 from megatron_sp import device as device_mod
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.mpu import comm
-from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, set_tp_attributes
+from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.random import TP_DIFFERENT, RNGTracker, checkpoint, get_tracker
 
@@ -327,7 +327,7 @@ class ReplicatedGroupQKV(nn.Module):
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → ``[s, b, (r'+2)·d]`` for this rank's heads."""
         x_full = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)
         bias = self._rows(self.bias) if self.bias is not None else None
-        return F.linear(x_full, self._rows(self.weight), bias)
+        return linear(x_full, self._rows(self.weight), bias)  # weight grad deferrable (zero-bubble W)
 
 
 class SelfAttention(nn.Module):

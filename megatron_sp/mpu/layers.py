@@ -29,6 +29,7 @@ VocabParallelEmbedding.w    True                  0               False
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from . import comm
+from . import comm, weight_grad
 from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp
 from .memory import GatherBuffer, default_gather_buffer
 
@@ -123,6 +124,7 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
                 recompute_allgather: bool, buffer: GatherBuffer) -> torch.Tensor:
+        weight_input = weight
         x_shard, weight, bias = _autocast_cast(x_shard.device.type, x_shard, weight, bias)
         t = comm.group_size(group)
         full_shape = (t * x_shard.shape[0], *x_shard.shape[1:])
@@ -130,6 +132,7 @@ class _GatherLinear(torch.autograd.Function):
         x_full = comm.all_gather(x_shard, group, dim=0, out=out_buf)  # [s, b, in]
         out = F.linear(x_full, weight, bias)  # [s, b, out/t]
         ctx.save_for_backward(x_shard if recompute_allgather else x_full, weight)
+        ctx.weight_input = weight_input  # the tensor autograd knows (a deferred weight grad goes to it)
         ctx.group, ctx.recompute, ctx.buffer = group, recompute_allgather, buffer
         ctx.full_shape, ctx.has_bias = full_shape, bias is not None
         return out
@@ -140,6 +143,8 @@ class _GatherLinear(torch.autograd.Function):
         saved, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_out = grad_out.contiguous()  # [s, b, out/t]
+        if need_w and weight_grad.defer(_GatherLinear._deferred_grad_w(ctx, saved, grad_out), ctx.weight_input):
+            need_w = False  # computed later by weight_grad.run (zero-bubble W)
         gather = None
         if need_w and ctx.recompute:
             gather = comm.all_gather_async(saved, ctx.group, out=ctx.buffer.get(ctx.full_shape, saved.dtype,
@@ -157,6 +162,53 @@ class _GatherLinear(torch.autograd.Function):
             grad_b = grad_2d.sum(0)  # [out/t]
         grad_x = scatter.wait() if scatter is not None else None  # [s/t, b, in]
         return grad_x, grad_w, grad_b, None, None, None
+
+    @staticmethod
+    def _deferred_grad_w(ctx: Any, saved: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        group, recompute, buffer, full_shape = ctx.group, ctx.recompute, ctx.buffer, ctx.full_shape
+
+        def grad_w() -> torch.Tensor:
+            x_full = (comm.all_gather(saved, group, dim=0, out=buffer.get(full_shape, saved.dtype, saved.device))
+                      if recompute else saved)  # [s, b, in]
+            grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+            return grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]).to(grad_2d.dtype))  # [out/t, in]
+        return grad_w
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose weight gradient can be deferred (``mpu.weight_grad``).
+
+    The same matmuls as autograd's linear: ``grad_x = grad_out @ W``, ``grad_W = grad_outᵀ @ x``,
+    ``grad_b = Σ grad_out``; inside ``weight_grad.deferring`` ``grad_W`` is queued instead.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.weight_input = weight
+        x, weight, bias = _autocast_cast(x.device.type, x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        grad_out = grad_out.contiguous()
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [n, out]
+
+        def grad_w() -> torch.Tensor:
+            return grad_2d.t().matmul(x.reshape(-1, x.shape[-1]).to(grad_2d.dtype))  # [out, in]
+        grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if need_x else None
+        weight_grad_now = grad_w() if need_w and not weight_grad.defer(grad_w, ctx.weight_input) else None
+        grad_b = grad_2d.sum(0) if need_b and ctx.has_bias else None
+        return grad_x, weight_grad_now, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with a deferrable weight gradient (see ``_Linear``)."""
+    return _Linear.apply(x, weight, bias)
 
 
 class ColumnParallelLinear(_TPModule):
@@ -231,7 +283,7 @@ class ColumnParallelLinear(_TPModule):
             out = _GatherLinear.apply(x, weight, bias, self.group, self.recompute_allgather,
                                       self.gather_buffer)  # [s, b, rows]
         else:
-            out = F.linear(copy_to_tp(x, self.group), weight, bias)  # [s, b, rows]
+            out = linear(copy_to_tp(x, self.group), weight, bias)  # [s, b, rows]
         if self.gather_output:
             out = gather_from_tp(out, self.group)  # [s, b, out]
         return out
@@ -279,7 +331,7 @@ class RowParallelLinear(_TPModule):
         """x ``[s, b, in/t]`` (or ``[s, b, in]``) → ``[s/t, b, out]`` (SP) or ``[s, b, out]``."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)  # [s, b, in/t]
-        partial = F.linear(x, self.weight)  # [s, b, out], this rank's partial sum
+        partial = linear(x, self.weight)  # [s, b, out], this rank's partial sum
         if self.sequence_parallel:
             out = reduce_scatter_to_sp(partial, self.group)  # [s/t, b, out]
         else:

@@ -89,6 +89,22 @@ class ParallelDims:
             result.append(ranks)
         return sorted(result)
 
+    def pipeline_links(self) -> list[tuple[int, int]]:
+        """Every directed pipeline link (src, dst) between ring neighbours of a pp group, in a fixed order.
+
+        Stage r sends to r + 1 (activations) and r − 1 (gradients); with virtual stages the last
+        stage also sends to the first and back (the ring). Each direction gets its own two-rank
+        process group (``ParallelState.p2p_groups``) so that on NCCL the two directions of a link
+        never queue behind each other on one stream; on gloo it costs nothing.
+        """
+        links: set[tuple[int, int]] = set()
+        if self.pp > 1:
+            for ranks in self.groups_along(("pp",)):
+                for i, src in enumerate(ranks):
+                    dst = ranks[(i + 1) % len(ranks)]
+                    links.update({(src, dst), (dst, src)})
+        return sorted(links)
+
     def embedding_groups(self) -> list[list[int]]:
         """Per (tp, cp, dp) position: the first and last pipeline stage (one rank when pp == 1)."""
         return [sorted({ranks[0], ranks[-1]}) for ranks in self.groups_along(("pp",))]
@@ -108,6 +124,8 @@ class ParallelState:
     rank: int
     groups: dict[str, Any] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    p2p_groups: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """(src, dst) global ranks → the process group of that directed pipeline link (see ``pipeline_links``)."""
 
     @property
     def coords(self) -> dict[str, int]:
@@ -167,6 +185,9 @@ class ParallelState:
             if group is not None and group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
             del self.groups[name]
+        for link, group in list(self.p2p_groups.items()):
+            dist.destroy_process_group(group)
+            del self.p2p_groups[link]
 
 
 def init_default_group(backend: str, timeout_s: float = 600.0) -> None:
@@ -202,4 +223,8 @@ def initialize(dims: ParallelDims, timeout_s: float = 600.0) -> ParallelState:
             if rank in ranks:
                 state.groups[name] = group
                 state.group_ranks[name] = ranks
+    for src, dst in dims.pipeline_links():
+        group = dist.new_group(sorted((src, dst)), timeout=timeout)
+        if rank in (src, dst):
+            state.p2p_groups[(src, dst)] = group
     return state

@@ -1,10 +1,20 @@
 """Which layers a pipeline stage holds, and building that stage.
 
-Stage ``r`` of ``pp`` holds a contiguous block of global layer indices (``stage_layers``); the first
-stage also holds the input embedding, the last the final norm, the output layer and the loss
-(``build_stage``). Parameter names stay global (``layers.<i>.…``) and ``GPTModel`` initialises each
-parameter from (seed, name), so a stage's parameters equal the full model's of the same name: a
-checkpoint keyed by name loads into any pipeline layout.
+The model's layers are split into ``pp · v`` contiguous blocks, one per *virtual stage*
+(``v = parallel.virtual_stages`` model chunks per rank). Virtual stage ``s`` lives on pipeline rank
+``s % pp`` as its chunk ``s // pp`` (Megatron's interleaved assignment: rank r holds blocks
+r, r + pp, r + 2·pp, …). The first virtual stage also holds the input embedding, the last the final
+norm, the output layer and the loss (``build_stage``). How many layers each block gets is
+``parallel.pp_partition``:
+
+* ``uniform``: ``num_layers / (pp · v)`` each (must divide evenly);
+* ``balanced``: as even as possible in parameter count, counting the embedding on the first stage
+  and the output layer (+ final norm) on the last (the split minimising the largest stage);
+* ``"2,3,3"``: the layer count of each virtual stage, explicitly.
+
+Parameter names stay global (``layers.<i>.…``) and ``GPTModel`` initialises each parameter from
+(seed, name), so a stage's parameters equal the full model's of the same name: a checkpoint keyed
+by name loads into any pipeline layout.
 
 Tied embeddings (``model.tie_embeddings``): with pp > 1 the last stage holds its own copy
 ``output_layer.weight`` (tagged ``shared_embedding``, initialised from ``embedding.weight``); its
@@ -17,47 +27,106 @@ from torch import nn
 
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
-from ..model.gpt import GPTModel
+from ..model.gpt import GPTModel, parameter_parts
 from ..model.transformer import TensorParallel
 from ..mpu.parallel_state import ParallelState
 
-PARTITIONS = ("uniform",)
+PARTITIONS = ("uniform", "balanced")
+"""Named partitions; ``parallel.pp_partition`` may also be a comma-separated list of layer counts."""
 
 
 class PipelineConfigError(ConfigError, ValueError):
     """An invalid pipeline layout (a ``ConfigError`` for ``train.py``, a ``ValueError`` for callers)."""
 
 
-def stage_layers(num_layers: int, pp: int, pp_rank: int, partition: str = "uniform") -> range:
-    """The global layer indices stage ``pp_rank`` of ``pp`` holds: ``num_layers / pp`` contiguous layers.
+def layer_split(cfg_model: ModelConfig, pp: int, virtual_stages: int = 1, partition: str = "uniform") -> list[range]:
+    """The global layer indices of every virtual stage ``0 .. pp·v − 1``, in pipeline order.
 
-    Raises ``PipelineConfigError`` (a ``ValueError``) when the layers do not divide evenly, a degree
-    is out of range, or ``partition`` is not one of ``PARTITIONS``.
+    Raises ``PipelineConfigError`` (a ``ValueError``) naming the config key when the split is
+    impossible: uneven ``uniform``, fewer layers than virtual stages, a bad explicit list.
     """
-    if partition not in PARTITIONS:
-        raise PipelineConfigError(f"parallel.pp_partition = {partition!r}; supported: {', '.join(PARTITIONS)}")
-    if pp < 1:
-        raise PipelineConfigError(f"parallel.pp = {pp} must be >= 1")
+    n, stages = cfg_model.num_layers, pp * virtual_stages
+    if pp < 1 or virtual_stages < 1:
+        raise PipelineConfigError(f"parallel.pp = {pp} and parallel.virtual_stages = {virtual_stages} must be >= 1")
+    if n < stages:
+        raise PipelineConfigError(f"model.num_layers = {n} is fewer than parallel.pp·virtual_stages = {pp}·{virtual_stages}"
+                                  " (every virtual stage needs at least one layer)")
+    if partition == "uniform":
+        if n % stages:
+            raise PipelineConfigError(
+                f"model.num_layers = {n} is not divisible by parallel.pp·virtual_stages = {pp}·{virtual_stages}; "
+                "set parallel.pp_partition=balanced or list the layers per stage (e.g. \"3,5\")")
+        counts = [n // stages] * stages
+    elif partition == "balanced":
+        counts = _balanced_counts(cfg_model, stages)
+    else:
+        counts = _explicit_counts(partition, n, stages, pp, virtual_stages)
+    starts = [sum(counts[:s]) for s in range(stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def _explicit_counts(partition: str, n: int, stages: int, pp: int, v: int) -> list[int]:
+    try:
+        counts = [int(x) for x in partition.split(",")]
+    except ValueError:
+        raise PipelineConfigError(f"parallel.pp_partition = {partition!r}: use {' | '.join(PARTITIONS)} or a "
+                                  "comma-separated list of layers per stage, e.g. \"3,5\"") from None
+    if len(counts) != stages or min(counts) < 1 or sum(counts) != n:
+        raise PipelineConfigError(f"parallel.pp_partition = {partition!r}: need pp·virtual_stages = {pp}·{v} = {stages} "
+                                  f"counts, each >= 1, summing to model.num_layers = {n}")
+    return counts
+
+
+def _balanced_counts(cfg_model: ModelConfig, stages: int) -> list[int]:
+    """Layer counts minimising the largest stage's parameter count (ties: the most even layer counts)."""
+    parts = parameter_parts(cfg_model)
+    n, per_layer = cfg_model.num_layers, parts["layer"]
+    head = parts["final_norm"] + parts["output_layer"]
+
+    def cost(stage: int, count: int) -> int:
+        return count * per_layer + (parts["embedding"] if stage == 0 else 0) + (head if stage == stages - 1 else 0)
+
+    # best[s][k]: (largest stage cost, Σ count²) for the first s stages holding k layers, and the split.
+    best: list[dict[int, tuple[tuple[int, int], list[int]]]] = [{0: ((0, 0), [])}]
+    for s in range(stages):
+        row: dict[int, tuple[tuple[int, int], list[int]]] = {}
+        for k, ((worst, squares), counts) in best[s].items():
+            for c in range(1, n - k - (stages - s - 1) + 1):
+                key = (max(worst, cost(s, c)), squares + c * c)
+                if k + c not in row or key < row[k + c][0]:
+                    row[k + c] = (key, [*counts, c])
+        best.append(row)
+    return best[stages][n][1]
+
+
+def stage_chunks(cfg_model: ModelConfig, pp: int, pp_rank: int, virtual_stages: int = 1,
+                 partition: str = "uniform") -> list[range]:
+    """The layer ranges of pipeline rank ``pp_rank``'s model chunks: virtual stages r, r + pp, …"""
     if not 0 <= pp_rank < pp:
         raise PipelineConfigError(f"pipeline rank {pp_rank} outside 0..{pp - 1}")
-    if num_layers < pp or num_layers % pp:
-        raise PipelineConfigError(f"model.num_layers = {num_layers} is not divisible by parallel.pp = {pp} "
-                                  f"(each stage needs the same number of layers, at least one)")
-    per_stage = num_layers // pp
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    split = layer_split(cfg_model, pp, virtual_stages, partition)
+    return [split[c * pp + pp_rank] for c in range(virtual_stages)]
 
 
-def check_micro_batches(num_micro_batches: int, pp: int) -> None:
-    """1F1B keeps every stage busy only with at least ``pp`` micro-batches: fewer is a config error."""
-    if num_micro_batches < max(1, pp):
-        raise PipelineConfigError(f"{num_micro_batches} micro-batches per step with parallel.pp = {pp}: need at "
-                                  f"least pp (raise train.global_batch_size or lower train.micro_batch_size)")
+def check_micro_batches(num_micro_batches: int, pp: int, schedule: str = "1f1b") -> None:
+    """A pipelined schedule keeps every stage busy only with at least ``pp`` micro-batches (the
+    interleaved one needs a multiple of pp): otherwise a config error. ``none`` takes any count."""
+    if schedule == "none" or pp == 1:
+        return
+    if num_micro_batches < pp:
+        raise PipelineConfigError(f"{num_micro_batches} micro-batches per step with parallel.pp = {pp}: the "
+                                  f"{schedule} schedule needs at least pp (raise train.global_batch_size or lower "
+                                  "train.micro_batch_size)")
+    if schedule == "interleaved" and num_micro_batches % pp:
+        raise PipelineConfigError(f"{num_micro_batches} micro-batches per step with parallel.pp = {pp}: the "
+                                  "interleaved schedule needs a multiple of pp (adjust train.global_batch_size)")
 
 
-def build_stage(cfg_model: ModelConfig, seed: int, state: ParallelState, tp: TensorParallel | None = None) -> GPTModel:
-    """This rank's pipeline stage: its layers, the embedding on the first stage, the head on the last."""
-    layers = stage_layers(cfg_model.num_layers, state.pp_size, state.pp_rank)
-    return GPTModel(cfg_model, seed=seed, layer_range=layers, pre_process=state.is_first_stage,
+def build_stage(cfg_model: ModelConfig, seed: int, state: ParallelState, tp: TensorParallel | None = None, *,
+                virtual_stages: int = 1, partition: str = "uniform") -> GPTModel:
+    """This rank's pipeline stage: its model chunks, the embedding on the first stage, the head on the last."""
+    chunks = stage_chunks(cfg_model, state.pp_size, state.pp_rank, virtual_stages, partition)
+    return GPTModel(cfg_model, seed=seed, layer_chunks=chunks, pre_process=state.is_first_stage,
                     post_process=state.is_last_stage, tp=tp)
 
 

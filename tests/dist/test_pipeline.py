@@ -26,10 +26,12 @@ from megatron_sp.mpu import ParallelDims, initialize
 from megatron_sp.pipeline import (
     PipelineConfigError,
     ScheduleStats,
+    build_schedule,
     build_stage,
     check_micro_batches,
     forward_backward,
-    stage_layers,
+    layer_split,
+    simulate,
     tied_embedding_params,
 )
 from megatron_sp.testing import run_distributed
@@ -40,8 +42,8 @@ SEED = 7
 RTOL = 1e-6
 
 
-def _cfg(arch: str) -> ModelConfig:
-    base: dict[str, Any] = {"arch": arch, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
+def _cfg(arch: str, layers: int = 4) -> ModelConfig:
+    base: dict[str, Any] = {"arch": arch, "num_layers": layers, "hidden_size": 32, "num_heads": 4, "seq_length": SEQ,
                             "vocab_size": VOCAB, "padded_vocab_size": PADDED, "norm_eps": 1e-5}
     if arch == "neox":
         base.update(num_kv_heads=4, ffn_hidden_size=64, rotary_pct=0.25)
@@ -97,8 +99,8 @@ class _Box:
         self.held = held
 
 
-def _reference(arch: str, n: int) -> tuple[dict[str, torch.Tensor], float]:
-    model = GPTModel(_cfg(arch), seed=SEED)
+def _reference(arch: str, n: int, layers: int = 4) -> tuple[dict[str, torch.Tensor], float]:
+    model = GPTModel(_cfg(arch, layers), seed=SEED)
     loss_fn, total = _loss_fn(n), 0.0
     for mb in _micro_batches(n):
         loss = loss_fn(model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"]), mb)
@@ -107,11 +109,20 @@ def _reference(arch: str, n: int) -> tuple[dict[str, torch.Tensor], float]:
     return {k: p.grad.clone() for k, p in model.named_parameters()}, total
 
 
-def _run_cases(rank: int, world: int, cases: list[tuple[str, int, str]]) -> list[dict[str, Any]]:
+Case = tuple[str, int, str]  # (arch, micro-batches, schedule): 4 layers, one chunk per rank
+VCase = tuple[str, int, str, int, int, str]  # ... + (virtual stages, layers, partition)
+
+
+def _full(case: Case | VCase) -> VCase:
+    return case if len(case) == 6 else (*case, 1, 4, "uniform")  # type: ignore[return-value]
+
+
+def _run_cases(rank: int, world: int, cases: list[Case | VCase]) -> list[dict[str, Any]]:
     state = initialize(ParallelDims(pp=world))
     results = []
-    for arch, n, schedule in cases:
-        stage = build_stage(_cfg(arch), SEED, state)
+    for case in cases:
+        arch, n, schedule, v, layers, partition = _full(case)
+        stage = build_stage(_cfg(arch, layers), SEED, state, virtual_stages=v, partition=partition)
         calls: list[bool] = []
         stats = ScheduleStats()
         saved = _SavedBytes()
@@ -122,7 +133,8 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, int, str]]) -> list
             torch.distributed.all_reduce(p.grad, group=state.embedding_group)
         results.append({"grads": {k: p.grad.clone() for k, p in stage.named_parameters()}, "loss": float(loss),
                         "calls": calls, "events": stats.events, "peak": stats.peak_in_flight,
-                        "peak_bytes": saved.peak, "live_after": saved.live, "tied": len(tied)})
+                        "peak_bytes": saved.peak, "live_after": saved.live, "tied": len(tied),
+                        "chunks": [list(r) for r in stage.layer_chunks], "deferred": stats.deferred_weight_grads})
     return results
 
 
@@ -131,57 +143,95 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
 
 
-def _check(results: list[dict[str, Any]], arch: str, n: int, pp: int) -> None:
-    ref, ref_loss = _reference(arch, n)
+def _check(results: list[dict[str, Any]], case: Case | VCase, pp: int) -> None:
+    arch, n, schedule, v, layers, _ = _full(case)
+    ref, ref_loss = _reference(arch, n, layers)
     got: dict[str, torch.Tensor] = {}
     for r in results:
         for k, g in r["grads"].items():
             if k == "output_layer.weight" and "output_layer.weight" not in ref:  # tied copy on the last stage
-                assert _rel(g, ref["embedding.weight"]) <= RTOL, (arch, n, pp, "tied copy")
+                assert _rel(g, ref["embedding.weight"]) <= RTOL, (case, pp, "tied copy")
                 continue
             assert k not in got, f"{k} on two stages"
             got[k] = g
     assert got.keys() == ref.keys(), sorted(set(ref) ^ set(got))
     worst = {k: _rel(got[k], ref[k]) for k in ref}
     bad = {k: v for k, v in worst.items() if v > RTOL}
-    assert not bad, (arch, n, pp, bad)
+    assert not bad, (case, pp, bad)
     losses = [r["loss"] for r in results]
     assert losses[:-1] == [0.0] * (pp - 1)
     assert abs(losses[-1] - ref_loss) <= 1e-6 * abs(ref_loss), (losses[-1], ref_loss)
+    table = build_schedule(schedule if pp > 1 or schedule == "zero_bubble" else "none", pp, n, v)
+    sim = simulate(table, n, v)
     for rank, r in enumerate(results):
         ev = r["events"]
         assert r["calls"] == [False, True], r["calls"]
-        assert ev.count(("sync",)) == 1 and ev[ev.index(("sync",)) + 1] == ("B", n - 1)
-        assert [e for e in ev if e[0] == "F"] == [("F", i) for i in range(n)]
-        assert [e for e in ev if e[0] == "B"] == [("B", i) for i in range(n)]
-        assert ev.index(("B", 0)) == min(pp - rank, n), (rank, ev)  # 1F1B warm-up depth
-        assert r["peak"] == min(pp - rank, n) and r["peak"] <= pp
+        assert ev.count(("sync",)) == 1
+        actions = [e for e in ev if e != ("sync",)]
+        assert actions == [(a.kind, a.chunk, a.micro_batch) for a in table[rank]]  # ran its table, in order
+        assert ev.index(("sync",)) == max(k for k, e in enumerate(actions) if e[0] in "BIW")  # before the last grad
+        assert r["peak"] == sim.peak_in_flight[rank]
         assert r["live_after"] == 0  # every saved activation was freed by backward
+        if schedule == "1f1b" and pp > 1:
+            assert ev.index(("B", 0, 0)) == min(pp - rank, n), (rank, ev)  # 1F1B warm-up depth
+            assert r["peak"] == min(pp - rank, n) and r["peak"] <= pp
+        if schedule == "zero_bubble":
+            assert r["peak"] <= pp
+            assert r["deferred"] > 0 and r["deferred"] % n == 0  # W ran the linears' weight gradients
+        if schedule == "none":
+            assert r["peak"] == 1
     assert results[0]["tied"] == (1 if arch == "llama" and pp > 1 else 0)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_1f1b_matches_full_model(pp: int) -> None:
-    cases = [("neox", 4, "1f1b"), ("neox", 8, "1f1b")] + ([("llama", 4, "1f1b")] if pp == 2 else [])
+    cases: list[Case | VCase] = [("neox", 4, "1f1b"), ("neox", 8, "1f1b")] + ([("llama", 4, "1f1b")] if pp == 2 else [])
     results = run_distributed(_run_cases, pp, cases=cases, timeout_s=120)
-    for c, (arch, n, _) in enumerate(cases):
-        _check([r[c] for r in results], arch, n, pp)
+    for c, case in enumerate(cases):
+        _check([r[c] for r in results], case, pp)
     # memory: stage 0's peak saved bytes do not grow with the number of micro-batches
     assert results[0][1]["peak_bytes"] == results[0][0]["peak_bytes"] > 0
 
 
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_schedules_match_full_model(pp: int) -> None:
+    """Interleaved (v = 2), zero-bubble, no pipelining and an uneven split give the full model's gradients."""
+    cases: list[Case | VCase] = [
+        ("neox", 2 * pp, "interleaved", 2, 2 * pp, "uniform"),
+        ("neox", 4, "zero_bubble"),
+        ("neox", 8, "zero_bubble"),
+        ("neox", 4, "none"),
+    ]
+    if pp == 2:
+        cases += [("llama", 4, "interleaved", 2, 4, "uniform"),  # tied embeddings, chunk 0 and the last chunk
+                  ("llama", 4, "zero_bubble"),
+                  ("neox", 4, "1f1b", 1, 4, "1,3")]
+    results = run_distributed(_run_cases, pp, cases=cases, timeout_s=180)
+    for c, case in enumerate(cases):
+        _check([r[c] for r in results], case, pp)
+    first = results[0]
+    if pp == 2:
+        assert results[0][0]["chunks"] == [[0], [2]] and results[1][0]["chunks"] == [[1], [3]]
+        assert results[0][6]["chunks"] == [[0]] and results[1][6]["chunks"] == [[1, 2, 3]]
+    # memory: zero-bubble's stage 0 holds at most pp micro-batches whatever m, and no more saved bytes
+    # than 1F1B's bound allows (its deferred W keeps only the linears' inputs and output grads)
+    assert first[2]["peak_bytes"] == first[1]["peak_bytes"] > 0
+    # no pipelining holds one micro-batch: less than any pipelined schedule
+    assert first[3]["peak_bytes"] < first[1]["peak_bytes"]
+
+
 def test_pipeline_pp1_is_grad_accumulation() -> None:
-    cases = [("neox", 4, "none"), ("neox", 4, "1f1b"), ("llama", 4, "none")]
+    cases: list[Case | VCase] = [("neox", 4, "none"), ("neox", 4, "1f1b"), ("llama", 4, "none"), ("neox", 4, "zero_bubble")]
     results = run_distributed(_run_cases, 1, cases=cases, timeout_s=120)
-    for c, (arch, n, _) in enumerate(cases):
-        _check([results[0][c]], arch, n, 1)
+    for c, case in enumerate(cases):
+        _check([results[0][c]], case, 1)
 
 
 def _bad_schedule(rank: int, world: int) -> str:
     state = initialize(ParallelDims(pp=world))
     stage = build_stage(_cfg("neox"), SEED, state)
     try:
-        forward_backward(stage, _micro_batches(4), state, _loss_fn(4), "none")
+        forward_backward(stage, _micro_batches(4), state, _loss_fn(4), "interleaved")  # one chunk per rank
     except ValueError as e:
         return str(e)
     return "no error"
@@ -204,23 +254,55 @@ def _failing_last_stage(rank: int, world: int) -> tuple[str, float]:
 
 def test_pipeline_errors_surface_on_every_rank() -> None:
     msgs = run_distributed(_bad_schedule, 2, timeout_s=60)
-    assert all("needs pp = 1" in m for m in msgs), msgs
+    assert all("virtual_stages >= 2" in m for m in msgs), msgs
     out = run_distributed(_failing_last_stage, 2, timeout_s=5.0)
     assert "boom in the loss" in out[1][0]
     assert out[0][0] != "no error" and out[0][1] < 30, out[0]  # the first stage raised instead of hanging
 
 
-def test_stage_layers_and_validation() -> None:
-    assert [stage_layers(8, 4, r) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    assert stage_layers(3, 1, 0) == range(3)
-    with pytest.raises(ValueError, match="not divisible by parallel.pp = 4"):
-        stage_layers(6, 4, 0)
-    with pytest.raises(ValueError, match="pp_partition"):
-        stage_layers(8, 2, 0, partition="balanced")
+def test_layer_split_and_validation() -> None:
+    cfg8 = _cfg("neox", 8)
+    assert layer_split(cfg8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert layer_split(cfg8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert layer_split(_cfg("neox", 3), 1) == [range(3)]
+    assert layer_split(cfg8, 2, partition="3,5") == [range(0, 3), range(3, 8)]
+    with pytest.raises(ValueError, match="not divisible by parallel.pp·virtual_stages = 4·1"):
+        layer_split(_cfg("neox", 6), 4)
+    for bad in ("3,4", "8,0", "x"):
+        with pytest.raises(PipelineConfigError, match="pp_partition"):
+            layer_split(cfg8, 2, partition=bad)
     with pytest.raises(PipelineConfigError, match="at least pp"):
         check_micro_batches(2, 4)
+    with pytest.raises(PipelineConfigError, match="multiple of pp"):
+        check_micro_batches(6, 4, "interleaved")
     check_micro_batches(4, 4)
+    check_micro_batches(1, 4, "none")
 
+
+def test_balanced_partition_evens_parameters() -> None:
+    """balanced: the embedding counts on the first stage, the output layer on the last."""
+    from megatron_sp.model.gpt import parameter_parts
+
+    def stage_params(cfg: ModelConfig, split: list[range]) -> list[int]:
+        parts = parameter_parts(cfg)
+        out = [len(r) * parts["layer"] for r in split]
+        out[0] += parts["embedding"]
+        out[-1] += parts["final_norm"] + parts["output_layer"]
+        return out
+
+    big_vocab = ModelConfig(**{**vars(_cfg("neox", 8)), "vocab_size": 6000, "padded_vocab_size": 6016})
+    split = layer_split(big_vocab, 2, partition="balanced")
+    assert [len(r) for r in split] == [4, 4]  # symmetric: embedding and output layer weigh the same
+    split = layer_split(big_vocab, 4, partition="balanced")
+    counts = [len(r) for r in split]
+    assert counts[0] < 2 < counts[1] and counts[-1] < 2 < counts[2], counts  # the end stages get fewer layers
+    uniform = layer_split(big_vocab, 4)
+    assert max(stage_params(big_vocab, split)) < max(stage_params(big_vocab, uniform))
+    # no split does better than the one chosen (exhaustive over 4 stages of 8 layers)
+    import itertools
+    best = min(max(stage_params(big_vocab, [range(a), range(b), range(c), range(8 - a - b - c)]))
+               for a, b, c in itertools.product(range(1, 6), repeat=3) if a + b + c < 8)
+    assert max(stage_params(big_vocab, split)) == best
 
 
 def _stuck_last_stage(rank: int, world: int) -> tuple[str, float]:

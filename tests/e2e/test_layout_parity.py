@@ -15,6 +15,8 @@ from .runs import PARITY, metrics, train
 LLAMA = ["model.arch=llama", "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_multiple_of=32"]
 TIED = LLAMA + ["model.tie_embeddings=true"]
 SP = ["parallel.sequence_parallel=true"]
+L4 = ["model.num_layers=4"]
+INTERLEAVED = ["parallel.pp_schedule=interleaved", "parallel.virtual_stages=2"]
 
 LAYOUTS = {
     # data parallelism, ZeRO-1, uneven masking
@@ -36,11 +38,20 @@ LAYOUTS = {
     "llama_gqa_tp4_kv_replicated": (LLAMA, ["parallel.tp=4", *SP]),
     "llama_tied_tp2_sp": (TIED, ["parallel.tp=2", *SP]),
     "tp2_sp_dp2": ([], ["parallel.tp=2", *SP, "parallel.dp=2"]),
-    # pipeline (1F1B)
+    # pipeline: 1F1B, interleaved, zero-bubble, no pipelining, uneven split
     "pp2": ([], ["parallel.pp=2"]),
+    "pp4": (L4, ["parallel.pp=4"]),
     "pp2_tp2_sp": ([], ["parallel.pp=2", "parallel.tp=2", *SP]),
     "pp2_dp2_zero1": ([], ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1"]),
     "llama_tied_pp2": (TIED, ["parallel.pp=2"]),
+    "pp2_interleaved_v2": (L4, ["parallel.pp=2", *INTERLEAVED]),
+    "llama_tied_pp2_interleaved_v2": (TIED + L4, ["parallel.pp=2", *INTERLEAVED]),
+    "pp2_zero_bubble": ([], ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"]),
+    "pp2_zero_bubble_tp2_sp": ([], ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.tp=2", *SP]),
+    "pp2_zero_bubble_dp2_zero1": ([], ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.dp=2",
+                                       "parallel.zero=1"]),
+    "pp2_no_pipelining": ([], ["parallel.pp=2", "parallel.pp_schedule=none"]),
+    "pp2_uneven_1_3": (L4, ["parallel.pp=2", "parallel.pp_partition=1,3"]),
 }
 
 

@@ -77,7 +77,7 @@ def test_bad_overrides_raise_config_error_naming_the_key(override, needle):
 def test_cross_field_checks():
     with pytest.raises(ConfigError, match="global_batch_size 10 must be a multiple"):
         config.load(overrides=BASE + ["train.micro_batch_size=4", "train.global_batch_size=10"])
-    with pytest.raises(ConfigError, match="num_layers 3 must be divisible"):
+    with pytest.raises(ConfigError, match="num_layers = 3 is not divisible"):
         config.finalize(_raw(["model.num_layers=3", "parallel.pp=2"]))
     with pytest.raises(ConfigError, match="num_heads 4 must be divisible by parallel.tp 3"):
         config.finalize(_raw(["parallel.tp=3"]))
@@ -98,13 +98,34 @@ def test_dp_derived_from_world_size():
 
 
 def test_not_yet_available_dimensions_are_refused_clearly():
-    for key in ("parallel.cp=2", "parallel.pp_schedule=interleaved"):
-        with pytest.raises(ConfigError, match="not available in this version yet"):
-            config.load(overrides=BASE + [key, "model.num_layers=2"])
-    with pytest.raises(ConfigError, match="1F1B needs at least pp"):
+    with pytest.raises(ConfigError, match="not available in this version yet"):
+        config.load(overrides=BASE + ["parallel.cp=2", "model.num_layers=2"])
+    with pytest.raises(ConfigError, match="schedule needs at least pp"):
         config.load(overrides=BASE + ["parallel.pp=2", "model.num_layers=2"])
     ok = config.load(overrides=BASE + ["parallel.pp=2", "model.num_layers=2", "train.global_batch_size=2"])
     assert ok.parallel.world_size == 2 and ok.train.grad_accum_steps == 2
+
+
+def test_pipeline_layout_checks():
+    pp2 = BASE + ["parallel.pp=2", "train.global_batch_size=4"]
+    cases = {
+        "interleaved needs parallel.pp >= 2 and parallel.virtual_stages >= 2": ["parallel.pp_schedule=interleaved"],
+        "needs parallel.pp_schedule=interleaved": ["parallel.virtual_stages=2", "model.num_layers=4"],
+        "not divisible by parallel.pp·virtual_stages = 2·2": ["parallel.pp_schedule=interleaved",
+                                                             "parallel.virtual_stages=2", "model.num_layers=6"],
+        "pp_partition = '1,2'": ["parallel.pp_partition=1,2", "model.num_layers=4"],
+        "interleaved schedule needs a multiple of pp": ["parallel.pp_schedule=interleaved", "parallel.virtual_stages=2",
+                                                        "model.num_layers=4", "train.global_batch_size=3"],
+    }
+    for message, extra in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            config.load(overrides=pp2 + extra)
+    ok = config.load(overrides=pp2 + ["parallel.pp_schedule=interleaved", "parallel.virtual_stages=2",
+                                      "model.num_layers=4"])
+    assert ok.parallel.virtual_stages == 2
+    assert config.load(overrides=pp2 + ["parallel.pp_partition=1,2", "model.num_layers=3"]).parallel.pp_partition == "1,2"
+    assert config.load(overrides=pp2 + ["parallel.pp_schedule=none", "train.global_batch_size=1",
+                                        "model.num_layers=2"]).train.grad_accum_steps == 1
 
 
 def test_bad_files(tmp_path):

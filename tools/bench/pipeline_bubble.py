@@ -1,33 +1,56 @@
-"""Measured idle fraction of each pipeline stage under 1F1B, against the bubble theory (p−1)/(m+p−1).
+"""Measured idle fraction of each pipeline stage under every pipeline schedule, against the theory.
 
-For each pp = p (world = p gloo ranks, one thread each, tp = dp = 1) and each micro-batch count m,
-every rank builds its stage of one GPT (``build_stage``) and runs full steps of
-``forward_backward(..., "1f1b")``. The benchmark (only) instruments the stage's compute:
+For each pp = p (world = p gloo ranks, one thread each, tp = dp = 1), each micro-batch count m and
+each schedule (``--schedules``: ``1f1b``, ``interleaved``, ``zero_bubble``, ``none``), every rank
+builds its stage of one GPT (``build_stage``; ``--virtual`` = v model chunks per rank for
+``interleaved``, one otherwise, ``uniform`` partition) and runs full steps of
+``forward_backward(..., schedule)``. Cases run m by m; the schedules of one m take their steps in
+turn (round robin, one ``run_distributed`` per pp), so changes of the machine's load hit them alike.
 
-* forward: ``stage.forward`` is wrapped (instance attribute), and on the last stage ``loss_fn``;
-* backward: ``torch.autograd.backward`` is wrapped in the rank process (``Tensor.backward``, which
-  the last stage uses, goes through it too).
+How idle is measured
+--------------------
+The executor records in ``ScheduleStats.intervals`` the ``(start, end)`` ``perf_counter`` of the
+compute of every action it runs (F forward, incl. the loss on the last stage; B backward; I / W
+the input- / weight-gradient halves of zero-bubble), receive waits excluded; zipped with the
+non-"sync" ``ScheduleStats.events`` they give each interval's kind. ``perf_counter`` is system-wide
+on Linux, so intervals of different ranks share one time axis. A step starts after a barrier; its
+window is [earliest start, latest end] over the ranks of the ``forward_backward`` call, and stage
+(rank) r's idle fraction is ``1 − busy_r / window`` with ``busy_r`` the sum of its intervals:
+everything that is not compute (waiting for a neighbour, posting sends/receives, building and
+checking the schedule table). The first ``--warmup`` steps are dropped; the median over the other
+``--steps`` is reported. The events are checked (per rank m·v F and m·v B, or m each of F, I, W).
 
-Each wrapped call records a busy interval (wall clock ``perf_counter``, system-wide on Linux, so
-intervals of different ranks share one time axis, plus this thread's CPU time). A step starts
-after a barrier; its window is [earliest start, latest end] over the ranks, and stage r's idle
-fraction is ``1 − busy_r / window``: everything that is not compute (waiting for a neighbour and
-the point-to-point copies themselves). The first ``--warmup`` steps are dropped; the median over
-the other ``--steps`` is reported. The trace of ``ScheduleStats`` is checked against the intervals
-(m forwards and m backwards per stage per step).
+Theory (``megatron_sp.pipeline.theory_bubble``; ALGORITHMS.md, "Pipeline bubble"), with equal
+per-stage costs and free communication:
 
-Theory (ALGORITHMS.md, "Pipeline bubble"): with equal per-stage forward/backward times and free
-communication a 1F1B step lasts (m+p−1)·(t_f+t_b) and every stage computes m·(t_f+t_b) of it, so
-every stage idles (p−1)/(m+p−1). Interleaved (p−1)/(v·m) and zero-bubble schedules are not
-implemented in ``megatron_sp.pipeline`` and are not measured.
+* ``1f1b``: a step lasts (m+p−1)·(t_f+t_b), each stage computes m·(t_f+t_b): idle (p−1)/(m+p−1);
+* ``interleaved`` (v chunks per rank): the warm-up/cool-down shrink to (p−1) chunk-steps of 1/v
+  the size: bubble (p−1)/(v·m) of the ideal time, i.e. idle (p−1)/(v·m+p−1);
+* ``zero_bubble`` (ZB-H1, F = I = W): the W halves fill most of the cool-down: idle (p−1)/(3m+p−1),
+  about a third of 1F1B's. As in train.py, each step's table is list-scheduled on the costs
+  measured in the previous step (``agree_costs``), the first on unit costs;
+* ``none`` (one micro-batch in flight, stages take turns): idle (p−1)/p.
+
+The textbook numbers assume B = 2F (= 2I = 2W) and identical stages; on this machine neither
+holds exactly (the first stage holds the embedding, the last the output layer and the loss; I and
+W do not split B evenly, F ≠ I). So the row also shows "sim": ``simulate`` of the same schedule
+table with this run's MEASURED mean F, B, I, W durations (mean over ranks, steps and
+micro-batches) and free communication — the fair theory here for the cost ratios. With one cost
+per kind for all ranks, 1F1B's and interleaved's bubbles do not depend on the F:B ratio, so their
+sim equals the textbook value; zero-bubble's does (W shorter than F and I leaves holes). Per-stage
+imbalance is not in sim (``simulate`` takes one cost per kind): measured/sim > 1 is the cost of
+communication, Python overhead and that imbalance.
 
 CPU note: the ranks share the machine's cores. With p ranks on fewer than p cores, compute
 intervals that overlap in time are time-sliced, so a busy interval's wall time includes time the
-rank was descheduled; ``cpu/wall`` (CPU time ÷ wall time inside the busy intervals) shows it
-(≈ 1 when each rank has its own core).
+rank was descheduled; ``cpu/wall`` (the rank thread's CPU time over the ``forward_backward`` call
+÷ the wall time of its busy intervals — a blocked receive costs no CPU) shows it (≈ 1 when each
+rank has its own core).
 
-Run from the repo root:  python tools/bench/pipeline_bubble.py [--pp 2,4] [--micro 4,8,16]
-Prints a table and notes, then one JSON line with every number.
+Run from the repo root:
+  python tools/bench/pipeline_bubble.py [--pp 2,4] [--micro 4,8,16] [--schedules 1f1b,interleaved,zero_bubble]
+Prints a table, the step-time gain of each schedule over 1F1B and notes, then one JSON line with
+every number.
 """
 from __future__ import annotations
 
@@ -51,25 +74,42 @@ from megatron_sp import config
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.transformer import TensorParallel
 from megatron_sp.mpu import ParallelDims, initialize
-from megatron_sp.pipeline import ScheduleStats, build_stage, forward_backward
+from megatron_sp.pipeline import (
+    SCHEDULES,
+    PipelineConfigError,
+    ScheduleStats,
+    agree_costs,
+    build_schedule,
+    build_stage,
+    check_micro_batches,
+    forward_backward,
+    simulate,
+    theory_bubble,
+)
 from megatron_sp.testing import run_distributed
 
 VOCAB = 256  # byte tokenizer
+KINDS = ("F", "B", "I", "W")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", default="2,4", help="comma-separated pipeline sizes (world = pp)")
-    p.add_argument("--micro", default="4,8,16", help="comma-separated micro-batch counts m (each >= pp)")
+    p.add_argument("--micro", default="4,8,16", help="comma-separated micro-batch counts m (each >= pp; "
+                   "interleaved: a multiple of pp)")
+    p.add_argument("--schedules", default="1f1b,interleaved,zero_bubble",
+                   help=f"comma-separated schedules, of {', '.join(SCHEDULES)}")
+    p.add_argument("--virtual", type=int, default=2, help="model chunks per rank v for interleaved (>= 2)")
     p.add_argument("--arch", default="neox", help="neox or llama")
-    p.add_argument("--layers", type=int, default=8, help="transformer layers (divisible by every pp)")
+    p.add_argument("--layers", type=int, default=8, help="transformer layers (divisible by every pp, and by pp·v "
+                   "for interleaved)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size h")
     p.add_argument("--heads", type=int, default=8, help="attention heads")
     p.add_argument("--seq", type=int, default=128, help="sequence length s")
     p.add_argument("--batch", type=int, default=2, help="micro-batch size b")
-    p.add_argument("--warmup", type=int, default=1, help="steps dropped per (pp, m)")
-    p.add_argument("--steps", type=int, default=3, help="steps measured per (pp, m); the median is reported")
+    p.add_argument("--warmup", type=int, default=1, help="steps dropped per (schedule, pp, m)")
+    p.add_argument("--steps", type=int, default=3, help="steps measured per (schedule, pp, m); the median is reported")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
 
@@ -93,129 +133,144 @@ def micro_batches(args: argparse.Namespace, m: int) -> list[dict[str, torch.Tens
              "loss_mask": torch.ones(args.batch, args.seq), "position_ids": pos} for _ in range(m)]
 
 
+def chunks_for(schedule: str, args: argparse.Namespace) -> int:
+    """Model chunks per rank v the schedule runs with."""
+    return args.virtual if schedule == "interleaved" else 1
+
+
 # ------------------------------------------------------------------------------------------------ measuring
 
 
-class BusyRecorder:
-    """Busy intervals ``(kind, wall_start, wall_end, cpu_seconds)`` of the wrapped compute calls."""
-
-    def __init__(self) -> None:
-        self.intervals: list[tuple[str, float, float, float]] = []
-        self._depth = 0
-
-    def wrap(self, kind: str, fn: Any) -> Any:
-        def timed(*a: Any, **kw: Any) -> Any:
-            if self._depth:  # nested call of a wrapped function: the outer interval covers it
-                return fn(*a, **kw)
-            self._depth += 1
-            c0, t0 = time.thread_time(), time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                t1, c1 = time.perf_counter(), time.thread_time()
-                self._depth -= 1
-                self.intervals.append((kind, t0, t1, c1 - c0))
-        return timed
+def check_events(rank: int, schedule: str, m: int, v: int, stats: ScheduleStats) -> list[str]:
+    """The kind of each interval (the non-"sync" events), after checking the trace is complete."""
+    kinds = [e[0] for e in stats.events if e[0] != "sync"]
+    counts = {k: kinds.count(k) for k in KINDS}
+    want = {"F": m, "B": 0, "I": m, "W": m} if schedule == "zero_bubble" else {"F": m * v, "B": m * v, "I": 0, "W": 0}
+    if counts != want or len(kinds) != len(stats.intervals):
+        raise RuntimeError(f"rank {rank} {schedule} m={m}: trace has {counts} and {len(stats.intervals)} intervals, "
+                           f"expected {want} and one interval per action")
+    return kinds
 
 
-def rank_run(rank: int, world_size: int, args: argparse.Namespace, micros: list[int]) -> list[dict[str, Any]]:
-    """Every m on this rank: per measured step its window ends, busy intervals and event counts."""
+def rank_run(rank: int, world_size: int, args: argparse.Namespace,
+             cases: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Every (schedule, m) on this rank: per measured step its call's bounds, thread CPU time and intervals.
+
+    The schedules of one m take their steps in turn (round robin), so load changes hit them alike.
+    """
     import torch.distributed as dist
 
     state = initialize(ParallelDims(pp=world_size))
     cfg = model_config(args)
-    stage = build_stage(cfg, args.seed, state, TensorParallel(group=state.tp_group, size=1, rank=0)).train()
-    rec = BusyRecorder()
-    stage.forward = rec.wrap("F", stage.forward)  # instance attribute: nn.Module.__call__ finds it
-    real_backward = torch.autograd.backward
-    torch.autograd.backward = rec.wrap("B", real_backward)
-    out = []
-    try:
-        for m in micros:
-            mbs = micro_batches(args, m)
-            tokens = float(sum(mb["loss_mask"].sum() for mb in mbs))
-            loss_fn = rec.wrap("F", lambda t, mb, tokens=tokens: (t.float() * mb["loss_mask"]).sum() / tokens)
-            steps = []
-            for step in range(args.warmup + args.steps):
+    tp = TensorParallel(group=state.tp_group, size=1, rank=0)
+    stages: dict[int, Any] = {}
+    for schedule, _ in cases:
+        v = chunks_for(schedule, args)
+        if v not in stages:
+            stages[v] = build_stage(cfg, args.seed, state, tp, virtual_stages=v, partition="uniform").train()
+    results = {case: {"schedule": case[0], "m": case[1], "v": chunks_for(case[0], args), "steps": []} for case in cases}
+    measured: dict[tuple[str, int], dict[str, float]] = {}
+    for m in dict.fromkeys(m for _, m in cases):
+        mbs = micro_batches(args, m)
+        tokens = float(sum(mb["loss_mask"].sum() for mb in mbs))
+        loss_fn = lambda t, mb, tokens=tokens: (t.float() * mb["loss_mask"]).sum() / tokens
+        for step in range(args.warmup + args.steps):
+            for schedule in [s for s, mm in cases if mm == m]:
+                v = chunks_for(schedule, args)
+                stage = stages[v]
                 for p in stage.parameters():
                     if p.grad is not None:
                         p.grad.zero_()
-                rec.intervals = []
                 stats = ScheduleStats()
                 dist.barrier()
-                t0 = time.perf_counter()
-                forward_backward(stage, mbs, state, loss_fn, "1f1b", stats=stats)
-                t1 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
+                forward_backward(stage, mbs, state, loss_fn, schedule, stats=stats, costs=measured.get((schedule, m)))
+                t1, c1 = time.perf_counter(), time.thread_time()
+                measured[(schedule, m)] = agree_costs(stats, state)  # what train.py does: tables from the last step
                 if step < args.warmup:
                     continue
-                f_events = sum(1 for e in stats.events if e[0] == "F")
-                b_events = sum(1 for e in stats.events if e[0] == "B")
-                b_calls = sum(1 for k, *_ in rec.intervals if k == "B")
-                if not (f_events == b_events == b_calls == m):
-                    raise RuntimeError(f"rank {rank} m={m}: trace has {f_events} F / {b_events} B events and "
-                                       f"{b_calls} timed backward calls, expected {m} each")
-                steps.append({"t0": t0, "t1": t1, "intervals": list(rec.intervals)})
-            out.append({"m": m, "steps": steps})
-    finally:
-        torch.autograd.backward = real_backward
-    return out
+                kinds = check_events(rank, schedule, m, v, stats)
+                results[(schedule, m)]["steps"].append(
+                    {"t0": t0, "t1": t1, "cpu": c1 - c0, "intervals": [(k, a, b) for k, (a, b) in zip(kinds, stats.intervals)]})
+    return [results[case] for case in cases]
 
 
 # ------------------------------------------------------------------------------------------------ analysis
 
 
-def theory(p: int, m: int) -> float:
-    """1F1B bubble fraction (ALGORITHMS.md)."""
-    return (p - 1) / (m + p - 1)
-
-
-def analyse(p: int, m: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-stage idle fractions (median over steps) and the step's timings for one (p, m)."""
+def analyse(schedule: str, p: int, m: int, v: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-stage idle fractions (median over steps), the measured action costs and the simulated idle."""
     n_steps = len(per_rank[0]["steps"])
-    idle = [[] for _ in range(p)]
-    walls, cpu, busy_wall = [], 0.0, 0.0
-    f_ms = [[] for _ in range(p)]
-    b_ms = [[] for _ in range(p)]
+    idle: list[list[float]] = [[] for _ in range(p)]
+    walls: list[float] = []
+    cpu, busy_wall = 0.0, 0.0
+    durations: dict[str, list[float]] = {k: [] for k in KINDS}
     for k in range(n_steps):
         steps = [per_rank[r]["steps"][k] for r in range(p)]
         window = max(s["t1"] for s in steps) - min(s["t0"] for s in steps)
         walls.append(window)
         for r, s in enumerate(steps):
-            busy = sum(t1 - t0 for _, t0, t1, _ in s["intervals"])
+            busy = sum(b - a for _, a, b in s["intervals"])
             idle[r].append(1.0 - busy / window)
-            cpu += sum(c for *_, c in s["intervals"])
+            cpu += s["cpu"]
             busy_wall += busy
-            f_ms[r].append(1e3 * sum(t1 - t0 for kind, t0, t1, _ in s["intervals"] if kind == "F") / m)
-            b_ms[r].append(1e3 * sum(t1 - t0 for kind, t0, t1, _ in s["intervals"] if kind == "B") / m)
-    stage_idle = [statistics.median(v) for v in idle]
+            for kind, a, b in s["intervals"]:
+                durations[kind].append(b - a)
+    costs = {kind: statistics.fmean(d) for kind, d in durations.items() if d}
+    sim = simulate(build_schedule(schedule, p, m, v, costs), m, v, costs=costs)
+    stage_idle = [statistics.median(x) for x in idle]
     mean_idle = statistics.fmean(stage_idle)
-    th = theory(p, m)
-    return {"pp": p, "m": m, "theory": th, "stage_idle": stage_idle, "mean_idle": mean_idle,
-            "ratio": mean_idle / th, "step_ms": 1e3 * statistics.median(walls),
-            "stage_fwd_ms": [statistics.median(v) for v in f_ms], "stage_bwd_ms": [statistics.median(v) for v in b_ms],
+    sim_idle = statistics.fmean(sim.idle)
+    th = theory_bubble(schedule, p, m, v)
+    return {"schedule": schedule, "pp": p, "v": v, "m": m, "theory": th, "sim": sim_idle, "sim_stage_idle": sim.idle,
+            "mean_idle": mean_idle, "ratio_theory": mean_idle / th if th else float("nan"),
+            "ratio_sim": mean_idle / sim_idle if sim_idle else float("nan"), "stage_idle": stage_idle,
+            "step_ms": 1e3 * statistics.median(walls), "sim_step_ms": 1e3 * sim.makespan,
+            "action_ms": {kind: 1e3 * c for kind, c in costs.items()},
             "cpu_over_wall": cpu / busy_wall if busy_wall else float("nan")}
+
+
+def gains(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (pp, m): each schedule's median step time relative to 1F1B's, measured and simulated."""
+    base = {(r["pp"], r["m"]): r for r in rows if r["schedule"] == "1f1b"}
+    out = []
+    for r in rows:
+        b = base.get((r["pp"], r["m"]))
+        if b is not None and r is not b:
+            out.append({"schedule": r["schedule"], "pp": r["pp"], "m": r["m"], "step_vs_1f1b": r["step_ms"] / b["step_ms"],
+                        "sim_step_vs_1f1b": r["sim_step_ms"] / b["sim_step_ms"]})
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ report
 
 
-def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    """The table, the notes and the JSON line."""
+def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: list[str]) -> None:
+    """The table, the gains over 1F1B, the notes and the JSON line."""
     cores = os.cpu_count() or 1
-    print(f"1F1B idle fraction per stage: {args.arch}, {args.layers} layers, h={args.hidden} heads={args.heads} "
+    print(f"Pipeline idle fraction per stage: {args.arch}, {args.layers} layers, h={args.hidden} heads={args.heads} "
           f"s={args.seq} b={args.batch}, fp32, gloo, 1 thread/rank, {cores} cores; median of {args.steps} steps "
           f"after {args.warmup} warm-up")
-    print(f"{'pp':>3} {'m':>3} {'theory':>7} {'mean idle':>9} {'ratio':>6} {'per-stage idle':<28} "
-          f"{'step ms':>8} {'F ms/mb':>8} {'B ms/mb':>8} {'cpu/wall':>8}")
+    print(f"{'schedule':<12} {'pp':>3} {'v':>2} {'m':>3} {'theory':>7} {'sim':>6} {'idle':>6} {'/theory':>7} "
+          f"{'/sim':>5} {'per-stage idle':<28} {'step ms':>8} {'cpu/wall':>8}")
     for r in rows:
         per = " ".join(f"{x:.3f}" for x in r["stage_idle"])
-        fwd = statistics.fmean(r["stage_fwd_ms"])
-        bwd = statistics.fmean(r["stage_bwd_ms"])
-        print(f"{r['pp']:>3} {r['m']:>3} {r['theory']:>7.3f} {r['mean_idle']:>9.3f} {r['ratio']:>6.2f} {per:<28} "
-              f"{r['step_ms']:>8.0f} {fwd:>8.1f} {bwd:>8.1f} {r['cpu_over_wall']:>8.2f}")
-    print("theory = (p-1)/(m+p-1); idle = 1 - busy/step window (busy = forward incl. loss, backward); "
-          "ratio = mean idle / theory;\nF/B ms/mb = wall time per micro-batch averaged over stages; "
-          "cpu/wall = CPU time / wall time inside the busy intervals.")
+        print(f"{r['schedule']:<12} {r['pp']:>3} {r['v']:>2} {r['m']:>3} {r['theory']:>7.3f} {r['sim']:>6.3f} "
+              f"{r['mean_idle']:>6.3f} {r['ratio_theory']:>7.2f} {r['ratio_sim']:>5.2f} {per:<28} "
+              f"{r['step_ms']:>8.0f} {r['cpu_over_wall']:>8.2f}")
+    print("theory = textbook idle (1f1b (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), zero_bubble (p-1)/(3m+p-1), "
+          "none (p-1)/p);\nsim = simulated idle of the same table with this run's mean F/B/I/W durations and free "
+          "communication; idle = mean over stages of 1 - busy/step window;\n/theory, /sim = idle / theory, idle / sim; "
+          "cpu/wall = thread CPU time of the step / wall time of the busy intervals.")
+    print("\nmean action ms (F, B or I + W) per row:")
+    for r in rows:
+        acts = " ".join(f"{k}={ms:.1f}" for k, ms in r["action_ms"].items())
+        print(f"  {r['schedule']:<12} pp={r['pp']} m={r['m']:<3} {acts}")
+    gain = gains(rows)
+    if gain:
+        print("\nstep time relative to 1f1b (median step ms; < 1 is faster), measured (sim):")
+        for g in gain:
+            print(f"  pp={g['pp']} m={g['m']:<3} {g['schedule']:<12} {g['step_vs_1f1b']:.3f} ({g['sim_step_vs_1f1b']:.3f})")
     print("\nnotes:")
     crowded = sorted({r["pp"] for r in rows if r["pp"] > cores})
     if crowded:
@@ -228,31 +283,70 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     if loaded:
         print(f"- cpu/wall < 0.9 in {len(loaded)} row(s) with pp <= {cores} cores: something else was using the CPU "
               f"(load average before the run {args.load_before:.2f}); those idle fractions are distorted too.")
-    print("- idle also includes the point-to-point copies (not overlapped with compute) and per-stage imbalance "
-          "(the first stage holds the embedding, the last the output layer and the loss).")
-    print("- interleaved 1F1B ((p-1)/(v*m)) and zero-bubble schedules: not implemented in megatron_sp.pipeline, "
-          "not measured.")
+    print("- idle also includes the sends/receives' Python overhead (transfers themselves overlap compute), the "
+          "schedule table's construction and check at the start of the call, and per-stage imbalance (the first "
+          "stage holds the embedding, the last the output layer and the loss); interleaved sends v times as many "
+          "messages per micro-batch.")
+    for line in skipped:
+        print(f"- skipped {line}")
+    clean = [r for r in rows if r["pp"] <= cores]
+    one = {(r["pp"], r["m"]): r for r in clean if r["schedule"] == "1f1b"}
+    if one:
+        within = [f"pp={r['pp']} m={r['m']}: {r['ratio_theory']:.2f}" for r in one.values()]
+        print(f"- goal 1f1b idle within 10% of theory (pp <= cores), idle/theory: {', '.join(within)}")
+    below = [f"{r['schedule']} pp={r['pp']} m={r['m']}: {r['mean_idle']:.3f} vs {one[(r['pp'], r['m'])]['mean_idle']:.3f}"
+             for r in clean if r["schedule"] in ("interleaved", "zero_bubble") and (r["pp"], r["m"]) in one]
+    if below:
+        print(f"- goal interleaved / zero_bubble idle below 1f1b's (pp <= cores): {', '.join(below)}")
     print(json.dumps({"bench": "pipeline_bubble", "torch": torch.__version__, "cores": cores, "config": vars(args),
-                      "not_measured": ["interleaved", "zero_bubble"], "rows": rows}))
+                      "skipped": skipped, "rows": rows, "gains": gain}))
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Measure every (pp, m) and print the report; returns the rows."""
-    args = parse_args(argv)
+def plan(args: argparse.Namespace) -> tuple[list[int], dict[int, list[tuple[str, int]]], list[str]]:
+    """Validate the flags; per pp the (schedule, m) cases to run (m outer) and the skipped combinations."""
     pps = [int(x) for x in args.pp.split(",")]
     micros = [int(x) for x in args.micro.split(",")]
+    schedules = [s.strip() for s in args.schedules.split(",")]
+    for s in schedules:
+        if s not in SCHEDULES:
+            raise SystemExit(f"--schedules {s}: one of {', '.join(SCHEDULES)}")
+    if "interleaved" in schedules and args.virtual < 2:
+        raise SystemExit(f"--virtual {args.virtual}: interleaved needs v >= 2")
     for p in pps:
         if p < 2 or args.layers % p:
             raise SystemExit(f"--pp {p}: needs p > 1 dividing --layers ({args.layers})")
+        if "interleaved" in schedules and args.layers % (p * args.virtual):
+            raise SystemExit(f"--pp {p} --virtual {args.virtual}: interleaved needs pp·v dividing --layers ({args.layers})")
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    cases: dict[int, list[tuple[str, int]]] = {}
+    skipped = []
+    for p in pps:
+        cases[p] = []
+        for m in micros:
+            for s in schedules:
+                try:
+                    check_micro_batches(m, p, s)
+                except PipelineConfigError:
+                    skipped.append(f"{s} pp={p} m={m} ({'a multiple of pp' if s == 'interleaved' else 'm >= pp'} needed)")
+                    continue
+                cases[p].append((s, m))
+    return pps, cases, skipped
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Measure every (schedule, pp, m) and print the report; returns the rows."""
+    args = parse_args(argv)
+    pps, cases, skipped = plan(args)
     args.load_before = os.getloadavg()[0]
     rows = []
     for p in pps:
-        ms = [m for m in micros if m >= p]  # 1F1B needs m >= p (check_micro_batches)
-        per_rank = run_distributed(rank_run, p, args=args, micros=ms)
-        rows += [analyse(p, m, [per_rank[r][i] for r in range(p)]) for i, m in enumerate(ms)]
-    print_report(args, rows)
+        if not cases[p]:
+            continue
+        per_rank = run_distributed(rank_run, p, args=args, cases=cases[p])
+        rows += [analyse(s, p, m, chunks_for(s, args), [per_rank[r][i] for r in range(p)])
+                 for i, (s, m) in enumerate(cases[p])]
+    print_report(args, rows, skipped)
     return rows
 
 
