@@ -121,6 +121,9 @@ class DataConfig:
     paths: list = doc([], "Dataset prefixes (each names PREFIX.bin and PREFIX.idx). One prefix for now.")
     split: str = doc("98,2,0", "train,valid,test ratios over documents, Megatron style.")
     eod_mask_loss: bool = doc(False, "Exclude end-of-document targets from the loss.")
+    reset_position_ids: bool = doc(False, "Rotary positions restart at 0 after each end-of-document token inside a sample.")
+    reset_attention_mask: bool = doc(False, "Packed documents: a token attends only to earlier tokens of its own document "
+                                            "(document ids from end-of-document tokens).")
     build_demo: bool = doc(False, "If the data or tokenizer files are absent, build the demo corpus (from the "
                                   "Python standard library's sources), train the tokenizer and preprocess it.")
     demo_dir: str = doc("data/demo", "Where build_demo writes the corpus, tokenizer and dataset.")

@@ -136,12 +136,20 @@ def batch_indices(step: int, global_batch_size: int, dp_rank: int, dp_size: int)
     return range(start, start + per_rank)
 
 
-def collate(samples: list[np.ndarray], eod: int, eod_mask_loss: bool) -> dict[str, torch.Tensor]:
+def collate(samples: list[np.ndarray], eod: int, eod_mask_loss: bool, reset_position_ids: bool = False,
+            reset_attention_mask: bool = False) -> dict[str, torch.Tensor]:
     """Stack samples of ``s + 1`` tokens into a batch of ``[b, s]`` tensors.
 
     ``tokens`` = sample[:-1], ``labels`` = sample[1:] (int64); ``loss_mask`` (float32) is 1.0,
     or 0.0 where the label is ``eod`` when ``eod_mask_loss``; ``position_ids`` = 0 … s-1 (int64).
     Labels are shifted here, on the full sequence, before any context-parallel sharding.
+
+    A sample of the GPT dataset spans several documents, each ending with an ``eod`` token (Megatron's
+    ``get_ltor_masks_and_position_ids``); the ``eod`` belongs to the document it ends:
+
+    - ``reset_position_ids``: ``position_ids`` restart at 0 on the token after each ``eod`` of ``tokens``;
+    - ``reset_attention_mask``: adds ``document_ids`` (int64 ``[b, s]``), the number of ``eod`` tokens
+      strictly before each token; attention lets a token see only earlier tokens with the same id.
     """
     import torch  # here, not at the top: the data tools (tools/*.py) then start without importing torch
 
@@ -153,5 +161,19 @@ def collate(samples: list[np.ndarray], eod: int, eod_mask_loss: bool) -> dict[st
     loss_mask = torch.ones(labels.shape, dtype=torch.float32)
     if eod_mask_loss:
         loss_mask[labels == eod] = 0.0
-    position_ids = torch.arange(tokens.shape[1], dtype=torch.int64).unsqueeze(0).repeat(tokens.shape[0], 1)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    b, s = tokens.shape
+    arange = torch.arange(s, dtype=torch.int64).unsqueeze(0).expand(b, s)  # [b, s]
+    is_eod = tokens == eod  # [b, s]
+    if reset_position_ids:
+        # index of the first token of each token's document: 1 + index of the last eod before it (else 0)
+        starts_here = torch.zeros_like(is_eod)
+        starts_here[:, 1:] = is_eod[:, :-1]
+        doc_start = torch.where(starts_here, arange, torch.zeros_like(arange)).cummax(dim=1).values  # [b, s]
+        position_ids = arange - doc_start
+    else:
+        position_ids = arange.contiguous()
+    out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if reset_attention_mask:
+        eods = is_eod.to(torch.int64)
+        out["document_ids"] = eods.cumsum(dim=1) - eods  # [b, s]: eod tokens strictly before
+    return out

@@ -1,0 +1,471 @@
+"""Attention kernels with log-sum-exp, the building block of every context-parallel algorithm.
+
+One contract for every kernel:
+
+* ``attention_forward(q, k, v, q_pos, k_pos, ...) -> (out, lse)``: softmax attention of the
+  queries over ONE block of keys, ``out`` in fp32 and ``lse`` (the row log-sum-exp of the scaled
+  scores) in fp32 (fp64 throughout for fp64 inputs), so partial results over disjoint key blocks
+  combine exactly with ``merge``.
+* ``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``: the gradients of ONE key
+  block, given the FINAL (merged over every block) ``out`` and ``lse``. Summing ``dq`` over the
+  key blocks and taking each block's ``dk``/``dv`` gives exactly the gradients of the full
+  attention (ALGORITHMS.md "Context parallel")::
+
+      P = exp(S − L),  D = rowsum(dO∘O),  dS = P∘(dO·Vᵀ − D),
+      dQ = scale·dS·K,  dK = scale·dSᵀ·Q,  dV = Pᵀ·dO
+
+Which keys a query sees comes from the tokens' GLOBAL indices in the sample (``q_pos``,
+``k_pos``, int64 ``[b, s]``) and optional document ids (packed sequences), never from a kernel's
+idea of "causal": ``visible`` is the one definition. ``classify`` names the shape of a block's
+mask so that the cheap cases skip the mask:
+
+==========  ==========================================  =====================================
+kind        meaning                                     kernel (auto)
+==========  ==========================================  =====================================
+empty       no query sees any key                       none: out 0, lse −inf, grads 0
+full        every query sees every key                  cpu_flash (CPU) | flash_attn (CUDA)
+causal      square, same positions (increasing), one    cpu_flash (CPU) | flash_attn (CUDA)
+            document: the lower triangle
+masked      anything else (document boundaries,         reference (explicit ``[b, n, sq, sk]``
+            partial overlap, rows that see nothing)     scores: O(sq·sk) memory)
+==========  ==========================================  =====================================
+
+Kernels (``KERNELS``; pass ``kernel=`` to force one, e.g. in tests):
+
+* ``reference``: explicit scores with the boolean mask of ``visible``, computed in fp32 (fp64 for
+  fp64 inputs) whatever the input dtype. Always correct; the oracle and the ``masked`` path.
+* ``cpu_flash``: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its
+  ``_backward``, which accepts an external out/lse. Used for ``full``/``causal`` blocks on CPU in
+  any float dtype (fp64 included: the op supports it, so fp64 parity tests run the same path as
+  training). Quirks handled here: ``is_causal`` is top-left aligned (so only square blocks with
+  equal positions use it), it rejects boolean masks and returns lse 0 (not −inf) for fully
+  masked rows (so it never sees a mask), it crashes the process (SIGFPE) on zero-length
+  sequences (so empty blocks never reach it), its backward wants ``out`` in the input dtype (a bf16
+  caller's fp32 ``out`` is rounded to bf16 for the ``D`` term), its lse is ``[b, n, s]`` with
+  ``[b, s, n]`` strides and its gradients are non-contiguous (all outputs are made contiguous
+  here), and GQA is native only from torch 2.9 (older versions get kv heads repeated and dk/dv
+  summed back).
+* ``flash_attn``: flash-attn 2's low-level ``_flash_attn_forward``/``_flash_attn_backward`` on
+  CUDA for fp16/bf16 ``full``/``causal`` blocks (head dim a multiple of 8, <= 256), imported
+  lazily; without it the reference runs (one log line). Its ``causal`` is bottom-right aligned,
+  equal to top-left on the square blocks it gets. The argument filling for the 2.x generations is
+  tested with CPU stand-ins; the real kernel only by the ``gpu``-marked test.
+
+All functions are pure tensor functions (no autograd Functions: the context-parallel code wraps
+them) and work under ``torch.no_grad()``. Layouts: q/out/dout ``[sq, b, n, d]``, k/v
+``[sk, b, g, d]`` with ``g | n`` (query head ``j`` uses kv head ``j // (n/g)``), lse ``[b, n, sq]``.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_sp import device as device_mod
+
+log = logging.getLogger("megatron_sp")
+
+KINDS = ("empty", "full", "causal", "masked")
+"""What ``classify`` returns, from cheapest to most general."""
+
+KERNELS = ("reference", "cpu_flash", "flash_attn")
+"""Kernel names accepted by ``kernel=``; ``None`` picks one per block (``kernel_for``)."""
+
+FLASH_ATTN_MAX_HEAD_DIM = 256
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks
+# ----------------------------------------------------------------------------------------------
+
+def _check_docs(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None) -> bool:
+    """True when document ids are given; both or neither must be."""
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("q_doc and k_doc must be given together (or both None for one document per sample)")
+    return q_doc is not None
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
+            k_doc: torch.Tensor | None = None) -> torch.Tensor:
+    """bool ``[b, sq, sk]``: key ``j`` is visible to query ``i`` iff ``k_pos[b, j] <= q_pos[b, i]`` and
+    (no documents or ``q_doc[b, i] == k_doc[b, j]``).
+
+    ``q_pos`` ``[b, sq]``, ``k_pos`` ``[b, sk]``: int64 global token indices within the sample
+    (``0 .. S-1``), not rotary positions (those restart per document). ``q_doc``/``k_doc``: int64
+    document ids ``[b, sq]``/``[b, sk]``, or None for one document per sample.
+    """
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [b, sq, sk]
+    if _check_docs(q_doc, k_doc):
+        mask &= q_doc[:, :, None] == k_doc[:, None, :]
+    return mask
+
+
+def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
+             k_doc: torch.Tensor | None = None) -> str:
+    """The kind of the block's mask (``KINDS``), decided from per-row min/max where possible.
+
+    ``empty``: no pair visible (also any zero-size block). ``full``: every pair visible.
+    ``causal``: ``sq == sk``, ``q_pos == k_pos`` strictly increasing along each row and one document
+    per row: the lower triangle, where top-left and bottom-right causal alignment agree.
+    ``masked``: anything else, e.g. zigzag ``q_pos = [0, 1, 6, 7]`` against ``k_pos = [2, 3, 4, 5]``.
+
+    Cost: a few ``[b]`` reductions and one host sync per test; only when the document ids vary
+    inside a row and their ranges overlap is ``visible`` computed (once) to tell empty from masked.
+    """
+    has_docs = _check_docs(q_doc, k_doc)
+    b, sq = q_pos.shape
+    sk = k_pos.shape[1]
+    if b == 0 or sq == 0 or sk == 0:
+        return "empty"
+    q_lo, q_hi = torch.aminmax(q_pos, dim=1)
+    k_lo, k_hi = torch.aminmax(k_pos, dim=1)
+    keys_after = k_lo > q_hi  # [b]: no key at or before any query of the row
+    if has_docs:
+        qd_lo, qd_hi = torch.aminmax(q_doc, dim=1)
+        kd_lo, kd_hi = torch.aminmax(k_doc, dim=1)
+        one_doc = (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)  # [b]: a single shared document
+        no_row_visible = keys_after | (qd_hi < kd_lo) | (kd_hi < qd_lo)
+    else:
+        one_doc = None
+        no_row_visible = keys_after
+    if bool(no_row_visible.all()):
+        return "empty"
+    if one_doc is not None and not bool(one_doc.all()):
+        # Some row holds two documents: it cannot be full or causal; whether any pair is visible at
+        # all needs the mask itself.
+        return "masked" if bool(visible(q_pos, k_pos, q_doc, k_doc).any()) else "empty"
+    # One document per row from here on: the position ranges decide.
+    if bool((k_hi <= q_lo).all()):
+        return "full"
+    if sq == sk and torch.equal(q_pos, k_pos) and (sq == 1 or bool((q_pos[:, 1:] > q_pos[:, :-1]).all())):
+        return "causal"
+    return "masked"
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 inputs, else fp32: the dtype of every out/lse/grad this module returns."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a contiguous tensor of ``dtype``, copying at most once."""
+    return x.contiguous() if x.dtype == dtype else x.to(dtype, memory_format=torch.contiguous_format)
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"attention: expected q [sq, b, n, d] and k, v [sk, b, g, d], got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    sq, b, n, d = q.shape
+    sk, bk, g, dk = k.shape
+    if bk != b or dk != d or g == 0 or n % g:
+        raise ValueError(f"attention: k/v {tuple(k.shape)} do not match q {tuple(q.shape)} "
+                         "(same b and d, kv heads dividing query heads)")
+    if tuple(q_pos.shape) != (b, sq) or tuple(k_pos.shape) != (b, sk):
+        raise ValueError(f"attention: q_pos {tuple(q_pos.shape)} / k_pos {tuple(k_pos.shape)} must be "
+                         f"[b, sq] = [{b}, {sq}] / [b, sk] = [{b}, {sk}]")
+
+
+def _resolve_kind(kind: str | None, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
+                  k_doc: torch.Tensor | None) -> str:
+    if kind is None:
+        return classify(q_pos, k_pos, q_doc, k_doc)
+    if kind not in KINDS:
+        raise ValueError(f"attention: unknown block kind {kind!r}; expected one of {' | '.join(KINDS)}")
+    return kind
+
+
+def kernel_for(kind: str, q: torch.Tensor, kernel: str | None = None) -> str:
+    """The kernel that runs a block of ``kind`` for queries like ``q`` (``kernel`` forces one).
+
+    Auto: ``masked`` -> reference; ``full``/``causal`` -> cpu_flash on CPU, flash_attn on CUDA
+    for fp16/bf16 with a head dim that is a multiple of 8 up to 256 when flash-attn imports,
+    reference otherwise (e.g. fp32 on CUDA). A forced
+    ``cpu_flash``/``flash_attn`` raises ``ValueError`` where it cannot compute the block exactly.
+    ``empty`` blocks never reach a kernel.
+    """
+    if kernel is None:
+        if kind == "masked":
+            return "reference"
+        if q.device.type == "cpu":
+            return "cpu_flash"
+        if _flash_attn_fits(q) and _flash_attn_ops() is not None:
+            return "flash_attn"
+        return "reference"
+    if kernel not in KERNELS:
+        raise ValueError(f"attention: unknown kernel {kernel!r}; expected one of {' | '.join(KERNELS)}")
+    if kernel != "reference" and kind == "masked":
+        raise ValueError(f"attention: kernel {kernel!r} cannot apply a '{kind}' mask; use the reference kernel")
+    if kernel == "cpu_flash" and q.device.type != "cpu":
+        raise ValueError(f"attention: kernel 'cpu_flash' needs CPU tensors, got {q.device}")
+    if kernel == "flash_attn" and (not _flash_attn_fits(q) or _flash_attn_ops() is None):
+        raise ValueError(f"attention: kernel 'flash_attn' needs flash-attn on a GPU, fp16/bf16 inputs and a head dim that is "
+                         f"a multiple of 8 up to {FLASH_ATTN_MAX_HEAD_DIM} (got {q.dtype}, d={q.shape[-1]})")
+    return kernel
+
+
+def _flash_attn_fits(q: torch.Tensor) -> bool:
+    """fp16/bf16 on CUDA with a head dim flash-attn's low-level functions take unpadded (multiple of 8, <= 256)."""
+    d = q.shape[-1]
+    return q.device.type == "cuda" and q.dtype in _HALF and d % 8 == 0 and d <= FLASH_ATTN_MAX_HEAD_DIM
+
+
+def _empty_forward(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sq, b, n, d = q.shape
+    dtype = _compute_dtype(q.dtype)
+    return (torch.zeros(sq, b, n, d, dtype=dtype, device=q.device),
+            torch.full((b, n, sq), float("-inf"), dtype=dtype, device=q.device))
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                      q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, *,
+                      scale: float | None = None, kind: str | None = None,
+                      kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` over one key block: ``(out [sq, b, n, d], lse [b, n, sq])``.
+
+    q ``[sq, b, n, d]``; k, v ``[sk, b, g, d]`` with ``g | n``. ``out`` and ``lse`` are fp32 (fp64
+    for fp64 inputs) and contiguous, so callers ``merge`` partial results without rounding. Rows
+    that see no key: ``out = 0``, ``lse = −inf`` (never NaN). ``scale`` defaults to ``d**-0.5``;
+    ``kind`` is the ``classify`` result if the caller has it; ``kernel`` forces a kernel.
+    """
+    _check_shapes(q, k, v, q_pos, k_pos)
+    kind = _resolve_kind(kind, q_pos, k_pos, q_doc, k_doc)
+    if kind == "empty":
+        return _empty_forward(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    name = kernel_for(kind, q, kernel)
+    if name == "cpu_flash":
+        return _cpu_flash_forward(q, k, v, scale, causal=kind == "causal")
+    if name == "flash_attn":
+        return _flash_attn_forward(q, k, v, scale, causal=kind == "causal")
+    return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc), scale)
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
+                       k_doc: torch.Tensor | None = None, *, scale: float | None = None, kind: str | None = None,
+                       kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ONE key block given the FINAL ``out``/``lse`` over all key blocks.
+
+    ``dout``, ``out`` ``[sq, b, n, d]``; ``lse`` ``[b, n, sq]``. Returns contiguous
+    ``(dq [sq, b, n, d], dk [sk, b, g, d], dv [sk, b, g, d])`` in fp32 (fp64 for fp64 inputs); with
+    GQA ``dk``/``dv`` are summed over the query heads of each kv head. ``dq`` is this block's share:
+    the caller sums it over key blocks. Rows with ``lse = −inf`` contribute 0.
+    """
+    _check_shapes(q, k, v, q_pos, k_pos)
+    kind = _resolve_kind(kind, q_pos, k_pos, q_doc, k_doc)
+    dtype = _compute_dtype(q.dtype)
+    if kind == "empty":
+        return (torch.zeros(q.shape, dtype=dtype, device=q.device), torch.zeros(k.shape, dtype=dtype, device=k.device),
+                torch.zeros(v.shape, dtype=dtype, device=v.device))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    name = kernel_for(kind, q, kernel)
+    if name == "cpu_flash":
+        return _cpu_flash_backward(dout, q, k, v, out, lse, scale, causal=kind == "causal")
+    if name == "flash_attn":
+        return _flash_attn_backward(dout, q, k, v, out, lse, scale, causal=kind == "causal")
+    return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc), scale)
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two partial results over disjoint key sets, in fp32 (fp64 if either is fp64).
+
+    ``L = logaddexp(La, Lb)``, ``O = Oa·exp(La − L) + Ob·exp(Lb − L)``; a row that is −inf in both
+    stays ``L = −inf``, ``O = 0`` (no NaN). out ``[sq, b, n, d]``, lse ``[b, n, sq]``. Symmetric
+    bit for bit (``merge(a, b) == merge(b, a)``); merging three or more blocks in different orders
+    agrees up to rounding.
+    """
+    dtype = torch.float64 if torch.float64 in (out_a.dtype, out_b.dtype, lse_a.dtype, lse_b.dtype) else torch.float32
+    lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
+    lse = torch.logaddexp(lse_a, lse_b)  # [b, n, sq]; −inf only where both are
+    lse_safe = lse.masked_fill(lse == float("-inf"), 0.0)  # exp(−inf − 0) = 0 instead of NaN
+    weight_a = torch.exp(lse_a - lse_safe).permute(2, 0, 1).unsqueeze(-1)  # [sq, b, n, 1]
+    weight_b = torch.exp(lse_b - lse_safe).permute(2, 0, 1).unsqueeze(-1)
+    return out_a.to(dtype) * weight_a + out_b.to(dtype) * weight_b, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference kernel
+# ----------------------------------------------------------------------------------------------
+
+def _grouped(x: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[s, b, n, d]`` -> ``[b, g, n/g, s, d]`` in ``dtype``: query heads grouped by their kv head."""
+    s, b, n, d = x.shape
+    return x.to(dtype).permute(1, 2, 0, 3).reshape(b, g, n // g, s, d)
+
+
+def _ungrouped(x: torch.Tensor) -> torch.Tensor:
+    """``[b, g, r, s, d]`` -> contiguous ``[s, b, g·r, d]``."""
+    b, g, r, s, d = x.shape
+    return x.reshape(b, g * r, s, d).permute(2, 0, 1, 3).contiguous()
+
+
+def _reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = _compute_dtype(q.dtype)
+    g = k.shape[2]
+    q_g = _grouped(q, g, dtype)  # [b, g, r, sq, d]
+    k_g = k.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [b, g, 1, sk, d]
+    v_g = v.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [b, g, 1, sk, d]
+    scores = (q_g @ k_g.transpose(-1, -2)) * scale  # [b, g, r, sq, sk]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, g, r, sq]; −inf for rows that see nothing
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))  # 0 on masked entries
+    out = _ungrouped(probs @ v_g)  # [sq, b, n, d]
+    b, g, r, sq = lse.shape
+    return out, lse.reshape(b, g * r, sq)
+
+
+def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dtype = _compute_dtype(q.dtype)
+    g = k.shape[2]
+    b, n, sq = lse.shape
+    q_g = _grouped(q, g, dtype)  # [b, g, r, sq, d]
+    do_g = _grouped(dout, g, dtype)  # [b, g, r, sq, d]
+    k_g = k.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [b, g, 1, sk, d]
+    v_g = v.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [b, g, 1, sk, d]
+    # A row with L = −inf saw no key in any block: L -> +inf makes its P exactly 0 (no NaN).
+    lse_g = lse.to(dtype).masked_fill(lse == float("-inf"), float("inf")).reshape(b, g, n // g, sq, 1)
+    scores = (q_g @ k_g.transpose(-1, -2)) * scale  # [b, g, r, sq, sk]
+    probs = torch.exp(scores - lse_g).masked_fill(~mask[:, None, None], 0.0)  # P
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1).permute(1, 2, 0).reshape(b, g, n // g, sq, 1)  # D = rowsum(dO∘O)
+    dscores = probs * (do_g @ v_g.transpose(-1, -2) - delta)  # dS = P∘(dO·Vᵀ − D)
+    dq = (dscores @ k_g) * scale  # [b, g, r, sq, d]
+    dk = torch.einsum("bgrqk,bgrqd->bgkd", dscores, q_g) * scale  # summed over the r query heads of each kv head
+    dv = torch.einsum("bgrqk,bgrqd->bgkd", probs, do_g)
+    return _ungrouped(dq), dk.permute(2, 0, 1, 3).contiguous(), dv.permute(2, 0, 1, 3).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU flash kernel
+# ----------------------------------------------------------------------------------------------
+
+@functools.cache
+def _cpu_flash_native_gqa() -> bool:
+    """True when the CPU flash op takes fewer kv heads than query heads.
+
+    GQA support landed in July 2025 (pytorch#157893), after the 2.8 branch cut, hence 2.9; checked
+    here on 2.13 only. Older versions are not known to check the head counts, so they always get
+    repeated kv heads (a copy of k/v per block) rather than a probe that might read out of bounds.
+    """
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 9)
+
+
+def _bnsd_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """kv ``[sk, b, g, d]`` -> ``[b, g, sk, d]`` view, or ``[b, n, sk, d]`` (repeated heads) when the op lacks GQA."""
+    sk, b, g, d = x.shape
+    if g != n and not _cpu_flash_native_gqa():
+        x = x[:, :, :, None].expand(sk, b, g, n // g, d).reshape(sk, b, n, d)
+    return x.permute(1, 2, 0, 3)
+
+
+def _kv_grad(grad_bnsd: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """The op's dk/dv ``[b, g or n, sk, d]`` -> contiguous ``[sk, b, g, d]`` in ``dtype`` (repeated heads summed)."""
+    b, heads, sk, d = grad_bnsd.shape
+    if heads != g:
+        grad_bnsd = grad_bnsd.to(dtype).reshape(b, g, heads // g, sk, d).sum(2)
+    return _dense(grad_bnsd.permute(2, 0, 1, 3), dtype)
+
+
+def _cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = _compute_dtype(q.dtype)
+    n = q.shape[2]
+    out_bnsd, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.permute(1, 2, 0, 3), _bnsd_kv(k, n), _bnsd_kv(v, n), 0.0, causal, scale=scale)
+    return _dense(out_bnsd.permute(2, 0, 1, 3), dtype), _dense(lse, dtype)  # out keeps q's strides: mostly no copy
+
+
+def _cpu_flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The op wants dout/out in the input dtype and lse in its accumulation dtype. Every row of a
+    # full/causal block sees a key of this block, so the final lse is finite on all of its rows.
+    dtype = _compute_dtype(q.dtype)
+    n, g = q.shape[2], k.shape[2]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(q.dtype).permute(1, 2, 0, 3), q.permute(1, 2, 0, 3), _bnsd_kv(k, n), _bnsd_kv(v, n),
+        out.to(q.dtype).permute(1, 2, 0, 3), lse.to(dtype), 0.0, causal, scale=scale)
+    return _dense(dq.permute(2, 0, 1, 3), dtype), _kv_grad(dk, g, dtype), _kv_grad(dv, g, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# flash-attn kernel (CUDA, optional)
+# ----------------------------------------------------------------------------------------------
+
+@functools.cache
+def _flash_attn_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """flash-attn 2's ``(_flash_attn_forward, _flash_attn_backward)``, or None (logged once).
+
+    ``device.flash_attn_func()`` decides whether flash-attn is usable at all (GPU present, package
+    imports); the low-level functions are private API, so their absence is one more reason to
+    fall back to the reference kernel.
+    """
+    if device_mod.flash_attn_func() is None:
+        return None
+    try:
+        from flash_attn import flash_attn_interface  # type: ignore[import-not-found]
+        ops = (flash_attn_interface._flash_attn_forward, flash_attn_interface._flash_attn_backward)
+    except (ImportError, AttributeError) as exc:
+        log.info("flash-attn has no usable _flash_attn_forward/_flash_attn_backward (%s); "
+                 "context-parallel attention uses the reference kernel on GPU", exc)
+        return None
+    return ops
+
+
+def _flash_attn_call(fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call a flash-attn 2.x low-level function by keyword, filling the arguments versions differ in.
+
+    2.0-2.2: no window; 2.3: ``window_size=(l, r)``; 2.4: ``alibi_slopes``, ``deterministic``;
+    2.6: ``softcap``; 2.7+: ``window_size_left``/``window_size_right`` and a ``torch.library``
+    custom op (its Python signature is on ``_init_fn``).
+    """
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    if "window_size_left" in params:
+        kwargs.update(window_size_left=-1, window_size_right=-1)
+    elif "window_size" in params:
+        kwargs["window_size"] = (-1, -1)
+    for name, value in (("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_softmax", False)):
+        if name in params:
+            kwargs[name] = value
+    return fn(**kwargs)
+
+
+def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    forward, _ = _flash_attn_ops()
+    sq = q.shape[0]
+    result = _flash_attn_call(forward, q=q.transpose(0, 1).contiguous(), k=k.transpose(0, 1).contiguous(),
+                              v=v.transpose(0, 1).contiguous(), dropout_p=0.0, softmax_scale=scale, causal=causal)
+    # 2.7+: (out, lse, S_dmask, rng_state); before: (out, q, k, v, out_padded, lse, S_dmask, rng_state).
+    if len(result) not in (4, 8):
+        raise RuntimeError(f"flash-attn _flash_attn_forward returned {len(result)} values; expected 4 or 8")
+    out_bsnd, lse = result[0], result[1 if len(result) == 4 else 5]
+    dtype = _compute_dtype(q.dtype)
+    return _dense(out_bsnd.transpose(0, 1), dtype), _dense(lse[..., :sq], dtype)
+
+
+def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, backward = _flash_attn_ops()
+    q_bsnd, k_bsnd, v_bsnd = (x.transpose(0, 1).contiguous() for x in (q, k, v))
+    dq, dk, dv = torch.empty_like(q_bsnd), torch.empty_like(k_bsnd), torch.empty_like(v_bsnd)  # written in place
+    _flash_attn_call(backward, dout=dout.to(q.dtype).transpose(0, 1).contiguous(), q=q_bsnd, k=k_bsnd, v=v_bsnd,
+                     out=out.to(q.dtype).transpose(0, 1).contiguous(), softmax_lse=_dense(lse, torch.float32),
+                     dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal)
+    return tuple(_dense(x.transpose(0, 1), torch.float32) for x in (dq, dk, dv))  # type: ignore[return-value]

@@ -1,0 +1,143 @@
+"""Sequence layouts for context parallelism: which tokens of the full sequence each CP rank holds.
+
+A layout is a permutation of the sequence dimension, cut into ``cp`` equal parts:
+
+- ``contiguous``: rank ``r`` holds tokens ``[r·s/cp, (r+1)·s/cp)``. Under a causal mask rank ``r``'s
+  queries see ``r`` full blocks of keys plus its own diagonal block: the last rank does about
+  ``2·cp − 1`` times the work of the first.
+- ``zigzag``: the sequence is cut into ``2·cp`` chunks and rank ``r`` holds chunk ``r`` followed by
+  chunk ``2·cp − 1 − r``. One early and one late chunk per rank: every rank does the same causal
+  attention work.
+
+``shard_indices`` is the single definition of both; ``shard``/``unshard``/``shard_batch`` only
+apply it. Every tensor of a batch (tokens, labels, loss mask, rotary positions, document ids) goes
+through the same permutation, and ``token_index`` records the global index of each held token,
+which is what attention masks are built from (never the kernel's idea of "position").
+
+With ``cp == 1`` every layout is the identity and ``seq_len`` needs no divisor.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+LAYOUTS = {"ring": "contiguous", "zigzag": "zigzag", "llama3": "contiguous", "ulysses": "contiguous", "usp": "zigzag"}
+"""The sequence layout each ``parallel.cp_algo`` expects its input in."""
+
+_LAYOUT_NAMES = ("contiguous", "zigzag")
+
+
+def layout_of(algo: str) -> str:
+    """The layout (``contiguous`` | ``zigzag``) of context-parallel algorithm ``algo``."""
+    try:
+        return LAYOUTS[algo]
+    except KeyError:
+        raise ValueError(f"parallel.cp_algo: unknown context-parallel algorithm {algo!r}; "
+                         f"choose one of {' | '.join(LAYOUTS)}") from None
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in _LAYOUT_NAMES:
+        raise ValueError(f"unknown sequence layout {layout!r}; expected one of {' | '.join(_LAYOUT_NAMES)} "
+                         f"(layout_of(parallel.cp_algo) gives it)")
+
+
+def _chunks_per_rank(layout: str, cp: int) -> int:
+    """How many equal chunks of the sequence each rank holds (1 when cp == 1: the identity)."""
+    return 2 if layout == "zigzag" and cp > 1 else 1
+
+
+def shard_indices(seq_len: int, cp: int, rank: int, layout: str) -> torch.Tensor:
+    """Global token indices rank ``rank`` of ``cp`` holds, in the order it holds them: int64 ``[seq_len // cp]``.
+
+    ``contiguous``: ``arange(r·s/cp, (r+1)·s/cp)``. ``zigzag``: with ``c = s / (2·cp)``, chunk ``r``
+    (``[r·c, (r+1)·c)``) then chunk ``2·cp − 1 − r``. Raises ``ValueError`` when ``seq_len`` is not
+    divisible by ``cp`` (contiguous) or ``2·cp`` (zigzag, ``cp > 1``).
+    """
+    _check_layout(layout)
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"context-parallel rank {rank} out of range for cp size {cp}")
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+    n_chunks = cp * _chunks_per_rank(layout, cp)
+    if seq_len % n_chunks:
+        raise ValueError(f"sequence length {seq_len} is not divisible by {n_chunks} "
+                         f"({'2·cp' if n_chunks != cp else 'cp'} for the {layout} layout with cp={cp}); "
+                         f"choose model.seq_length as a multiple of {n_chunks}")
+    chunk = seq_len // n_chunks
+    if n_chunks == cp:
+        return torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.int64)
+    late = n_chunks - 1 - rank
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.int64),
+                      torch.arange(late * chunk, (late + 1) * chunk, dtype=torch.int64)])
+
+
+def shard(t: torch.Tensor, cp: int, rank: int, layout: str, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s part of ``t`` along ``dim`` (the sequence dimension): a new contiguous tensor.
+
+    Differentiable (``index_select``): the gradient flows back to the held positions of ``t``.
+    """
+    index = shard_indices(t.shape[dim], cp, rank, layout).to(t.device)
+    return t.index_select(dim, index).contiguous()
+
+
+def unshard(parts: Sequence[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's part, in rank order: the inverse of ``[shard(t, cp, r, layout, dim) for r]``.
+
+    ``cp = len(parts)``; all parts must have the same size along ``dim``.
+    """
+    if not parts:
+        raise ValueError("unshard needs at least one part")
+    sizes = {p.shape[dim] for p in parts}
+    if len(sizes) != 1:
+        raise ValueError(f"unshard: parts differ in size along dim {dim}: {[p.shape[dim] for p in parts]}")
+    cp = len(parts)
+    seq_len = sizes.pop() * cp
+    held = torch.cat([shard_indices(seq_len, cp, r, layout) for r in range(cp)])  # held[j] = global index of row j
+    inverse = torch.argsort(held).to(parts[0].device)  # row of the concatenation holding global index i
+    return torch.cat(list(parts), dim=dim).index_select(dim, inverse).contiguous()
+
+
+def shard_batch(batch: Mapping[str, torch.Tensor], cp: int, rank: int, layout: str) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s part of a ``[b, s]`` batch, plus ``token_index`` (int64 ``[b, s/cp]``).
+
+    Every tensor (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, ``document_ids`` …) must
+    be ``[b, s, ...]`` and is sharded along dim 1 with the same permutation, so row ``j`` of every
+    output describes the same token. ``token_index[:, j]`` is that token's index in the full
+    sequence: attention masks (causal order, and document boundaries via ``document_ids``) use it;
+    ``position_ids`` are the rotary positions and may restart per document.
+
+    Labels must already be shifted on the full sequence (``collate`` does it): the label of the
+    token at global index ``i`` is token ``i + 1`` of the full sample, wherever the shard
+    boundaries fall. Never shift after sharding: each shard would lose the target of its last
+    token (and zigzag shards would pair tokens with tokens of another chunk).
+    """
+    if "token_index" in batch:
+        raise ValueError("shard_batch: the batch already has 'token_index' (is it sharded already?)")
+    if not batch:
+        raise ValueError("shard_batch: empty batch")
+    first = batch["tokens"] if "tokens" in batch else next(iter(batch.values()))
+    if first.dim() < 2:
+        raise ValueError(f"shard_batch: expected [b, s] tensors, got shape {tuple(first.shape)}")
+    b, s = first.shape[:2]
+    for name, t in batch.items():
+        if t.dim() < 2 or tuple(t.shape[:2]) != (b, s):
+            raise ValueError(f"shard_batch: {name!r} has shape {tuple(t.shape)}, expected [{b}, {s}, ...]")
+    index = shard_indices(s, cp, rank, layout)
+    out = {name: t.index_select(1, index.to(t.device)).contiguous() for name, t in batch.items()}
+    out["token_index"] = index.to(first.device).unsqueeze(0).expand(b, -1).contiguous()  # [b, s/cp]
+    return out
+
+
+def required_divisor(algo: str, cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """What ``model.seq_length`` must be divisible by for ``parallel.cp_algo = algo`` at this layout.
+
+    ``cp`` for contiguous layouts, ``2·cp`` for zigzag ones (``usp`` included), 1 when ``cp == 1``
+    (no sharding); times ``tp`` under sequence parallelism, where each rank holds ``s/(cp·tp)``
+    tokens between layers.
+    """
+    if cp < 1 or tp < 1:
+        raise ValueError(f"cp and tp must be >= 1, got cp={cp}, tp={tp}")
+    divisor = cp * _chunks_per_rank(layout_of(algo), cp)
+    return divisor * tp if sequence_parallel else divisor
