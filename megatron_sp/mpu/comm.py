@@ -287,3 +287,41 @@ def all_to_all(t: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -
     dist.all_to_all_single(out, inp, group=group)
     moved = out.view(n, *chunk).movedim(0, gather_dim)  # out[j] came from rank j: [.., n, chunk[gather_dim], ..]
     return moved.reshape(*chunk[:gather_dim], n * chunk[gather_dim], *chunk[gather_dim + 1:]).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# ring exchange (point-to-point)
+
+
+def ring_exchange_async(t: torch.Tensor, group: Any) -> Pending:
+    """Send ``t`` to the next rank of ``group`` and receive the previous rank's tensor of the same shape.
+
+    Both transfers are posted together (``batch_isend_irecv``: on NCCL the pair never deadlocks, also
+    when next == previous at n = 2); ``wait()`` returns the received tensor. Counted as ``p2p``
+    (the bytes of ``t``). The context-parallel ring calls this once per step and overlaps it with
+    the step's attention.
+    """
+    n = group_size(group)
+    if n == 1:
+        return Pending(None, t)
+    me = group_rank(group)
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    if _ACTIVE_COUNTERS:
+        _record("p2p", t.numel() * t.element_size())
+    ranks = dist.get_process_group_ranks(group)
+    ops = [dist.P2POp(dist.isend, t, ranks[(me + 1) % n], group),
+           dist.P2POp(dist.irecv, out, ranks[(me - 1) % n], group)]
+    return Pending(_Works(dist.batch_isend_irecv(ops), keep=ops), out)
+
+
+class _Works:
+    """Several works waited as one (``keep`` holds the send buffers alive until then)."""
+
+    def __init__(self, works: list[Any], keep: Any = None) -> None:
+        self.works, self.keep = works, keep
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.keep = None

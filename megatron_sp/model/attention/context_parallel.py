@@ -1,0 +1,363 @@
+"""Context-parallel attention: ring, zigzag, llama3 all-gather and Ulysses over the ``cp`` group.
+
+The sequence of every sample is split over the ``cp`` ranks (``layout.shard_batch``): rank r holds
+the tokens at global indices ``positions[r]`` (contiguous for ring/llama3/ulysses, chunks r and
+2·cp−1−r for zigzag). Everything outside attention is per token, so only attention talks:
+
+``ring``     K,V travel round the ring (``cp − 1`` steps), each step's transfer overlapping the
+             attention on the block that arrived before; partial results merge exactly in fp32
+             (``kernels.merge``). Backward sends K,V round again with the fp32 dK,dV accumulators
+             following them home. With the contiguous layout the causal work is unbalanced.
+``zigzag``   the same ring on the zigzag layout. Each block is cut into its two chunks and each
+             (query chunk, key chunk) pair is classified from the positions: pairs no query
+             sees are skipped, fully visible ones run without a mask, so every rank does the
+             same work (ALGORITHMS.md).
+``llama3``   all-gather K,V in groups of ``heads_k_stride`` kv heads (the next group's gather in
+             flight while the current one computes), one exact attention per rank over the
+             whole sequence; backward gathers again and reduce-scatters dK,dV. Any document
+             packing works, only the token count must divide by cp.
+``ulysses``  all-to-all q,k,v from ``[s/cp, heads]`` to ``[s, heads/cp]``, local attention over
+             the whole sequence, all-to-all back. GQA: kv heads split over cp when
+             ``g % cp == 0``, else (``cp % g == 0``) each kv head repeated for the ranks that
+             need it (autograd sums its gradient back).
+
+Masks come only from the tokens' global indices and document ids (``kernels.visible``), for every
+algorithm and layout: a block's key positions are known from ``positions[src]`` — gathered once
+per micro-batch (``AttentionMeta.build``) — never from a kernel's alignment convention. Out and
+lse are merged in fp32 whatever the input dtype; the returned ``out`` has the input dtype.
+
+cp == 1 with packed documents (``data.reset_attention_mask``) uses the same local path as Ulysses
+(one rank): causal attention within each document.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...mpu import comm
+from ...mpu.mappings import all_to_all
+from . import kernels
+from .layout import layout_of
+
+ALGORITHMS = ("ring", "zigzag", "llama3", "ulysses")
+
+
+@dataclass
+class AttentionMeta:
+    """Where every CP rank's tokens sit in the sample, for one micro-batch (what masks are built from).
+
+    ``positions[r]`` ``[b, s/cp]`` global token indices held by cp rank r (this rank is ``rank``);
+    ``documents[r]`` their document ids (packed sequences) or None; ``algo`` one of ``ALGORITHMS``
+    (``"local"`` for cp == 1); ``group`` the cp process group; ``heads_k_stride`` kv heads per
+    llama3 all-gather.
+    """
+
+    algo: str
+    group: Any
+    rank: int
+    positions: list[torch.Tensor]
+    documents: list[torch.Tensor] | None = None
+    heads_k_stride: int = 1
+
+    @staticmethod
+    def build(token_index: torch.Tensor, document_ids: torch.Tensor | None, algo: str, group: Any,
+              heads_k_stride: int = 1) -> AttentionMeta:
+        """All-gather this rank's ``token_index`` (and ``document_ids``) ``[b, s/cp]`` over the cp group."""
+        n, rank = comm.group_size(group), comm.group_rank(group)
+        if n == 1:
+            return AttentionMeta("local", group, 0, [token_index],
+                                 None if document_ids is None else [document_ids], heads_k_stride)
+        if algo not in ALGORITHMS:
+            raise ValueError(f"parallel.cp_algo = {algo!r}; supported: {', '.join(ALGORITHMS)}")
+        stacked = token_index if document_ids is None else torch.stack([token_index, document_ids])
+        gathered = comm.all_gather(stacked.unsqueeze(0).contiguous(), group, dim=0)  # [n, (2,) b, s/cp]
+        if document_ids is None:
+            return AttentionMeta(algo, group, rank, list(gathered.unbind(0)), None, heads_k_stride)
+        return AttentionMeta(algo, group, rank, [g[0] for g in gathered.unbind(0)],
+                             [g[1] for g in gathered.unbind(0)], heads_k_stride)
+
+    @property
+    def size(self) -> int:
+        return len(self.positions)
+
+    @property
+    def parts(self) -> int:
+        """Chunks per rank's block (2 for the zigzag layout: classified separately)."""
+        return 2 if self.algo != "local" and layout_of(self.algo) == "zigzag" else 1
+
+    def doc(self, r: int) -> torch.Tensor | None:
+        return None if self.documents is None else self.documents[r]
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                               scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence. q ``[s/cp, b, n, d]``, k/v ``[s/cp, b, g, d]``.
+
+    Returns ``[s/cp, b, n, d]`` in q's dtype. Differentiable in q, k, v.
+    """
+    return attention_with_lse(q, k, v, meta, scale)[0]
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``context_parallel_attention`` plus this rank's rows' log-sum-exp ``[b, n, s/cp]`` (fp32, not differentiable)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if meta.algo in ("local", "ulysses"):
+        return _ulysses(q, k, v, meta, scale)
+    if meta.algo in ("ring", "zigzag"):
+        return _Ring.apply(q, k, v, meta, scale)
+    if meta.algo == "llama3":
+        return _Llama3.apply(q, k, v, meta, scale)
+    raise ValueError(f"parallel.cp_algo = {meta.algo!r}; supported: {', '.join(ALGORITHMS)}")
+
+
+# ---------------------------------------------------------------------------------------- blocks
+
+
+def _cut(x: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
+    return list(x.chunk(parts, dim=dim)) if parts > 1 else [x]
+
+
+class _Accumulator:
+    """The merged (out, lse) of this rank's query chunks over the key blocks seen so far (fp32)."""
+
+    def __init__(self, q: torch.Tensor, q_pos: torch.Tensor, q_doc: torch.Tensor | None, parts: int,
+                 scale: float) -> None:
+        self.q, self.scale = _cut(q, parts, 0), scale
+        self.q_pos, self.q_doc = _cut(q_pos, parts, 1), (_cut(q_doc, parts, 1) if q_doc is not None else [None] * parts)
+        self.acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.q)
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor | None, parts: int) -> None:
+        """Attend every query chunk to every chunk of this key block (skipping pairs no query sees)."""
+        ks, vs, kps = _cut(k, parts, 0), _cut(v, parts, 0), _cut(k_pos, parts, 1)
+        kds = _cut(k_doc, parts, 1) if k_doc is not None else [None] * parts
+        for i, (q, qp, qd) in enumerate(zip(self.q, self.q_pos, self.q_doc)):
+            for kc, vc, kp, kd in zip(ks, vs, kps, kds):
+                kind = kernels.classify(qp, kp, qd, kd)
+                if kind == "empty":
+                    continue
+                out, lse = kernels.attention_forward(q, kc, vc, qp, kp, qd, kd, scale=self.scale, kind=kind)
+                prev = self.acc[i]
+                self.acc[i] = (out, lse) if prev is None else kernels.merge(prev[0], prev[1], out, lse)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        outs, lses = [], []
+        for q, acc in zip(self.q, self.acc):
+            if acc is None:  # no key visible to any query of this chunk: out 0, lse −inf
+                acc = kernels._empty_forward(q)
+            outs.append(acc[0])
+            lses.append(acc[1])
+        return torch.cat(outs, 0), torch.cat(lses, 2)
+
+
+def _block_backward(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_pos: torch.Tensor,
+                    q_doc: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
+                    k_doc: torch.Tensor | None, parts: int, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq share, dk, dv) of one key block, in fp32, chunk pair by chunk pair (empty pairs skipped)."""
+    dtype = kernels._compute_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    sq, sk = q.shape[0] // parts, k.shape[0] // parts
+    kds = _cut(k_doc, parts, 1) if k_doc is not None else [None] * parts
+    qds = _cut(q_doc, parts, 1) if q_doc is not None else [None] * parts
+    for i, (qp, qd) in enumerate(zip(_cut(q_pos, parts, 1), qds)):
+        qs = slice(i * sq, (i + 1) * sq)
+        for j, (kp, kd) in enumerate(zip(_cut(k_pos, parts, 1), kds)):
+            kind = kernels.classify(qp, kp, qd, kd)
+            if kind == "empty":
+                continue
+            ks = slice(j * sk, (j + 1) * sk)
+            gq, gk, gv = kernels.attention_backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, :, qs], qp, kp, qd, kd,
+                                                    scale=scale, kind=kind)
+            dq[qs] += gq
+            dk[ks] += gk
+            dv[ks] += gv
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------- ring and zigzag
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention (contiguous or zigzag layout): K,V passed to the next rank, compute overlapping."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                scale: float) -> torch.Tensor:
+        n, rank, parts = meta.size, meta.rank, meta.parts
+        acc = _Accumulator(q, meta.positions[rank], meta.doc(rank), parts, scale)
+        kv = torch.stack([k, v]).contiguous()  # [2, s/cp, b, g, d]: one message per step
+        for step in range(n):
+            src = (rank - step) % n
+            pending = comm.ring_exchange_async(kv, meta.group) if step < n - 1 else None
+            acc.add(kv[0], kv[1], meta.positions[src], meta.doc(src), parts)
+            if pending is not None:
+                kv = pending.wait()
+        out, lse = acc.result()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta, ctx.scale = meta, scale
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        meta, scale = ctx.meta, ctx.scale
+        n, rank, parts = meta.size, meta.rank, meta.parts
+        dout = dout.contiguous()
+        dq = None
+        kv = torch.stack([k, v]).contiguous()
+        dkv = None  # the fp32 accumulator of the block held now; it travels with the block
+        for step in range(n):
+            src = (rank - step) % n
+            pending = comm.ring_exchange_async(kv, meta.group) if step < n - 1 else None
+            gq, gk, gv = _block_backward(dout, q, out, lse, meta.positions[rank], meta.doc(rank), kv[0], kv[1],
+                                         meta.positions[src], meta.doc(src), parts, scale)
+            dq = gq if dq is None else dq + gq
+            mine = torch.stack([gk, gv])
+            dkv = mine if dkv is None else dkv + mine
+            dkv = comm.ring_exchange_async(dkv, meta.group).wait()  # to the rank that holds this block next
+            if pending is not None:
+                kv = pending.wait()
+        # after n hand-overs the accumulator of this rank's own block (every rank's share) is here
+        assert dq is not None and dkv is not None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+# ------------------------------------------------------------------------------------------ llama3
+
+
+def _head_groups(g: int, stride: int) -> list[tuple[int, int]]:
+    stride = max(1, min(stride, g))
+    return [(h, min(h + stride, g)) for h in range(0, g, stride)]
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, h0: int, h1: int, group: Any) -> comm.Pending:
+    """Start gathering kv heads [h0, h1) of every rank: ``wait()`` gives ``[cp·s, 2, b, h1−h0, d]``."""
+    kv = torch.stack([k[:, :, h0:h1], v[:, :, h0:h1]], dim=1).contiguous()  # [s, 2, b, hg, d]
+    return comm.all_gather_async(kv, group)
+
+
+class _Llama3(torch.autograd.Function):
+    """All-gather K,V (kv-head groups, next group prefetched), local exact attention, reduce-scatter dK,dV."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                scale: float) -> torch.Tensor:
+        n, rank, parts = meta.size, meta.rank, meta.parts
+        s, g, r = k.shape[0], k.shape[2], q.shape[2] // k.shape[2]
+        groups = _head_groups(g, meta.heads_k_stride)
+        outs, lses = [], []
+        pending = _gather_kv(k, v, *groups[0], meta.group)
+        for i, (h0, h1) in enumerate(groups):
+            kv = pending.wait()
+            if i + 1 < len(groups):
+                pending = _gather_kv(k, v, *groups[i + 1], meta.group)  # in flight during this group's attention
+            acc = _Accumulator(q[:, :, h0 * r:h1 * r], meta.positions[rank], meta.doc(rank), parts, scale)
+            for src in range(n):
+                block = kv[src * s:(src + 1) * s]
+                acc.add(block[:, 0], block[:, 1], meta.positions[src], meta.doc(src), parts)
+            out, lse = acc.result()
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, 2), torch.cat(lses, 1)
+        ctx.save_for_backward(q, k, v, out, lse)  # not the gathered K,V: gathered again in backward
+        ctx.meta, ctx.scale = meta, scale
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        meta, scale = ctx.meta, ctx.scale
+        n, rank, parts = meta.size, meta.rank, meta.parts
+        s, g, r = k.shape[0], k.shape[2], q.shape[2] // k.shape[2]
+        dout = dout.contiguous()
+        dtype = kernels._compute_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dkv_local = torch.zeros((s, 2, *k.shape[1:]), dtype=dtype, device=k.device)  # [s, 2, b, g, d]
+        groups = _head_groups(g, meta.heads_k_stride)
+        pending = _gather_kv(k, v, *groups[0], meta.group)
+        scatters: list[tuple[tuple[int, int], comm.Pending]] = []
+        for i, (h0, h1) in enumerate(groups):
+            kv = pending.wait()
+            if i + 1 < len(groups):
+                pending = _gather_kv(k, v, *groups[i + 1], meta.group)
+            qh = slice(h0 * r, h1 * r)
+            dkv = torch.zeros((n * s, 2, *kv.shape[2:]), dtype=dtype, device=k.device)
+            for src in range(n):
+                rows = slice(src * s, (src + 1) * s)
+                gq, gk, gv = _block_backward(dout[:, :, qh], q[:, :, qh], out[:, :, qh], lse[:, qh], meta.positions[rank],
+                                             meta.doc(rank), kv[rows, 0], kv[rows, 1], meta.positions[src],
+                                             meta.doc(src), parts, scale)
+                dq[:, :, qh] += gq
+                dkv[rows, 0] += gk
+                dkv[rows, 1] += gv
+            scatters.append(((h0, h1), comm.reduce_scatter_async(dkv, meta.group)))  # overlaps the next group
+        for (h0, h1), pend in scatters:
+            dkv_local[:, :, :, h0:h1] = pend.wait()
+        return dq.to(q.dtype), dkv_local[:, 0].to(k.dtype), dkv_local[:, 1].to(v.dtype), None, None
+
+
+# -------------------------------------------------------------------------------- ulysses / local
+
+
+class _Local(torch.autograd.Function):
+    """Exact attention of local queries over local keys, both covering the whole sequence (Ulysses
+    after its all-to-all, or cp == 1 with packed documents); blocks are classified per rank chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                scale: float) -> torch.Tensor:
+        parts = meta.size * meta.parts
+        pos = torch.cat(meta.positions, 1)
+        doc = None if meta.documents is None else torch.cat(meta.documents, 1)
+        acc = _Accumulator(q, pos, doc, parts, scale)
+        acc.add(k, v, pos, doc, parts)
+        out, lse = acc.result()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta, ctx.scale, ctx.pos, ctx.doc = meta, scale, pos, doc
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        parts = ctx.meta.size * ctx.meta.parts
+        dq, dk, dv = _block_backward(dout.contiguous(), q, out, lse, ctx.pos, ctx.doc, k, v, ctx.pos, ctx.doc, parts,
+                                     ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n = meta.size
+    if n == 1:
+        return _Local.apply(q, k, v, meta, scale)
+    heads, g = q.shape[2], k.shape[2]
+    if heads % n:
+        raise ValueError(f"ulysses: {heads} local query heads are not divisible by cp = {n}")
+    if g % n:
+        if n % g:
+            raise ValueError(f"ulysses: {g} local kv heads and cp = {n}: one must divide the other")
+        k = k.repeat_interleave(n // g, dim=2)  # rank j's query heads use kv head j·g/cp
+        v = v.repeat_interleave(n // g, dim=2)
+    qh = all_to_all(q, meta.group, scatter_dim=2, gather_dim=0)  # [s, b, n_heads/cp, d]
+    kh = all_to_all(k, meta.group, scatter_dim=2, gather_dim=0)
+    vh = all_to_all(v, meta.group, scatter_dim=2, gather_dim=0)
+    out, lse = _Local.apply(qh, kh, vh, meta, scale)  # every rank's chunk in rank order = the gathered order
+    lse = comm.all_to_all(lse, meta.group, scatter_dim=2, gather_dim=1)  # [b, n_heads, s/cp]
+    return all_to_all(out, meta.group, scatter_dim=0, gather_dim=2), lse  # [s/cp, b, n_heads, d]
+
+
+def full_sequence(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """All ranks' positions (and documents) concatenated in rank order (for tests)."""
+    return torch.cat(meta.positions, 1), (None if meta.documents is None else torch.cat(meta.documents, 1))
+
+
+__all__: Sequence[str] = ("ALGORITHMS", "AttentionMeta", "context_parallel_attention", "full_sequence")
