@@ -186,7 +186,8 @@ def setup(cfg: Config) -> Runtime:
     init_rng(tracker, cfg.train.seed, state.tp_rank, state.pp_rank)
     tp = TensorParallel(group=state.tp_group, size=state.tp_size, rank=state.tp_rank,
                         sequence_parallel=p.sequence_parallel, recompute_allgather=p.tp_recompute_allgather,
-                        recompute=cfg.model.recompute, tracker=tracker)
+                        recompute=cfg.model.recompute, tracker=tracker, cp_group=state.cp_group,
+                        cp_algo=p.cp_algo, cp_heads_k_stride=p.cp_heads_k_stride)
     model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, tp, virtual_stages=cfg.parallel.virtual_stages,
                                    partition=cfg.parallel.pp_partition).to(dev)  # the whole model when pp == 1
     if state.pp_size > 1:
@@ -236,7 +237,11 @@ def rank_batch(rt: Runtime, ds: Any, first_sample: int) -> dict[str, torch.Tenso
     cfg, st = rt.cfg, rt.state
     per_rank = cfg.train.global_batch_size // st.dp_size  # type: ignore[operator]
     start = first_sample + st.dp_rank * per_rank
-    batch = collate([ds[i] for i in range(start, start + per_rank)], rt.tokenizer.eod, cfg.data.eod_mask_loss)
+    batch = collate([ds[i] for i in range(start, start + per_rank)], rt.tokenizer.eod, cfg.data.eod_mask_loss,
+                    reset_position_ids=cfg.data.reset_position_ids, reset_attention_mask=cfg.data.reset_attention_mask)
+    if st.cp_size > 1:  # this rank's s/cp tokens of every sample (labels were shifted on the full sequence)
+        from .model.attention.layout import layout_of, shard_batch
+        batch = shard_batch(batch, st.cp_size, st.cp_rank, layout_of(cfg.parallel.cp_algo))
     return {k: v.to(rt.device) for k, v in batch.items()}
 
 
@@ -433,7 +438,11 @@ def _loop(rt: Runtime) -> None:
         log.info("no sample: generation through pipeline stages is not available yet (parallel.pp > 1)")
     elif cfg.train.sample_prompt and st.dp_rank == 0 and st.cp_rank == 0:  # one model replica (its TP ranks) decodes
         ids = rt.tokenizer.encode(cfg.train.sample_prompt)
-        out_ids = generate(inner, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)
+        cp_group, inner.tp.cp_group = inner.tp.cp_group, comm.LOCAL  # weights are replicated over CP: decode alone
+        try:
+            out_ids = generate(inner, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)
+        finally:
+            inner.tp.cp_group = cp_group
         log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(out_ids[len(ids):]))
 
 

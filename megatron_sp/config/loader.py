@@ -259,9 +259,31 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     if p.zero not in (0, 1):
         raise ConfigError(f"parallel.zero: {p.zero} must be 0 or 1")
     # Dimensions whose implementation has not landed yet are refused here, not deep inside a layer.
-    if p.cp != 1:
-        raise ConfigError(f"parallel.cp={p.cp}: context parallelism is not available in this version yet; use "
-                          "parallel.cp=1 (data, tensor and pipeline parallelism work)")
+    if p.cp > 1:
+        if p.cp_algo == "usp":
+            raise ConfigError("parallel.cp_algo=usp is not available in this version yet; use ring, zigzag, llama3 "
+                              "or ulysses")
+        from ..model.attention.layout import required_divisor
+        need = required_divisor(p.cp_algo, p.cp, p.tp, p.sequence_parallel)
+        if m.seq_length % need:
+            raise ConfigError(f"model.seq_length {m.seq_length} must be divisible by {need} for parallel.cp={p.cp} "
+                              f"with cp_algo={p.cp_algo}" + (f" (× tp {p.tp} under sequence parallelism)"
+                                                             if p.sequence_parallel else ""))
+        if m.attention_dropout > 0:
+            raise ConfigError("model.attention_dropout > 0 with parallel.cp > 1 is not available; set "
+                              "model.attention_dropout=0")
+        if p.cp_algo == "ulysses":
+            local_heads = m.num_heads // p.tp
+            local_kv = max(1, m.num_kv_heads // p.tp)
+            if local_heads % p.cp or (local_kv % p.cp and p.cp % local_kv):
+                raise ConfigError(f"parallel.cp_algo=ulysses: the {local_heads} query heads per TP rank must be "
+                                  f"divisible by parallel.cp={p.cp}, and the {local_kv} kv heads per TP rank must "
+                                  "divide it or be divisible by it; use ring, zigzag or llama3")
+    if cfg.data.reset_attention_mask and m.attention_dropout > 0:
+        raise ConfigError("data.reset_attention_mask with model.attention_dropout > 0 is not available; set "
+                          "model.attention_dropout=0")
+    if p.cp_heads_k_stride < 1:
+        raise ConfigError(f"parallel.cp_heads_k_stride: {p.cp_heads_k_stride} must be >= 1")
     if p.device is None:
         from .. import device as _device
         p.device = _device.default_device_type()

@@ -63,7 +63,9 @@ class ParallelConfig:
     tp_recompute_allgather: bool = doc(True, "Under sequence parallelism, column-parallel layers save only their "
                                              "input shard for backward and all-gather it again there (1/tp of the "
                                              "memory, one more all-gather); false caches the gathered input.")
-    cp_algo: str = doc("ring", "Context-parallel attention: ring | zigzag | llama3 | ulysses | usp.")
+    cp_algo: str = doc("ring", "Context-parallel attention: ring | zigzag | llama3 | ulysses (usp: not yet).")
+    cp_heads_k_stride: int = doc(1, "llama3 context parallelism: kv heads per all-gather (the next group's "
+                                    "gather overlaps the current group's attention).")
     pp_schedule: str = doc("1f1b", "Pipeline schedule: 1f1b | interleaved (needs virtual_stages >= 2) | zero_bubble "
                                    "(ZB-H1: backward split into input and weight gradients) | none (no pipelining: "
                                    "one micro-batch at a time through all stages).")

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from megatron_sp.model.attention.context_parallel import AttentionMeta
+from megatron_sp.mpu import comm
 from megatron_sp.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron_sp.mpu.mappings import gather_from_tp
@@ -197,7 +199,8 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
-                chunk: int = 0) -> torch.Tensor:
+                chunk: int = 0, token_index: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage (or its model chunk ``chunk``, see ``layer_chunks``).
 
         Args:
@@ -206,6 +209,10 @@ class GPTModel(nn.Module):
             labels: ``[b, s]`` target ids (last stage); ``-100`` (torch's ``ignore_index``) gives loss 0.
             hidden_states: ``[s, b, h]`` input of a stage without the embedding.
             chunk: the model chunk to run (0 unless built with several ``layer_chunks``).
+            token_index: ``[b, s]`` global index of each held token in its sample (context
+                parallelism: ``layout.shard_batch`` provides it; default ``arange(s)``).
+            document_ids: ``[b, s]`` document of each token (packed documents,
+                ``data.reset_attention_mask``): attention stays within a document.
 
         Returns:
             last stage: logits ``[b, s, padded_vocab]`` when ``labels`` is None, else per-token
@@ -230,13 +237,19 @@ class GPTModel(nn.Module):
         rope_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
         cos, sin = self.rotary(position_ids, seq_len, x.device, angle_dtype, rope_dtype)  # [s, b|1, rd/2]
 
+        meta = None
+        if comm.group_size(self.tp.cp_group) > 1 or document_ids is not None:
+            if token_index is None:
+                token_index = torch.arange(seq_len, device=x.device).unsqueeze(0).expand(x.shape[1], seq_len)
+            meta = AttentionMeta.build(token_index, document_ids, self.tp.cp_algo, self.tp.cp_group,
+                                       self.tp.cp_heads_k_stride)
         full_recompute = self.tp.recompute == "full" and self.training and torch.is_grad_enabled()
         for index in self.layer_chunks[chunk]:
             layer = self.layers[str(index)]
             if full_recompute:
-                x = checkpoint(layer, x, cos, sin, tracker=self.tp.tracker)  # keeps only the layer input
+                x = checkpoint(layer, x, cos, sin, meta, tracker=self.tp.tracker)  # keeps only the layer input
             else:
-                x = layer(x, cos, sin)  # [s/t, b, h] under SP, else [s, b, h]
+                x = layer(x, cos, sin, meta)  # [s/t, b, h] under SP, else [s, b, h]
         if not self.post_process or chunk != len(self.layer_chunks) - 1:
             return x
 

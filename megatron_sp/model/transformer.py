@@ -52,6 +52,7 @@ from torch import nn
 from megatron_sp import device as device_mod
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.mpu import comm
+from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.random import TP_DIFFERENT, RNGTracker, checkpoint, get_tracker
@@ -99,6 +100,12 @@ class TensorParallel:
     recompute_allgather: bool = True
     recompute: str = "none"
     tracker: RNGTracker = field(default_factory=get_tracker)
+    cp_group: Any = comm.LOCAL
+    """The context-parallel group: each of its ranks holds ``s/cp`` of every sample's tokens."""
+    cp_algo: str = "ring"
+    """``parallel.cp_algo``: ring | zigzag | llama3 | ulysses (see ``attention.context_parallel``)."""
+    cp_heads_k_stride: int = 1
+    """``parallel.cp_heads_k_stride``: kv heads per llama3 all-gather."""
 
     def sharded_dropout(self) -> contextlib.AbstractContextManager:
         """The RNG context for dropout on a tensor that is split over TP (different per TP rank)."""
@@ -359,16 +366,29 @@ class SelfAttention(nn.Module):
         self.dropout_p = cfg.attention_dropout
         self.attention_fn: Callable[..., torch.Tensor] = dot_product_attention
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention core on local heads; its dropout draws from the TP-different stream."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta | None = None) -> torch.Tensor:
+        """The attention core on local heads; its dropout draws from the TP-different stream.
+
+        With ``meta`` (context parallelism, or packed documents) the masks come from the tokens'
+        global indices and document ids (``attention.context_parallel``); attention dropout is
+        not available there (the config refuses it).
+        """
         p = self.dropout_p if self.training else 0.0
+        if meta is not None:
+            if p > 0:
+                raise ValueError("attention dropout with context parallelism or packed documents is not available: "
+                                 "set model.attention_dropout=0")
+            return context_parallel_attention(q, k, v, meta)
         if p > 0:
             with self.tp.sharded_dropout():
                 return self.attention_fn(q, k, v, p)
         return self.attention_fn(q, k, v, 0.0)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]``, cos/sin ``[s, b|1, rd/2]`` → same shape as x."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMeta | None = None) -> torch.Tensor:
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]``, cos/sin ``[s, b|1, rd/2]`` → same shape as x.
+
+        Under context parallelism ``s`` is this rank's ``s/cp`` tokens and ``meta`` says which."""
         r, d = self.q_per_kv, self.head_dim
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
         s, b = qkv.shape[0], qkv.shape[1]
@@ -382,9 +402,9 @@ class SelfAttention(nn.Module):
         # v is a view into the projection output: copy it so autograd does not keep all of qkv alive.
         k, v = k.squeeze(3), v.squeeze(3).contiguous()  # [s, b, g_local, d]
         if self.tp.recompute == "selective" and self.training and torch.is_grad_enabled():
-            ctx = checkpoint(self.core, q, k, v, tracker=self.tp.tracker)  # [s, b, n/t, d]
+            ctx = checkpoint(self.core, q, k, v, meta, tracker=self.tp.tracker)  # [s, b, n/t, d]
         else:
-            ctx = self.core(q, k, v)  # [s, b, n/t, d]
+            ctx = self.core(q, k, v, meta)  # [s, b, n/t, d]
         return self.out(ctx.reshape(s, b, -1))  # [s/t, b, h] (SP) or [s, b, h]
 
 
@@ -440,13 +460,14 @@ class TransformerLayer(nn.Module):
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.hidden_dropout(x, self.hidden_dropout, self.training)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMeta | None = None) -> torch.Tensor:
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape (``meta``: see ``SelfAttention.forward``)."""
         if self.parallel_residual:
-            attn = self._dropout(self.attention(self.attn_norm(x), cos, sin))
+            attn = self._dropout(self.attention(self.attn_norm(x), cos, sin, meta))
             mlp = self._dropout(self.mlp(self.mlp_norm(x)))
             return x + attn + mlp
-        x = x + self._dropout(self.attention(self.attn_norm(x), cos, sin))
+        x = x + self._dropout(self.attention(self.attn_norm(x), cos, sin, meta))
         return x + self._dropout(self.mlp(self.mlp_norm(x)))
 
 

@@ -83,7 +83,8 @@ from .partition import PipelineConfigError, check_micro_batches
 SCHEDULES = ("none", "1f1b", "interleaved", "zero_bubble")
 
 MicroBatch = Mapping[str, torch.Tensor]
-"""``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (each ``[b, s]``), as ``train_step`` slices them."""
+"""``tokens``, ``labels``, ``loss_mask``, ``position_ids`` and optionally ``token_index`` (context
+parallelism) and ``document_ids`` (packed documents), each ``[b, s]``, as ``train_step`` slices them."""
 
 LossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 """``loss_fn(token_losses [b, s], micro_batch) -> scalar``: e.g. ``(t.float() * mask).sum() / global_tokens``."""
@@ -494,7 +495,8 @@ def _execute(stage: GPTModel, micro_batches: Sequence[MicroBatch], state: Parall
             mb = micro_batches[i]
             with forward_context():
                 out = stage(mb["tokens"] if s == 0 else None, position_ids=mb.get("position_ids"),
-                            labels=mb["labels"] if s == last_stage else None, hidden_states=x, chunk=a.chunk)
+                            labels=mb["labels"] if s == last_stage else None, hidden_states=x, chunk=a.chunk,
+                            token_index=mb.get("token_index"), document_ids=mb.get("document_ids"))
             if s == last_stage and loss_fn is not None:
                 out = loss_fn(out, mb)
                 loss_sum += out.detach().double().cpu()

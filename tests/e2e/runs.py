@@ -45,3 +45,20 @@ def metrics(run_dir: Path) -> dict[int, dict]:
     """{step: record} of the run's loss records."""
     rows = [json.loads(line) for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines() if line]
     return {r["step"]: r for r in rows if "loss" in r}
+
+
+def make_packed_dataset(directory: Path) -> str:
+    """Short documents (20–60 bytes of stdlib source lines each), so that every 65-token sample packs
+    several of them: what ``data.reset_attention_mask`` and ``reset_position_ids`` act on."""
+    from megatron_sp.config import TokenizerConfig
+    from megatron_sp.data import build_tokenizer
+    from megatron_sp.data.corpus import make_demo_corpus
+    from megatron_sp.data.preprocess import preprocess_jsonl
+
+    corpus = make_demo_corpus(directory / "corpus.jsonl", max_bytes=200_000)
+    lines = [line.strip() for row in corpus.read_text().splitlines() for line in json.loads(row)["text"].splitlines()]
+    docs = [line[:60] for line in lines if len(line) >= 20][:4000]
+    short = directory / "short.jsonl"
+    short.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    preprocess_jsonl([short], str(directory / "packed"), build_tokenizer(TokenizerConfig(type="byte")))
+    return str(directory / "packed_text_document")

@@ -16,6 +16,7 @@ LLAMA = ["model.arch=llama", "model.num_heads=4", "model.num_kv_heads=2", "model
 TIED = LLAMA + ["model.tie_embeddings=true"]
 SP = ["parallel.sequence_parallel=true"]
 L4 = ["model.num_layers=4"]
+PACKED = ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
 INTERLEAVED = ["parallel.pp_schedule=interleaved", "parallel.virtual_stages=2"]
 
 LAYOUTS = {
@@ -52,19 +53,32 @@ LAYOUTS = {
                                        "parallel.zero=1"]),
     "pp2_no_pipelining": ([], ["parallel.pp=2", "parallel.pp_schedule=none"]),
     "pp2_uneven_1_3": (L4, ["parallel.pp=2", "parallel.pp_partition=1,3"]),
+    # context parallelism: every algorithm, with TP+SP, DP, PP, and packed documents
+    "cp2_ring": ([], ["parallel.cp=2", "parallel.cp_algo=ring"]),
+    "cp2_zigzag": ([], ["parallel.cp=2", "parallel.cp_algo=zigzag"]),
+    "cp2_llama3": ([], ["parallel.cp=2", "parallel.cp_algo=llama3"]),
+    "cp2_ulysses": ([], ["parallel.cp=2", "parallel.cp_algo=ulysses"]),
+    "cp4_zigzag": ([], ["parallel.cp=4", "parallel.cp_algo=zigzag"]),
+    "llama_gqa_cp2_ulysses": (LLAMA, ["parallel.cp=2", "parallel.cp_algo=ulysses"]),
+    "cp2_zigzag_tp2_sp": ([], ["parallel.cp=2", "parallel.cp_algo=zigzag", "parallel.tp=2", *SP]),
+    "cp2_ring_dp2": ([], ["parallel.cp=2", "parallel.dp=2"]),
+    "cp2_zigzag_pp2": ([], ["parallel.cp=2", "parallel.cp_algo=zigzag", "parallel.pp=2"]),
+    "packed_cp2_zigzag": (PACKED, ["parallel.cp=2", "parallel.cp_algo=zigzag"]),
+    "packed_cp2_llama3": (PACKED, ["parallel.cp=2", "parallel.cp_algo=llama3"]),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_parity(tmp_path, byte_data, reference_run, name):
+def test_layout_parity(tmp_path, byte_data, packed_data, reference_run, name):
     model, layout = LAYOUTS[name]
-    ref = reference_run(*model)
-    train(tmp_path, byte_data, *PARITY, *model, *layout)
+    data = packed_data if model is PACKED else byte_data  # short documents: every sample packs several
+    ref = reference_run(*model, data=data)
+    train(tmp_path, data, *PARITY, *model, *layout)
     report = compare_runs(ref, tmp_path / "log")
     assert report.ok, f"{name}: {report.describe()}"
     assert len(report.steps) == 5 and report.worst_grad[0] != "(none)"
     world = 1
     for item in layout:
-        if item.startswith(("parallel.dp=", "parallel.tp=", "parallel.pp=")):
+        if item.startswith(("parallel.dp=", "parallel.tp=", "parallel.pp=", "parallel.cp=")):
             world *= int(item.split("=")[1])
     assert metrics(tmp_path)[1]["world_size"] == world

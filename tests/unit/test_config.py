@@ -99,7 +99,7 @@ def test_dp_derived_from_world_size():
 
 def test_not_yet_available_dimensions_are_refused_clearly():
     with pytest.raises(ConfigError, match="not available in this version yet"):
-        config.load(overrides=BASE + ["parallel.cp=2", "model.num_layers=2"])
+        config.load(overrides=BASE + ["parallel.cp=2", "parallel.cp_algo=usp", "model.num_layers=2"])
     with pytest.raises(ConfigError, match="schedule needs at least pp"):
         config.load(overrides=BASE + ["parallel.pp=2", "model.num_layers=2"])
     ok = config.load(overrides=BASE + ["parallel.pp=2", "model.num_layers=2", "train.global_batch_size=2"])
@@ -186,3 +186,22 @@ def test_tensor_parallel_validation():
     cfg = config.load(overrides=BASE + ["parallel.tp=2"])
     config.set_vocab(cfg, 300)
     assert cfg.model.padded_vocab_size == 512  # multiple of 128 · tp
+
+
+def test_context_parallel_checks():
+    cp = BASE + ["parallel.cp=2", "model.seq_length=64"]
+    cases = {
+        "seq_length 62 must be divisible by 4 for parallel.cp=2 with cp_algo=zigzag": [
+            "parallel.cp_algo=zigzag", "model.seq_length=62"],
+        "must be divisible by 8 .* under sequence parallelism": [
+            "parallel.cp_algo=zigzag", "parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_length=68"],
+        "attention_dropout > 0 with parallel.cp > 1": ["model.attention_dropout=0.1"],
+        "cp_algo=ulysses: the 3 query heads": ["parallel.cp_algo=ulysses", "model.num_heads=3", "model.hidden_size=48"],
+    }
+    for message, extra in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            config.load(overrides=cp + extra)
+    ok = config.load(overrides=cp + ["parallel.cp_algo=llama3", "parallel.cp_heads_k_stride=2"])
+    assert ok.parallel.world_size == 2 and ok.parallel.cp_heads_k_stride == 2
+    with pytest.raises(ConfigError, match="reset_attention_mask with model.attention_dropout"):
+        config.load(overrides=BASE + ["data.reset_attention_mask=true", "model.attention_dropout=0.1"])
