@@ -6,7 +6,8 @@
 - ``batch_indices(step, global_batch_size, dp_rank, dp_size)``: the sample ids one DP rank
   reads for one step. Global batch ``step`` is always samples ``step·gbs … (step+1)·gbs - 1`` in
   that order, whatever the layout; DP rank ``r`` takes the ``r``-th contiguous block of it;
-- ``collate(samples, eod, eod_mask_loss)``: tokens, shifted labels, loss mask and positions.
+- ``collate(samples, eod, eod_mask_loss, reset_position_ids, reset_attention_mask)``: tokens, shifted
+  labels, loss mask, positions (and document ids for packed documents).
 """
 from __future__ import annotations
 

@@ -1,0 +1,683 @@
+"""Context-parallel attention at a fixed total sequence: memory, work balance, bytes and time per layer per rank.
+
+For each ``parallel.cp_algo`` (ring, zigzag, llama3, ulysses) and cp size N, one transformer layer
+(``GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, tp=TensorParallel(
+cp_group=..., cp_algo=...))``, fp32, the path training takes) runs on N gloo ranks
+(``run_distributed``, one thread per rank). Every rank builds the same full ``[s, b, h]`` input and
+output gradient from the seed and keeps its shard in the algorithm's layout (``layout.shard``, dim 0),
+with ``token_index`` (and the rotary ``position_ids``) from ``layout.shard_indices``. cp = 1 is the
+baseline: no ``AttentionMeta``, the plain causal kernel (torch's CPU flash SDPA in fp32).
+
+Measured per rank, per (algorithm, N):
+
+* activation bytes: every tensor autograd saves during the forward
+  (``torch.autograd.graph.saved_tensors_hooks``), counted once per storage, without the
+  parameters; plus tensors the context-parallel autograd Functions keep as plain ``ctx`` attributes
+  (the ``AttentionMeta`` token indices: ``b·s`` int64 per micro-batch, shared by all layers; Ulysses'
+  concatenated positions, ``b·s`` int64 per layer), found by walking the graph. Goal (the issue):
+  at most ``1.05/N`` of cp = 1's bytes on the largest rank. Transients (the K,V block in flight, the
+  llama3 gathered K,V of one head group) are not activations and are not counted.
+* attention work: ``kernels.attention_forward``/``attention_backward`` are wrapped in the rank, and
+  every call adds ``b · heads · visible (query, key) pairs`` of its block (``full``: ``sq·sk``;
+  ``causal``: ``sq(sq+1)/2``; ``masked``: ``visible(...).sum()``). Balance = max/min over ranks
+  (goal for zigzag: <= 1.1); ``max/ideal`` = the largest rank's work over ``1/N`` of the causal total
+  ``b·n·s(s+1)/2`` (the sum over ranks is checked to equal that total: no work is repeated). cp = 1
+  is that total by definition (one SDPA call).
+* bytes sent per layer (forward, backward) with ``comm.count()`` (``p2p`` = the ring exchange,
+  counted as the bytes sent). The ``AttentionMeta.build`` all-gather of the token indices is once
+  per micro-batch, not per layer: it is measured separately and left out of the layer's bytes.
+* time per layer: forward + backward wall time (``perf_counter``) and this rank's thread CPU time
+  (``time.thread_time``: the compute; gloo transfers run on other threads), median over
+  ``--reps`` after ``--warmup``, ranks started together by a barrier. Wall = the slowest rank.
+  With N ranks on fewer cores the ranks time-slice: wall grows, thread time does not.
+
+Expected bytes of OUR implementation (exact; checked op by op). ``e`` = element size of q/k/v
+(4 in fp32), ``a`` = 4 (dK,dV accumulators and lse are fp32 whatever the input dtype),
+``KV = 2·s·b·g·d`` elements (K and V of the whole sequence; ``h_kv = g·d``), ``Q = s·b·n·d``:
+
+=========  ===============================================  ==============================================
+scheme     forward                                          backward
+=========  ===============================================  ==============================================
+ring,      p2p ``(N−1)/N·KV·e``: N−1 steps of this          p2p ``(N−1)/N·KV·e + KV·a``: K,V go round again
+zigzag     rank's K,V block                                 and the fp32 dK,dV accumulator of each block
+                                                            makes N hops (the last one brings it home)
+llama3     all_gather ``(N−1)/N·KV·e``                      all_gather ``(N−1)/N·KV·e`` (gathered again) +
+                                                            reduce_scatter ``(N−1)/N·KV·a`` (fp32 dK,dV)
+ulysses    all_to_all ``(N−1)/N²·(2Q + KV')·e``             all_to_all ``(N−1)/N²·(2Q + KV')·e``
+           ``+ (N−1)/N²·b·n·s·a`` (the lse, always sent)
+=========  ===============================================  ==============================================
+
+``KV' = KV`` when ``g % N == 0``, else each kv head is repeated to N heads first (``KV' = 2·s·b·N·d``).
+ALGORITHMS.md's table (in elements × e): ring/zigzag ``2·s·h_kv·(N−1)/N`` forward, the same + dK,dV
+(read as ``(N−1)/N`` of them again) backward; llama3 ``2·s·h_kv·(N−1)/N`` / ``4·s·h_kv·(N−1)/N``;
+Ulysses ``(2sh + 2s·h_kv)·(N−1)/N²`` each way. The report gives ours beside it and the ratio.
+
+Longest sequence at a fixed per-rank budget (``--long-algo``, ``--long-cp``): the budget is the
+activation bytes of the first ``--long-cp`` size at ``--seq`` (or ``--budget-mib``). Per cp size
+the forward's activation bytes are measured at ``--seq`` and ``2·--seq``; they are linear in s
+(flash-style kernels keep O(s) state; no ``masked`` reference block occurs without documents), so
+the two points give ``bytes(s) = a + c·s`` and the longest multiple of the layout's divisor that
+fits; that length and the next multiple are then measured to confirm (and stepped if the line was off).
+
+Run from the repo root:  python tools/bench/context_parallel.py [--seq 2048] [--cp 1,2,4] [--algos ring,zigzag]
+Prints tables and notes, then one JSON line with every number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import megatron_sp  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron_sp import config
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model.attention import kernels
+from megatron_sp.model.attention.context_parallel import ALGORITHMS, AttentionMeta
+from megatron_sp.model.attention.layout import layout_of, required_divisor, shard, shard_indices
+from megatron_sp.model.gpt import GPTModel
+from megatron_sp.model.transformer import TensorParallel
+from megatron_sp.mpu import comm
+from megatron_sp.mpu.random import get_tracker, init_rng
+from megatron_sp.testing import run_distributed
+
+ELEMENT_BYTES = 4
+"""q, k, v (and the activations) are fp32 here."""
+ACC_BYTES = 4
+"""dK,dV accumulators and the lse travel in fp32 (``kernels._compute_dtype``)."""
+INDEX_BYTES = 8
+"""token indices are int64."""
+MEMORY_GOAL = 1.05
+"""per-rank activation bytes at cp = N should be at most this / N of cp = 1's."""
+BALANCE_GOAL = 1.1
+"""zigzag's attention work max/min over ranks should be at most this."""
+BASELINE = "-"
+"""The algorithm label of the cp = 1 rows (no context parallelism)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=2048, help="total sequence length s (fixed over cp sizes)")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch b")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size h")
+    p.add_argument("--heads", type=int, default=8, help="attention (query) heads n")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads g (GQA; needs --arch llama)")
+    p.add_argument("--arch", choices=("neox", "llama"), default="neox")
+    p.add_argument("--cp", default="1,2,4", help="comma-separated cp sizes (1 = the baseline)")
+    p.add_argument("--algos", default=",".join(ALGORITHMS), help=f"comma-separated, of {','.join(ALGORITHMS)}")
+    p.add_argument("--heads-k-stride", type=int, default=1, help="llama3: kv heads per all-gather")
+    p.add_argument("--reps", type=int, default=3, help="timed forward+backward repetitions (median)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    p.add_argument("--long-algo", default="zigzag", help="algorithm of the longest-sequence search ('' to skip it)")
+    p.add_argument("--long-cp", default="1,4", help="cp sizes of the longest-sequence search; the first sets the budget")
+    p.add_argument("--budget-mib", type=float, default=None,
+                   help="per-rank activation budget (default: the first --long-cp size's bytes at --seq)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--verbose", action="store_true", help="per-rank numbers and per-op bytes of every row")
+    return p.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def model_config(args: argparse.Namespace, seq: int) -> ModelConfig:
+    """A finalized ModelConfig from the flags (derived sizes from the config loader)."""
+    overrides = ["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte", f"model.arch={args.arch}",
+                 f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}", f"model.seq_length={seq}"]
+    if args.kv_heads is not None:
+        overrides.append(f"model.num_kv_heads={args.kv_heads}")
+    cfg = config.load(overrides=overrides)
+    config.set_vocab(cfg, 256)
+    return cfg.model
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Raise SystemExit on flags that cannot run; return the (cp, algo) combinations skipped, with why."""
+    for name in _names(args.algos) + ([args.long_algo] if args.long_algo else []):
+        if name not in ALGORITHMS:
+            raise SystemExit(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+    if args.kv_heads is not None and args.arch != "llama":
+        raise SystemExit("--kv-heads (grouped-query attention) needs --arch llama")
+    g = args.kv_heads or args.heads
+    if args.heads % g or args.hidden % args.heads:
+        raise SystemExit(f"--heads {args.heads} must divide --hidden {args.hidden} and be divisible by kv heads {g}")
+    sizes = _ints(args.cp) + (_ints(args.long_cp) if args.long_algo else [])
+    if any(n < 1 for n in sizes):
+        raise SystemExit("cp sizes must be >= 1")
+    skipped = []
+    for n in _ints(args.cp):
+        for algo in _names(args.algos) if n > 1 else []:
+            why = skip_reason(args, algo, n, args.seq)
+            if why:
+                skipped.append(f"{algo} cp={n}: {why}")
+    for n in _ints(args.long_cp) if args.long_algo else []:
+        why = skip_reason(args, args.long_algo, n, args.seq)
+        if why:
+            raise SystemExit(f"--long-algo {args.long_algo} at cp={n}: {why}")
+    return skipped
+
+
+def skip_reason(args: argparse.Namespace, algo: str, n: int, seq: int) -> str:
+    """Why ``algo`` cannot run at cp = n on ``seq`` tokens ('' if it can)."""
+    if n == 1:
+        return ""
+    need = required_divisor(algo, n)
+    if seq % need:
+        return f"seq {seq} is not divisible by {need}"
+    g = args.kv_heads or args.heads
+    if algo == "ulysses" and (args.heads % n or (g % n and n % g)):
+        return f"{args.heads} heads / {g} kv heads do not split over {n} ranks"
+    return ""
+
+
+# ------------------------------------------------------------------------------------------------ recording
+
+
+class WorkCounter:
+    """Wraps ``kernels.attention_forward``/``attention_backward`` (this process only) and adds up, per phase,
+    the calls per block kind and the attention work ``b · heads · visible (query, key) pairs``."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+        self.work = {"forward": 0, "backward": 0}
+
+    def _add(self, phase: str, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+             q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, kind: str | None) -> None:
+        kind = kind or kernels.classify(q_pos, k_pos, q_doc, k_doc)
+        sq, sk, b, heads = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
+        pairs = {"empty": 0, "full": sq * sk, "causal": sq * (sq + 1) // 2}.get(kind)
+        if pairs is None:  # masked: count the mask
+            pairs = int(kernels.visible(q_pos, k_pos, q_doc, k_doc).sum()) // b
+        self.calls[phase][kind] = self.calls[phase].get(kind, 0) + 1
+        self.work[phase] += b * heads * pairs
+
+    @contextmanager
+    def active(self) -> Iterator[WorkCounter]:
+        forward, backward = kernels.attention_forward, kernels.attention_backward
+
+        def counted_forward(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, **kw):  # type: ignore[no-untyped-def]
+            self._add("forward", q, k, q_pos, k_pos, q_doc, k_doc, kw.get("kind"))
+            return forward(q, k, v, q_pos, k_pos, q_doc, k_doc, **kw)
+
+        def counted_backward(dout, q, k, v, out, lse, q_pos, k_pos, q_doc=None, k_doc=None, **kw):  # type: ignore[no-untyped-def]
+            self._add("backward", q, k, q_pos, k_pos, q_doc, k_doc, kw.get("kind"))
+            return backward(dout, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, **kw)
+
+        kernels.attention_forward, kernels.attention_backward = counted_forward, counted_backward
+        try:
+            yield self
+        finally:
+            kernels.attention_forward, kernels.attention_backward = forward, backward
+
+
+class SavedBytes:
+    """Storages autograd saves inside ``record()``, once each, without those in ``exclude`` (the parameters)."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.exclude:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @contextmanager
+    def record(self) -> Iterator[SavedBytes]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def ctx_held_bytes(out: torch.Tensor, counted: set[int]) -> int:
+    """Bytes of tensors that autograd Functions of ``out``'s graph keep as plain ``ctx`` attributes (not
+    through ``save_for_backward``, so invisible to the saved-tensor hooks), storages in ``counted`` skipped."""
+    found: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in counted:
+            found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    seen: set[Any] = set()
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for value in getattr(node, "__dict__", {}).values():
+            if isinstance(value, AttentionMeta):
+                for t in value.positions + (value.documents or []):
+                    add(t)
+            elif isinstance(value, (list, tuple)):
+                for t in value:
+                    add(t)
+            else:
+                add(value)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return sum(found.values())
+
+
+# ------------------------------------------------------------------------------------------------ the layer
+
+
+class LayerRun:
+    """One transformer layer stage on this cp rank with its shard of a seeded full input and output grad."""
+
+    def __init__(self, args: argparse.Namespace, algo: str, seq: int, rank: int, n: int, group: Any) -> None:
+        tracker = get_tracker()
+        init_rng(tracker, args.seed, 0, 0)  # dropout is 0: the streams only have to exist
+        tp = TensorParallel(cp_group=group, cp_algo=algo, cp_heads_k_stride=args.heads_k_stride, tracker=tracker)
+        self.stage = GPTModel(model_config(args, seq), args.seed, layer_range=range(1), pre_process=False,
+                              post_process=False, tp=tp).train()
+        self.layout = layout_of(algo) if n > 1 else "contiguous"
+        gen = torch.Generator().manual_seed(args.seed)
+        x_full = torch.randn(seq, args.batch, args.hidden, generator=gen)  # [s, b, h]
+        grad_full = torch.randn(seq, args.batch, args.hidden, generator=gen)
+        self.x = shard(x_full, n, rank, self.layout, dim=0).requires_grad_()  # [s/cp, b, h]
+        self.grad = shard(grad_full, n, rank, self.layout, dim=0)
+        index = shard_indices(seq, n, rank, self.layout)
+        self.token_index = index.unsqueeze(0).expand(args.batch, -1).contiguous()  # [b, s/cp]
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
+
+    def forward(self) -> torch.Tensor:
+        return self.stage(None, position_ids=self.token_index, hidden_states=self.x, token_index=self.token_index)
+
+    def backward(self, y: torch.Tensor) -> None:
+        y.backward(self.grad)
+        self.stage.zero_grad(set_to_none=True)
+        self.x.grad = None
+
+    def activation_bytes(self) -> dict[str, int]:
+        """Saved-tensor and ctx-held bytes of one forward (the graph is dropped afterwards)."""
+        saved = SavedBytes(self.param_ptrs)
+        with saved.record():
+            y = self.forward()
+        held = ctx_held_bytes(y, set(saved.storages) | self.param_ptrs)
+        return {"saved": saved.nbytes, "ctx": held, "total": saved.nbytes + held}
+
+
+def _barrier(n: int) -> None:
+    if n > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def measure(args: argparse.Namespace, algo: str, rank: int, n: int, group: Any) -> dict[str, Any]:
+    """Everything of one (algorithm, cp size) on this rank."""
+    run = LayerRun(args, algo, args.seq, rank, n, group)
+    meta_bytes: dict[str, dict[str, float]] = {}
+    if n > 1:
+        with comm.count() as meta_count:
+            AttentionMeta.build(run.token_index, None, algo, group, args.heads_k_stride)
+        meta_bytes = meta_count.summary()
+    memory = run.activation_bytes()
+    counter = WorkCounter()
+    with counter.active():
+        with comm.count() as fwd:
+            y = run.forward()
+        with comm.count() as bwd:
+            run.backward(y)
+    forward = _minus(fwd.summary(), meta_bytes)
+    times: dict[str, list[float]] = {"fwd_wall": [], "bwd_wall": [], "wall": [], "thread": []}
+    for rep in range(args.warmup + args.reps):
+        _barrier(n)
+        w0, t0 = time.perf_counter(), time.thread_time()
+        y = run.forward()
+        w1 = time.perf_counter()
+        run.backward(y)
+        w2, t2 = time.perf_counter(), time.thread_time()
+        if rep >= args.warmup:
+            for key, value in (("fwd_wall", w1 - w0), ("bwd_wall", w2 - w1), ("wall", w2 - w0), ("thread", t2 - t0)):
+                times[key].append(value)
+    return {"rank": rank, "memory": memory, "calls": counter.calls, "work": counter.work, "meta_comm": meta_bytes,
+            "comm": {"forward": forward, "backward": bwd.summary()},
+            "time_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}}
+
+
+def _minus(summary: dict[str, dict[str, float]], other: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``summary`` without ``other``'s calls and bytes (ops left with no call dropped)."""
+    out = {}
+    for op, v in summary.items():
+        o = other.get(op, {"calls": 0, "bytes": 0.0})
+        if v["calls"] - o["calls"]:
+            out[op] = {"calls": v["calls"] - o["calls"], "bytes": v["bytes"] - o["bytes"]}
+    return out
+
+
+def rank_rows(rank: int, world_size: int, args: argparse.Namespace, algos: list[str]) -> list[dict[str, Any]]:
+    """``measure`` of every algorithm in ``algos`` at cp = world_size, on this rank (one launch for all)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if world_size > 1 else comm.LOCAL
+    return [{"algo": algo, **measure(args, algo, rank, world_size, group)} for algo in algos]
+
+
+def rank_memory(rank: int, world_size: int, args: argparse.Namespace, algo: str, seqs: list[int]) -> list[int]:
+    """This rank's activation bytes (saved + ctx-held) of one forward at each total sequence in ``seqs``."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if world_size > 1 else comm.LOCAL
+    return [LayerRun(args, algo, s, rank, world_size, group).activation_bytes()["total"] for s in seqs]
+
+
+# ------------------------------------------------------------------------------------------------ theory
+
+
+def kv_heads(args: argparse.Namespace) -> int:
+    return args.kv_heads or args.heads
+
+
+def expected_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[str, dict[str, int]]:
+    """``{phase: {op: bytes}}`` this implementation sends per layer per rank (module docstring table)."""
+    if n == 1:
+        return {"forward": {}, "backward": {}}
+    b, heads, g = args.batch, args.heads, kv_heads(args)
+    d = args.hidden // heads
+    e, a = ELEMENT_BYTES, ACC_BYTES
+    kv = 2 * s * b * g * d  # elements of K and V over the whole sequence
+    share = Fraction(n - 1, n)
+    if algo in ("ring", "zigzag"):
+        out = {"forward": {"p2p": share * kv * e}, "backward": {"p2p": share * kv * e + kv * a}}
+    elif algo == "llama3":
+        out = {"forward": {"all_gather": share * kv * e},
+               "backward": {"all_gather": share * kv * e, "reduce_scatter": share * kv * a}}
+    elif algo == "ulysses":
+        g_sent = g if g % n == 0 else n  # kv heads repeated up to n when n % g == 0
+        each_way = Fraction(n - 1, n * n) * (2 * s * b * heads * d + 2 * s * b * g_sent * d) * e
+        lse = Fraction(n - 1, n * n) * b * heads * s * a
+        out = {"forward": {"all_to_all": each_way + lse}, "backward": {"all_to_all": each_way}}
+    else:
+        raise ValueError(algo)
+    for ops in out.values():
+        for op, value in ops.items():
+            if value.denominator != 1:
+                raise ValueError(f"{algo} cp={n}: {op} bytes {value} not whole (sizes not divisible)")
+            ops[op] = int(value)
+    return out  # type: ignore[return-value]
+
+
+def table_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[str, float]:
+    """ALGORITHMS.md's per-layer per-rank numbers, in elements × element size: ``{forward, backward}``."""
+    if n == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    b, h, e = args.batch, args.hidden, ELEMENT_BYTES
+    h_kv = kv_heads(args) * (h // args.heads)
+    ring = 2 * s * b * h_kv * (n - 1) / n * e
+    if algo in ("ring", "zigzag"):
+        return {"forward": ring, "backward": 2 * ring}  # "same + dK,dV"
+    if algo == "llama3":
+        return {"forward": ring, "backward": 2 * ring}
+    ulysses = (2 * s * b * h + 2 * s * b * h_kv) * (n - 1) / n ** 2 * e
+    return {"forward": ulysses, "backward": ulysses}
+
+
+def meta_bytes_expected(args: argparse.Namespace, n: int, s: int) -> int:
+    """The ``AttentionMeta.build`` all-gather of the int64 token indices, once per micro-batch: ``(N−1)/N·b·s·8``."""
+    return (n - 1) * args.batch * s * INDEX_BYTES // n if n > 1 else 0
+
+
+def causal_work(args: argparse.Namespace, s: int) -> int:
+    """``b · n · s(s+1)/2``: the (query, key) pairs of causal attention over all heads."""
+    return args.batch * args.heads * s * (s + 1) // 2
+
+
+# ------------------------------------------------------------------------------------------------ rows
+
+
+def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One table row from the per-rank results of (algorithm, cp = n)."""
+    s = args.seq
+    mem = [r["memory"]["total"] for r in ranks]
+    row: dict[str, Any] = {"cp": n, "algo": algo, "act_bytes": max(mem), "act_bytes_min": min(mem),
+                           "act_saved": max(r["memory"]["saved"] for r in ranks),
+                           "act_ctx": max(r["memory"]["ctx"] for r in ranks)}
+    total = causal_work(args, s)
+    if n == 1:
+        work = [total]
+        row["fwd_calls"] = [1]
+    else:
+        work = [r["work"]["forward"] for r in ranks]
+        row["fwd_calls"] = [sum(r["calls"]["forward"].values()) for r in ranks]
+        row["calls_by_kind"] = [r["calls"]["forward"] for r in ranks]
+        row["backward_work_equal"] = all(r["work"]["backward"] == r["work"]["forward"] for r in ranks)
+    row.update({"work": work, "work_total": sum(work), "work_causal": total, "balance": max(work) / min(work),
+                "max_over_ideal": max(work) * n / total})
+    comms = [r["comm"] for r in ranks]
+    row["comm"] = comms[0]
+    row["comm_same_on_all_ranks"] = all(_rounded(c) == _rounded(comms[0]) for c in comms)
+    row["forward_bytes"] = round(sum(v["bytes"] for v in comms[0]["forward"].values()))
+    row["backward_bytes"] = round(sum(v["bytes"] for v in comms[0]["backward"].values()))
+    row["expected"] = expected_bytes(args, algo, n, s)
+    row["matches_expected"] = row["comm_same_on_all_ranks"] and _rounded(comms[0]) == row["expected"]
+    row["table"] = table_bytes(args, algo, n, s)
+    row["meta_bytes"] = round(sum(v["bytes"] for v in ranks[0]["meta_comm"].values()))
+    row["meta_bytes_expected"] = meta_bytes_expected(args, n, s)
+    for phase in ("forward", "backward"):
+        row[f"{phase}_vs_table"] = row[f"{phase}_bytes"] / row["table"][phase] if row["table"][phase] else None
+    table_total = row["table"]["forward"] + row["table"]["backward"]
+    row["total_vs_table"] = (row["forward_bytes"] + row["backward_bytes"]) / table_total if table_total else None
+    times = [r["time_ms"] for r in ranks]
+    row["time_ms"] = {"wall": max(t["wall"] for t in times), "fwd_wall": max(t["fwd_wall"] for t in times),
+                      "bwd_wall": max(t["bwd_wall"] for t in times), "thread_max": max(t["thread"] for t in times),
+                      "thread_min": min(t["thread"] for t in times)}
+    row["per_rank"] = [{"rank": r["rank"], "memory": r["memory"], "work": r["work"], "calls": r["calls"],
+                        "time_ms": r["time_ms"]} for r in ranks]
+    return row
+
+
+def _rounded(comm_summary: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, int]]:
+    return {phase: {op: round(v["bytes"]) for op, v in ops.items()} for phase, ops in comm_summary.items()}
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Activation bytes over cp = 1's (when measured) and the goal ``1.05/N`` beside it."""
+    base = next((r["act_bytes"] for r in rows if r["cp"] == 1), None)
+    for r in rows:
+        r["act_ratio"] = r["act_bytes"] / base if base else None
+        r["act_goal"] = MEMORY_GOAL / r["cp"]
+        r["act_ok"] = None if base is None else r["act_ratio"] <= r["act_goal"]
+
+
+# ------------------------------------------------------------------------------------------------ longest sequence
+
+
+def longest_sequence(args: argparse.Namespace) -> dict[str, Any]:
+    """The longest total sequence whose per-rank activation bytes fit the budget, per ``--long-cp`` size."""
+    algo, sizes = args.long_algo, _ints(args.long_cp)
+    s1, s2 = args.seq, 2 * args.seq
+    fits: dict[int, dict[str, Any]] = {}
+    measured: dict[int, dict[int, int]] = {}
+
+    def bytes_at(n: int, seqs: list[int]) -> None:
+        todo = [s for s in seqs if s not in measured.setdefault(n, {})]
+        if todo:
+            per_rank = run_distributed(rank_memory, n, args=args, algo=algo, seqs=todo)
+            for i, s in enumerate(todo):
+                measured[n][s] = max(r[i] for r in per_rank)
+
+    for n in sizes:
+        bytes_at(n, [s1, s2])
+    budget = int(args.budget_mib * 2 ** 20) if args.budget_mib else measured[sizes[0]][s1]
+    for n in sizes:
+        div = required_divisor(algo, n)
+        slope = Fraction(measured[n][s2] - measured[n][s1], s2 - s1)
+        intercept = measured[n][s1] - slope * s1
+        predicted = max(div, math.floor((budget - intercept) / slope) // div * div)
+        s = predicted
+        for _ in range(8):  # the line is exact in practice; step if it is not
+            bytes_at(n, [s, s + div])
+            if measured[n][s] > budget and s > div:
+                s -= div
+            elif measured[n][s + div] <= budget:
+                s += div
+            else:
+                break
+        fits[n] = {"cp": n, "predicted": predicted, "longest": s, "bytes_at_longest": measured[n][s],
+                   "bytes_at_next": measured[n][s + div], "next": s + div, "divisor": div,
+                   "bytes_per_token": float(slope), "fixed_bytes": float(intercept),
+                   "confirmed": measured[n][s] <= budget < measured[n][s + div]}
+    base = fits[sizes[0]]["longest"]
+    for f in fits.values():
+        f["vs_first"] = f["longest"] / base
+    return {"algo": algo, "budget_bytes": budget, "budget_from": "--budget-mib" if args.budget_mib else
+            f"cp={sizes[0]} at seq {s1}", "rows": list(fits.values()),
+            "measured": {str(n): {str(s): v for s, v in sorted(m.items())} for n, m in measured.items()}}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2 ** 20:,.2f}"
+
+
+def _ratio(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dict[str, Any] | None,
+                 skipped: list[str], load: dict[str, list[float]]) -> None:
+    """The tables, the notes and the JSON line."""
+    g = kv_heads(args)
+    print(f"context parallelism, one {args.arch} layer, s={args.seq} (total, fixed) b={args.batch} h={args.hidden} "
+          f"heads={args.heads} kv_heads={g}, fp32, 1 thread per rank on {os.cpu_count()} cores "
+          f"(load average before {load['before'][0]:.2f}, after {load['after'][0]:.2f})")
+    print("\nmemory and attention work per rank (max over ranks; work = b·heads·visible (q,k) pairs of forward)")
+    print(f"{'cp':>3} {'algo':8} {'act MiB':>9} {'ratio':>6} {'goal':>6} {'ok':>3} {'work max':>12} {'max/min':>8} "
+          f"{'max/ideal':>9} {'fwd calls':>10}")
+    for r in rows:
+        calls = f"{min(r['fwd_calls'])}-{max(r['fwd_calls'])}" if r["cp"] > 1 else "1 sdpa"
+        ok = "-" if r["act_ok"] is None else ("yes" if r["act_ok"] else "NO")
+        print(f"{r['cp']:>3} {r['algo']:8} {_mib(r['act_bytes']):>9} {_ratio(r['act_ratio']):>6} {r['act_goal']:>6.3f} "
+              f"{ok:>3} {max(r['work']):>12,} {r['balance']:>8.3f} {r['max_over_ideal']:>9.3f} {calls:>10}")
+    print("\nbytes sent per layer per rank (fp32 q/k/v; the per-micro-batch token-index all-gather not included)")
+    print(f"{'cp':>3} {'algo':8} {'forward B':>12} {'backward B':>12} {'ours exp.':>9} {'table fwd B':>12} "
+          f"{'table bwd B':>12} {'fwd/tab':>7} {'bwd/tab':>7} {'tot/tab':>7}")
+    for r in rows:
+        if r["cp"] == 1:
+            continue
+        print(f"{r['cp']:>3} {r['algo']:8} {r['forward_bytes']:>12,} {r['backward_bytes']:>12,} "
+              f"{'exact' if r['matches_expected'] else 'DIFF':>9} {r['table']['forward']:>12,.0f} "
+              f"{r['table']['backward']:>12,.0f} {_ratio(r['forward_vs_table']):>7} {_ratio(r['backward_vs_table']):>7} "
+              f"{_ratio(r['total_vs_table']):>7}")
+    print(f"\ntime per layer, forward + backward, median of {args.reps} (wall: slowest rank; thread: CPU time of each "
+          "rank's compute thread)")
+    print(f"{'cp':>3} {'algo':8} {'fwd ms':>9} {'bwd ms':>9} {'wall ms':>9} {'thread max':>10} {'thread min':>10} "
+          f"{'thr max/min':>11}")
+    for r in rows:
+        t = r["time_ms"]
+        print(f"{r['cp']:>3} {r['algo']:8} {t['fwd_wall']:>9.1f} {t['bwd_wall']:>9.1f} {t['wall']:>9.1f} "
+              f"{t['thread_max']:>10.1f} {t['thread_min']:>10.1f} {t['thread_max'] / t['thread_min']:>11.2f}")
+    if long:
+        print(f"\nlongest sequence, {long['algo']}, per-rank activation budget {_mib(long['budget_bytes'])} MiB "
+              f"({long['budget_from']})")
+        print(f"{'cp':>3} {'longest s':>10} {'x first':>8} {'MiB at s':>9} {'next s':>8} {'MiB at next':>11} "
+              f"{'B/token':>9} {'fixed B':>9} {'confirmed':>9}")
+        for f in long["rows"]:
+            print(f"{f['cp']:>3} {f['longest']:>10,} {f['vs_first']:>8.3f} {_mib(f['bytes_at_longest']):>9} "
+                  f"{f['next']:>8,} {_mib(f['bytes_at_next']):>11} {f['bytes_per_token']:>9,.1f} "
+                  f"{f['fixed_bytes']:>9,.0f} {'yes' if f['confirmed'] else 'NO':>9}")
+    print_notes(args, rows, skipped)
+    if args.verbose:
+        print("\nper rank: activation bytes (saved + ctx), forward work, forward calls by kind, thread ms")
+        for r in rows:
+            for p in r["per_rank"]:
+                print(f"  cp={r['cp']} {r['algo']:8} rank {p['rank']}: {p['memory']['saved']:,} + {p['memory']['ctx']:,} B, "
+                      f"work {p['work']['forward']:,}, calls {p['calls']['forward']}, thread {p['time_ms']['thread']:.1f}")
+            if r["cp"] > 1:
+                for phase in ("forward", "backward"):
+                    ops = ", ".join(f"{op} {v['calls']} x {v['bytes'] / v['calls']:,.0f}" for op, v in r["comm"][phase].items())
+                    print(f"    {phase:8} {ops}  | ours expected {r['expected'][phase]}")
+    slim = [{k: v for k, v in r.items() if k != "per_rank" or args.verbose} for r in rows]
+    print(json.dumps({"bench": "context_parallel", "torch": torch.__version__, "config": vars(args), "load": load,
+                      "skipped": skipped, "rows": slim, "long_context": long}))
+
+
+def print_notes(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: list[str]) -> None:
+    """What the numbers mean where they differ from the goals or the table."""
+    g = kv_heads(args)
+    cores = os.cpu_count() or 1
+    print("\nnotes:")
+    print("  ours = the exact bytes of this implementation (module docstring); 'exact' = measured op by op equal to it.")
+    print("  ring/zigzag backward: K,V go round again ((N-1)/N·KV·e) and each block's fp32 dK,dV accumulator makes N hops "
+          "(KV·4, not (N-1)/N·KV·e): backward/table = (1 + N/(N-1)·4/e)/2 = 1.5 at N=2, 1.167 at N=4 in fp32.")
+    print("  llama3 backward: the dK,dV reduce-scatter is fp32 (4 B/element); equal to the table in fp32, "
+          "(2 + 4)/(2·2) = 1.5x of it under bf16 inputs.")
+    print("  ulysses forward: also all-to-alls the fp32 lse [b, n, s/N] (attention_with_lse always does; "
+          "context_parallel_attention then drops it): + (N-1)/N²·b·n·s·4 B" +
+          ("" if all(g % n == 0 for n in {r["cp"] for r in rows if r["algo"] == "ulysses"})
+           else "; kv heads repeated to N before the all-to-all where g % N != 0"))
+    print("  per micro-batch, not per layer: AttentionMeta.build all-gathers the int64 token indices, (N-1)/N·b·s·8 B: "
+          + ", ".join(sorted({f"cp={r['cp']} {r['meta_bytes']:,} B" for r in rows if r["cp"] > 1})) + ".")
+    if any(r["cp"] > cores for r in rows):
+        print(f"  cp sizes above {cores} cores time-slice: wall time includes waiting for a core; thread time is the "
+              "rank's own compute.")
+    for r in rows:
+        problems = []
+        if r["act_ok"] is False:
+            problems.append(f"activations {r['act_ratio']:.3f} of cp=1 > goal {r['act_goal']:.3f}")
+        if r["algo"] == "zigzag" and r["balance"] > BALANCE_GOAL:
+            problems.append(f"work balance {r['balance']:.3f} > {BALANCE_GOAL}")
+        if r["work_total"] != r["work_causal"]:
+            problems.append(f"work summed over ranks {r['work_total']:,} != causal total {r['work_causal']:,}")
+        if r["cp"] > 1 and not r["matches_expected"]:
+            problems.append(f"bytes {_rounded(r['comm'])} != ours expected {r['expected']}")
+        if r["cp"] > 1 and r["meta_bytes"] != r["meta_bytes_expected"]:
+            problems.append(f"token-index all-gather {r['meta_bytes']} != {r['meta_bytes_expected']}")
+        if r["cp"] > 1 and not r["backward_work_equal"]:
+            problems.append("backward kernel work differs from forward")
+        if problems:
+            print(f"  cp={r['cp']} {r['algo']}: " + "; ".join(problems))
+    for s in skipped:
+        print(f"  skipped {s}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure every row (and the longest sequences), print the report; returns the JSON record."""
+    args = parse_args(argv)
+    skipped = check_args(args)
+    load = {"before": list(os.getloadavg())}
+    algos = _names(args.algos)
+    rows: list[dict[str, Any]] = []
+    for n in _ints(args.cp):
+        run = [BASELINE] if n == 1 else [a for a in algos if not skip_reason(args, a, n, args.seq)]
+        if not run:
+            continue
+        per_rank = run_distributed(rank_rows, n, args=args, algos=["ring" if a == BASELINE else a for a in run])
+        for i, algo in enumerate(run):
+            rows.append(finish_row(args, n, algo, [rank_result[i] for rank_result in per_rank]))
+    add_ratios(rows)
+    long = longest_sequence(args) if args.long_algo else None
+    load["after"] = list(os.getloadavg())
+    print_report(args, rows, long, skipped, load)
+    return {"rows": rows, "long_context": long, "skipped": skipped}
+
+
+if __name__ == "__main__":
+    main()
