@@ -438,11 +438,11 @@ def _loop(rt: Runtime) -> None:
         log.info("no sample: generation through pipeline stages is not available yet (parallel.pp > 1)")
     elif cfg.train.sample_prompt and st.dp_rank == 0 and st.cp_rank == 0:  # one model replica (its TP ranks) decodes
         ids = rt.tokenizer.encode(cfg.train.sample_prompt)
-        cp_group, inner.tp.cp_group = inner.tp.cp_group, comm.LOCAL  # weights are replicated over CP: decode alone
+        cp_group, inner.cp_group = inner.cp_group, comm.LOCAL  # weights are replicated over CP: decode alone
         try:
             out_ids = generate(inner, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)
         finally:
-            inner.tp.cp_group = cp_group
+            inner.cp_group = cp_group
         log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(out_ids[len(ids):]))
 
 

@@ -140,6 +140,7 @@ class GPTModel(nn.Module):
         check_model_config(cfg)
         tp = tp or TensorParallel()
         self.tp = tp
+        self.cp_group = tp.cp_group  # set to comm.LOCAL to run one CP rank alone on whole sequences (decoding)
         self.cfg = cfg
         self.seed = seed
         self.pre_process = pre_process
@@ -238,10 +239,10 @@ class GPTModel(nn.Module):
         cos, sin = self.rotary(position_ids, seq_len, x.device, angle_dtype, rope_dtype)  # [s, b|1, rd/2]
 
         meta = None
-        if comm.group_size(self.tp.cp_group) > 1 or document_ids is not None:
+        if comm.group_size(self.cp_group) > 1 or document_ids is not None:
             if token_index is None:
                 token_index = torch.arange(seq_len, device=x.device).unsqueeze(0).expand(x.shape[1], seq_len)
-            meta = AttentionMeta.build(token_index, document_ids, self.tp.cp_algo, self.tp.cp_group,
+            meta = AttentionMeta.build(token_index, document_ids, self.tp.cp_algo, self.cp_group,
                                        self.tp.cp_heads_k_stride)
         full_recompute = self.tp.recompute == "full" and self.training and torch.is_grad_enabled()
         for index in self.layer_chunks[chunk]:

@@ -71,7 +71,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
@@ -206,10 +206,11 @@ class WorkCounter:
         kind = kind or kernels.classify(q_pos, k_pos, q_doc, k_doc)
         sq, sk, b, heads = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
         pairs = {"empty": 0, "full": sq * sk, "causal": sq * (sq + 1) // 2}.get(kind)
-        if pairs is None:  # masked: count the mask
-            pairs = int(kernels.visible(q_pos, k_pos, q_doc, k_doc).sum()) // b
+        if pairs is None:  # masked: count the mask, over the whole micro-batch
+            self.work[phase] += heads * int(kernels.visible(q_pos, k_pos, q_doc, k_doc).sum())
+        else:
+            self.work[phase] += b * heads * pairs
         self.calls[phase][kind] = self.calls[phase].get(kind, 0) + 1
-        self.work[phase] += b * heads * pairs
 
     @contextmanager
     def active(self) -> Iterator[WorkCounter]:
