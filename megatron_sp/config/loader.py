@@ -177,7 +177,8 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
     _choice("model.arch", m.arch, ("neox", "llama"))
     _choice("parallel.cp_algo", p.cp_algo, ("ring", "zigzag", "llama3", "ulysses", "usp"))
-    _choice("parallel.pp_schedule", p.pp_schedule, ("1f1b", "interleaved", "zero_bubble", "none"))
+    from ..pipeline.schedules import SCHEDULES
+    _choice("parallel.pp_schedule", p.pp_schedule, SCHEDULES)
     _choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
     _choice("train.lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
     _choice("model.recompute", m.recompute, ("none", "selective", "full"))
@@ -254,6 +255,9 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     from ..pipeline.partition import layer_split  # the split's own checks (uniform divisibility, explicit list)
     if p.pp_partition != "balanced" or m.padded_vocab_size is not None:  # balanced counts need the vocabulary
         layer_split(m, p.pp, p.virtual_stages, p.pp_partition)
+    elif m.num_layers < p.pp * p.virtual_stages:
+        raise ConfigError(f"model.num_layers = {m.num_layers} is fewer than parallel.pp·virtual_stages = "
+                          f"{p.pp}·{p.virtual_stages} (every virtual stage needs at least one layer)")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set parallel.sequence_parallel=false")
     if p.zero not in (0, 1):

@@ -157,7 +157,6 @@ class GPTModel(nn.Module):
                 any(not 0 <= i < cfg.num_layers for i in indices):
             raise ValueError(f"layer chunks {self.layer_chunks}: need at least one chunk and distinct layer "
                              f"indices in 0..{cfg.num_layers - 1}")
-        self.layer_range = self.layer_chunks[0] if len(self.layer_chunks) == 1 else indices
         self.hidden_dropout = cfg.hidden_dropout
 
         sp = tp.sequence_parallel and tp.size > 1
@@ -240,6 +239,9 @@ class GPTModel(nn.Module):
 
         meta = None
         if comm.group_size(self.cp_group) > 1 or document_ids is not None:
+            if token_index is None and comm.group_size(self.cp_group) > 1:
+                raise ValueError("context parallelism needs token_index (the global index of each held token: "
+                                 "layout.shard_batch provides it)")
             if token_index is None:
                 token_index = torch.arange(seq_len, device=x.device).unsqueeze(0).expand(x.shape[1], seq_len)
             meta = AttentionMeta.build(token_index, document_ids, self.tp.cp_algo, self.cp_group,

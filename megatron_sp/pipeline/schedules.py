@@ -318,10 +318,12 @@ class ScheduleStats:
 
 
 def agree_costs(stats: ScheduleStats, state: ParallelState) -> dict[str, float]:
-    """Mean seconds per action kind (F, B, I, W) of this step over the pp group, identical on every rank.
+    """Mean seconds per action kind (F, B, I, W) of this step over ALL ranks, identical on every rank.
 
-    Collective over the pp group: sums and counts are all-reduced, and the first stage's means are
-    broadcast so every rank holds bitwise the same costs (and so builds the same zero-bubble table).
+    Collective over the default group (every rank must call it): sums and counts are all-reduced
+    and global rank 0's means are broadcast, so every rank holds bitwise the same costs and builds
+    the same zero-bubble table. Agreeing only within a pp group would not do: TP and CP peers (other
+    pp groups) would build different tables and issue their collectives in different orders.
     Kinds that did not run get the unit-cost ratio to F (B = 2F, I = W = F).
     """
     kinds = ("F", "B", "I", "W")
@@ -330,9 +332,9 @@ def agree_costs(stats: ScheduleStats, state: ParallelState) -> dict[str, float]:
         k = kinds.index(event[0])
         sums[k] += t1 - t0
         sums[len(kinds) + k] += 1
-    if state.pp_size > 1:
-        dist.all_reduce(sums, group=state.pp_group)
-        dist.broadcast(sums, state.group_ranks["pp"][0], group=state.pp_group)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+        dist.broadcast(sums, 0)
     means = {k: float(sums[i] / sums[len(kinds) + i]) for i, k in enumerate(kinds) if sums[len(kinds) + i] > 0}
     f = means.get("F", 1.0)
     return {k: means.get(k, UNIT_COSTS[k] * f) for k in kinds}

@@ -460,3 +460,17 @@ def test_flash_attn_matches_reference_on_gpu(name: str) -> None:
     assert rel_err(out, ref[0].double()) <= BF16_OUT_BOUND and rel_err(lse, ref[1].double()) <= BF16_LSE_BOUND
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want.double()) <= BF16_GRAD_BOUND
+
+
+def test_contract_holds_inside_autocast() -> None:
+    """Under bf16 autocast (as in training) the masked path still returns fp32 out/lse and fp32 grads."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(6, 1, 2, 8, generator=g) for _ in range(3))
+    pos = torch.arange(6).unsqueeze(0)
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    out_ref, lse_ref = kernels.attention_forward(q, k, v, pos, pos, doc, doc)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = kernels.attention_forward(q, k, v, pos, pos, doc, doc)
+        grads = kernels.attention_backward(torch.ones_like(q), q, k, v, out, lse, pos, pos, doc, doc)
+    assert out.dtype == lse.dtype == torch.float32 and all(t.dtype == torch.float32 for t in grads)
+    assert torch.allclose(out, out_ref) and torch.allclose(lse, lse_ref)

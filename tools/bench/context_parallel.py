@@ -29,7 +29,8 @@ Measured per rank, per (algorithm, N):
 * time per layer: forward + backward wall time (``perf_counter``) and this rank's thread CPU time
   (``time.thread_time``: the compute; gloo transfers run on other threads), median over
   ``--reps`` after ``--warmup``, ranks started together by a barrier. Wall = the slowest rank.
-  With N ranks on fewer cores the ranks time-slice: wall grows, thread time does not.
+  With N ranks on fewer cores the ranks time-slice: wall grows, thread time does not. ``sum/cp1``:
+  thread time summed over the ranks over cp = 1's, the CPU cost of splitting (1.0 = none).
 
 Expected bytes of OUR implementation (exact; checked op by op). ``e`` = element size of q/k/v
 (4 in fp32), ``a`` = 4 (dK,dV accumulators and lse are fp32 whatever the input dtype),
@@ -121,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", default="1,2,4", help="comma-separated cp sizes (1 = the baseline)")
     p.add_argument("--algos", default=",".join(ALGORITHMS), help=f"comma-separated, of {','.join(ALGORITHMS)}")
     p.add_argument("--heads-k-stride", type=int, default=1, help="llama3: kv heads per all-gather")
-    p.add_argument("--reps", type=int, default=3, help="timed forward+backward repetitions (median)")
+    p.add_argument("--reps", type=int, default=5, help="timed forward+backward repetitions (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
     p.add_argument("--long-algo", default="zigzag", help="algorithm of the longest-sequence search ('' to skip it)")
     p.add_argument("--long-cp", default="1,4", help="cp sizes of the longest-sequence search; the first sets the budget")
@@ -486,7 +487,7 @@ def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str
     times = [r["time_ms"] for r in ranks]
     row["time_ms"] = {"wall": max(t["wall"] for t in times), "fwd_wall": max(t["fwd_wall"] for t in times),
                       "bwd_wall": max(t["bwd_wall"] for t in times), "thread_max": max(t["thread"] for t in times),
-                      "thread_min": min(t["thread"] for t in times)}
+                      "thread_min": min(t["thread"] for t in times), "thread_sum": sum(t["thread"] for t in times)}
     row["per_rank"] = [{"rank": r["rank"], "memory": r["memory"], "work": r["work"], "calls": r["calls"],
                         "time_ms": r["time_ms"]} for r in ranks]
     return row
@@ -497,9 +498,12 @@ def _rounded(comm_summary: dict[str, dict[str, dict[str, float]]]) -> dict[str, 
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Activation bytes over cp = 1's (when measured) and the goal ``1.05/N`` beside it."""
+    """Activation bytes over cp = 1's (when measured) and the goal ``1.05/N`` beside it; the CPU time summed
+    over ranks over cp = 1's (1.0 = splitting costs nothing)."""
     base = next((r["act_bytes"] for r in rows if r["cp"] == 1), None)
+    base_cpu = next((r["time_ms"]["thread_sum"] for r in rows if r["cp"] == 1), None)
     for r in rows:
+        r["cpu_vs_cp1"] = r["time_ms"]["thread_sum"] / base_cpu if base_cpu else None
         r["act_ratio"] = r["act_bytes"] / base if base else None
         r["act_goal"] = MEMORY_GOAL / r["cp"]
         r["act_ok"] = None if base is None else r["act_ratio"] <= r["act_goal"]
@@ -588,13 +592,14 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dic
               f"{r['table']['backward']:>12,.0f} {_ratio(r['forward_vs_table']):>7} {_ratio(r['backward_vs_table']):>7} "
               f"{_ratio(r['total_vs_table']):>7}")
     print(f"\ntime per layer, forward + backward, median of {args.reps} (wall: slowest rank; thread: CPU time of each "
-          "rank's compute thread)")
+          "rank's compute thread; sum/cp1: summed over ranks, over cp=1's)")
     print(f"{'cp':>3} {'algo':8} {'fwd ms':>9} {'bwd ms':>9} {'wall ms':>9} {'thread max':>10} {'thread min':>10} "
-          f"{'thr max/min':>11}")
+          f"{'thr max/min':>11} {'sum/cp1':>7}")
     for r in rows:
         t = r["time_ms"]
         print(f"{r['cp']:>3} {r['algo']:8} {t['fwd_wall']:>9.1f} {t['bwd_wall']:>9.1f} {t['wall']:>9.1f} "
-              f"{t['thread_max']:>10.1f} {t['thread_min']:>10.1f} {t['thread_max'] / t['thread_min']:>11.2f}")
+              f"{t['thread_max']:>10.1f} {t['thread_min']:>10.1f} {t['thread_max'] / t['thread_min']:>11.2f} "
+              f"{_ratio(r['cpu_vs_cp1'], '.2f'):>7}")
     if long:
         print(f"\nlongest sequence, {long['algo']}, per-rank activation budget {_mib(long['budget_bytes'])} MiB "
               f"({long['budget_from']})")

@@ -98,6 +98,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Returns ``[s/cp, b, n, d]`` in q's dtype. Differentiable in q, k, v.
     """
+    if meta.algo in ("local", "ulysses"):  # skip the lse all-to-all nobody reads
+        return _ulysses(q, k, v, meta, q.shape[-1] ** -0.5 if scale is None else scale, with_lse=False)[0]
     return attention_with_lse(q, k, v, meta, scale)[0]
 
 
@@ -334,8 +336,8 @@ class _Local(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
+             with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     n = meta.size
     if n == 1:
         return _Local.apply(q, k, v, meta, scale)
@@ -351,7 +353,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionM
     kh = all_to_all(k, meta.group, scatter_dim=2, gather_dim=0)
     vh = all_to_all(v, meta.group, scatter_dim=2, gather_dim=0)
     out, lse = _Local.apply(qh, kh, vh, meta, scale)  # every rank's chunk in rank order = the gathered order
-    lse = comm.all_to_all(lse, meta.group, scatter_dim=2, gather_dim=1)  # [b, n_heads, s/cp]
+    lse = comm.all_to_all(lse, meta.group, scatter_dim=2, gather_dim=1) if with_lse else None  # [b, n_heads, s/cp]
     return all_to_all(out, meta.group, scatter_dim=0, gather_dim=2), lse  # [s/cp, b, n_heads, d]
 
 

@@ -241,6 +241,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     that see no key: ``out = 0``, ``lse = −inf`` (never NaN). ``scale`` defaults to ``d**-0.5``;
     ``kind`` is the ``classify`` result if the caller has it; ``kernel`` forces a kernel.
     """
+    with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
+        return _attention_forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
+
+
+def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                       q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, scale: float | None, kind: str | None,
+                       kernel: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_shapes(q, k, v, q_pos, k_pos)
     kind = _resolve_kind(kind, q_pos, k_pos, q_doc, k_doc)
     if kind == "empty":
@@ -265,6 +272,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     GQA ``dk``/``dv`` are summed over the query heads of each kv head. ``dq`` is this block's share:
     the caller sums it over key blocks. Rows with ``lse = −inf`` contribute 0.
     """
+    with torch.autocast(q.device.type, enabled=False):  # fp32 gradients from the fp32 lse, also inside autocast
+        return _attention_backward(dout, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
+
+
+def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
+                        k_doc: torch.Tensor | None, scale: float | None, kind: str | None,
+                        kernel: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_shapes(q, k, v, q_pos, k_pos)
     kind = _resolve_kind(kind, q_pos, k_pos, q_doc, k_doc)
     dtype = _compute_dtype(q.dtype)
