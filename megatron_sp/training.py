@@ -168,7 +168,8 @@ def setup(cfg: Config) -> Runtime:
         init_default_group(p.backend, p.timeout_s)  # type: ignore[arg-type]
     rank = dist.get_rank()
     setup_logging(cfg.logging.level, rank)
-    state = initialize(ParallelDims(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, world_size=p.world_size),  # type: ignore[arg-type]
+    state = initialize(ParallelDims(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, world_size=p.world_size,  # type: ignore[arg-type]
+                                    cp_ulysses=p.cp_ulysses if p.cp_algo == "usp" else 1),  # type: ignore[arg-type]
                        timeout_s=p.timeout_s)
     dev = device_mod.local_device(p.device, int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[arg-type]
     if dev.type == "cpu" and p.world_size > 1:
@@ -187,7 +188,8 @@ def setup(cfg: Config) -> Runtime:
     tp = TensorParallel(group=state.tp_group, size=state.tp_size, rank=state.tp_rank,
                         sequence_parallel=p.sequence_parallel, recompute_allgather=p.tp_recompute_allgather,
                         recompute=cfg.model.recompute, tracker=tracker, cp_group=state.cp_group,
-                        cp_algo=p.cp_algo, cp_heads_k_stride=p.cp_heads_k_stride)
+                        cp_algo=p.cp_algo, cp_heads_k_stride=p.cp_heads_k_stride,
+                        cp_ulysses_group=state.groups.get("cp_ulysses"), cp_ring_group=state.groups.get("cp_ring"))
     model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, tp, virtual_stages=cfg.parallel.virtual_stages,
                                    partition=cfg.parallel.pp_partition).to(dev)  # the whole model when pp == 1
     if state.pp_size > 1:

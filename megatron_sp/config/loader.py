@@ -264,9 +264,6 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"parallel.zero: {p.zero} must be 0 or 1")
     # Dimensions whose implementation has not landed yet are refused here, not deep inside a layer.
     if p.cp > 1:
-        if p.cp_algo == "usp":
-            raise ConfigError("parallel.cp_algo=usp is not available in this version yet; use ring, zigzag, llama3 "
-                              "or ulysses")
         from ..model.attention.layout import required_divisor
         need = required_divisor(p.cp_algo, p.cp, p.tp, p.sequence_parallel)
         if m.seq_length % need:
@@ -276,13 +273,19 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         if m.attention_dropout > 0:
             raise ConfigError("model.attention_dropout > 0 with parallel.cp > 1 is not available; set "
                               "model.attention_dropout=0")
-        if p.cp_algo == "ulysses":
+        degree = {"ulysses": p.cp, "usp": p.cp_ulysses}.get(p.cp_algo, 1)
+        key = "parallel.cp" if p.cp_algo == "ulysses" else "parallel.cp_ulysses"
+        if p.cp_algo == "usp" and (p.cp_ulysses < 1 or p.cp % p.cp_ulysses):
+            raise ConfigError(f"parallel.cp_ulysses={p.cp_ulysses} must divide parallel.cp={p.cp}")
+        if degree > 1:
             local_heads = m.num_heads // p.tp
             local_kv = max(1, m.num_kv_heads // p.tp)
-            if local_heads % p.cp or (local_kv % p.cp and p.cp % local_kv):
-                raise ConfigError(f"parallel.cp_algo=ulysses: the {local_heads} query heads per TP rank must be "
-                                  f"divisible by parallel.cp={p.cp}, and the {local_kv} kv heads per TP rank must "
+            if local_heads % degree or (local_kv % degree and degree % local_kv):
+                raise ConfigError(f"parallel.cp_algo={p.cp_algo}: the {local_heads} query heads per TP rank must be "
+                                  f"divisible by {key}={degree}, and the {local_kv} kv heads per TP rank must "
                                   "divide it or be divisible by it; use ring, zigzag or llama3")
+    if p.cp_ulysses != 1 and (p.cp_algo != "usp" or p.cp == 1):
+        raise ConfigError(f"parallel.cp_ulysses={p.cp_ulysses} needs parallel.cp_algo=usp and parallel.cp > 1")
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
         raise ConfigError("data.reset_attention_mask with model.attention_dropout > 0 is not available; set "
                           "model.attention_dropout=0")

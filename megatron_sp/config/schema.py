@@ -63,7 +63,10 @@ class ParallelConfig:
     tp_recompute_allgather: bool = doc(True, "Under sequence parallelism, column-parallel layers save only their "
                                              "input shard for backward and all-gather it again there (1/tp of the "
                                              "memory, one more all-gather); false caches the gathered input.")
-    cp_algo: str = doc("ring", "Context-parallel attention: ring | zigzag | llama3 | ulysses (usp: not yet).")
+    cp_algo: str = doc("ring", "Context-parallel attention: ring | zigzag | llama3 | ulysses | usp (Ulysses of "
+                               "degree cp_ulysses inside a ring).")
+    cp_ulysses: int = doc(1, "cp_algo=usp: the Ulysses degree inside the cp group (divides cp; the ring runs over "
+                             "cp / cp_ulysses).")
     cp_heads_k_stride: int = doc(1, "llama3 context parallelism: kv heads per all-gather (the next group's "
                                     "gather overlaps the current group's attention).")
     pp_schedule: str = doc("1f1b", "Pipeline schedule: 1f1b | interleaved (needs virtual_stages >= 2) | zero_bubble "

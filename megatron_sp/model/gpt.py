@@ -245,7 +245,7 @@ class GPTModel(nn.Module):
             if token_index is None:
                 token_index = torch.arange(seq_len, device=x.device).unsqueeze(0).expand(x.shape[1], seq_len)
             meta = AttentionMeta.build(token_index, document_ids, self.tp.cp_algo, self.cp_group,
-                                       self.tp.cp_heads_k_stride)
+                                       self.tp.cp_heads_k_stride, self.tp.cp_ulysses_group, self.tp.cp_ring_group)
         full_recompute = self.tp.recompute == "full" and self.training and torch.is_grad_enabled()
         for index in self.layer_chunks[chunk]:
             layer = self.layers[str(index)]

@@ -106,6 +106,9 @@ class TensorParallel:
     """``parallel.cp_algo``: ring | zigzag | llama3 | ulysses (see ``attention.context_parallel``)."""
     cp_heads_k_stride: int = 1
     """``parallel.cp_heads_k_stride``: kv heads per llama3 all-gather."""
+    cp_ulysses_group: Any = None
+    """USP: the Ulysses sub-group of the cp group, and the ring sub-group across them."""
+    cp_ring_group: Any = None
 
     def sharded_dropout(self) -> contextlib.AbstractContextManager:
         """The RNG context for dropout on a tensor that is split over TP (different per TP rank)."""

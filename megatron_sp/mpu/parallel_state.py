@@ -46,11 +46,15 @@ class ParallelDims:
     dp: int = 1
     pp: int = 1
     world_size: int | None = None
+    cp_ulysses: int = 1
+    """USP: the Ulysses degree inside each cp group (innermost); the ring runs over cp / cp_ulysses."""
 
     def __post_init__(self) -> None:
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise ConfigError(f"parallel.{axis} = {getattr(self, axis)} must be >= 1")
+        if self.cp_ulysses < 1 or self.cp % self.cp_ulysses:
+            raise ConfigError(f"parallel.cp_ulysses = {self.cp_ulysses} must divide parallel.cp = {self.cp}")
         product = self.tp * self.cp * self.dp * self.pp
         if self.world_size is None:
             object.__setattr__(self, "world_size", product)
@@ -223,6 +227,16 @@ def initialize(dims: ParallelDims, timeout_s: float = 600.0) -> ParallelState:
             if rank in ranks:
                 state.groups[name] = group
                 state.group_ranks[name] = ranks
+    if dims.cp_ulysses > 1:  # USP: Ulysses groups of consecutive cp ranks, rings across them
+        u = dims.cp_ulysses
+        for ranks in layouts["cp"]:
+            for name, sub in [("cp_ulysses", [ranks[j:j + u] for j in range(0, len(ranks), u)]),
+                              ("cp_ring", [ranks[i::u] for i in range(u)])]:
+                for members in sub:
+                    group = dist.new_group(members, timeout=timeout) if len(members) < world else dist.GroupMember.WORLD
+                    if rank in members:
+                        state.groups[name] = group
+                        state.group_ranks[name] = members
     for src, dst in dims.pipeline_links():
         group = dist.new_group(sorted((src, dst)), timeout=timeout)
         if rank in (src, dst):

@@ -52,8 +52,9 @@ S = 24
 LOCAL_DOCS = {**{d: rows for d, rows in DOCS.items() if rows is not None},
               "odd_length": [[4, 1, 8], [13]]}  # cp = 1 needs no divisor of the sequence length
 # (name, algo, heads_k_stride): llama3 gathers kv heads in groups of the stride
+# (usp: the third field is the Ulysses degree inside the ring)
 ALGOS = (("ring", "ring", 1), ("zigzag", "zigzag", 1), ("llama3_s1", "llama3", 1), ("llama3_s2", "llama3", 2),
-         ("ulysses", "ulysses", 1))
+         ("ulysses", "ulysses", 1), ("usp_u2", "usp", 2))
 ALGO_OF = {name: algo for name, algo, _ in ALGOS}
 ALL_DOCS = {**DOCS, **LOCAL_DOCS}
 TENSORS = ("out", "lse", "dq", "dk", "dv")
@@ -115,8 +116,9 @@ def _run(algo: str, stride: int, heads: str, docs: str, dtype: str, cp: int, ran
     q, k, v, dout, pos, doc = _inputs(heads, docs, dtype)
     lay = layout_of(algo)
     ql, kl, vl = (shard(x, cp, rank, lay, dim=0).requires_grad_(True) for x in (q, k, v))
+    sub = _usp_groups(cp, rank, stride) if algo == "usp" else (None, None)
     meta = AttentionMeta.build(shard(pos, cp, rank, lay, dim=1), None if doc is None else shard(doc, cp, rank, lay, dim=1),
-                               algo, group, heads_k_stride=stride)
+                               algo, group, heads_k_stride=stride, ulysses_group=sub[0], ring_group=sub[1])
     assert meta.algo == algo and meta.size == cp and meta.rank == rank
     out, lse = attention_with_lse(ql, kl, vl, meta)
     assert out.dtype == ql.dtype and not lse.requires_grad
@@ -124,6 +126,25 @@ def _run(algo: str, stride: int, heads: str, docs: str, dtype: str, cp: int, ran
     out.backward(shard(dout, cp, rank, lay, dim=0))
     assert ql.grad.dtype == kl.grad.dtype == vl.grad.dtype == ql.dtype
     return {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+
+
+_USP_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def _usp_groups(cp: int, rank: int, u: int) -> tuple[Any, Any]:
+    """USP sub-groups of the world (as ``mpu.initialize`` builds them): Ulysses over consecutive ranks, rings across."""
+    if (cp, u) not in _USP_GROUPS:
+        ulysses = ring = None
+        for start in range(0, cp, u):
+            members = list(range(start, start + u))
+            g = dist.new_group(members)
+            ulysses = g if rank in members else ulysses
+        for i in range(u):
+            members = list(range(i, cp, u))
+            g = dist.new_group(members)
+            ring = g if rank in members else ring
+        _USP_GROUPS[(cp, u)] = (ulysses, ring)
+    return _USP_GROUPS[(cp, u)]
 
 
 def _counting(fn: Callable[..., Any], log: list[tuple[int, int]], backward: bool) -> Callable[..., Any]:

@@ -63,6 +63,7 @@ LAYOUTS = {
     "cp2_zigzag_tp2_sp": ([], ["parallel.cp=2", "parallel.cp_algo=zigzag", "parallel.tp=2", *SP]),
     "cp2_ring_dp2": ([], ["parallel.cp=2", "parallel.dp=2"]),
     "cp2_zigzag_pp2": ([], ["parallel.cp=2", "parallel.cp_algo=zigzag", "parallel.pp=2"]),
+    "cp4_usp_ulysses2": ([], ["parallel.cp=4", "parallel.cp_algo=usp", "parallel.cp_ulysses=2"]),
     "packed_cp2_zigzag": (PACKED, ["parallel.cp=2", "parallel.cp_algo=zigzag"]),
     "packed_cp2_llama3": (PACKED, ["parallel.cp=2", "parallel.cp_algo=llama3"]),
 }

@@ -97,9 +97,7 @@ def test_dp_derived_from_world_size():
     assert cfg.train.global_batch_size == 8
 
 
-def test_not_yet_available_dimensions_are_refused_clearly():
-    with pytest.raises(ConfigError, match="not available in this version yet"):
-        config.load(overrides=BASE + ["parallel.cp=2", "parallel.cp_algo=usp", "model.num_layers=2"])
+def test_pipeline_needs_micro_batches():
     with pytest.raises(ConfigError, match="schedule needs at least pp"):
         config.load(overrides=BASE + ["parallel.pp=2", "model.num_layers=2"])
     ok = config.load(overrides=BASE + ["parallel.pp=2", "model.num_layers=2", "train.global_batch_size=2"])
@@ -201,6 +199,15 @@ def test_context_parallel_checks():
     for message, extra in cases.items():
         with pytest.raises(ConfigError, match=message):
             config.load(overrides=cp + extra)
+    with pytest.raises(ConfigError, match="cp_ulysses=3 must divide parallel.cp=4"):
+        config.load(overrides=BASE + ["parallel.cp=4", "parallel.cp_algo=usp", "parallel.cp_ulysses=3"])
+    with pytest.raises(ConfigError, match="cp_ulysses=2 needs parallel.cp_algo=usp"):
+        config.load(overrides=cp + ["parallel.cp_ulysses=2"])
+    with pytest.raises(ConfigError, match="divisible by parallel.cp_ulysses=4"):
+        config.load(overrides=BASE + ["parallel.cp=4", "parallel.cp_algo=usp", "parallel.cp_ulysses=4", "model.num_heads=2",
+                                      "model.hidden_size=64"])
+    assert config.load(overrides=BASE + ["parallel.cp=4", "parallel.cp_algo=usp",
+                                         "parallel.cp_ulysses=2"]).parallel.cp_ulysses == 2
     ok = config.load(overrides=cp + ["parallel.cp_algo=llama3", "parallel.cp_heads_k_stride=2"])
     assert ok.parallel.world_size == 2 and ok.parallel.cp_heads_k_stride == 2
     with pytest.raises(ConfigError, match="reset_attention_mask with model.attention_dropout"):

@@ -45,7 +45,6 @@ zigzag     rank's K,V block                                 and the fp32 dK,dV a
 llama3     all_gather ``(N−1)/N·KV·e``                      all_gather ``(N−1)/N·KV·e`` (gathered again) +
                                                             reduce_scatter ``(N−1)/N·KV·a`` (fp32 dK,dV)
 ulysses    all_to_all ``(N−1)/N²·(2Q + KV')·e``             all_to_all ``(N−1)/N²·(2Q + KV')·e``
-           ``+ (N−1)/N²·b·n·s·a`` (the lse, always sent)
 =========  ===============================================  ==============================================
 
 ``KV' = KV`` when ``g % N == 0``, else each kv head is repeated to N heads first (``KV' = 2·s·b·N·d``).
@@ -412,8 +411,7 @@ def expected_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[
     elif algo == "ulysses":
         g_sent = g if g % n == 0 else n  # kv heads repeated up to n when n % g == 0
         each_way = Fraction(n - 1, n * n) * (2 * s * b * heads * d + 2 * s * b * g_sent * d) * e
-        lse = Fraction(n - 1, n * n) * b * heads * s * a
-        out = {"forward": {"all_to_all": each_way + lse}, "backward": {"all_to_all": each_way}}
+        out = {"forward": {"all_to_all": each_way}, "backward": {"all_to_all": each_way}}
     else:
         raise ValueError(algo)
     for ops in out.values():

@@ -20,6 +20,10 @@ the tokens at global indices ``positions[r]`` (contiguous for ring/llama3/ulysse
              the whole sequence, all-to-all back. GQA: kv heads split over cp when
              ``g % cp == 0``, else (``cp % g == 0``) each kv head repeated for the ranks that
              need it (autograd sums its gradient back).
+``usp``      Ulysses of degree u (``parallel.cp_ulysses``, consecutive cp ranks) inside a ring over
+             cp/u (Fang & Zhao 2024): the all-to-all gathers the u-group's tokens for heads/u,
+             the ring (over ``cp_ring`` groups) runs on those, all-to-all back. Zigzag layout at
+             the cp level; masks from positions as everywhere.
 
 Masks come only from the tokens' global indices and document ids (``kernels.visible``), for every
 algorithm and layout: a block's key positions are known from ``positions[src]`` — gathered once
@@ -42,7 +46,7 @@ from ...mpu.mappings import all_to_all
 from . import kernels
 from .layout import layout_of
 
-ALGORITHMS = ("ring", "zigzag", "llama3", "ulysses")
+ALGORITHMS = ("ring", "zigzag", "llama3", "ulysses", "usp")
 
 
 @dataclass
@@ -61,23 +65,30 @@ class AttentionMeta:
     positions: list[torch.Tensor]
     documents: list[torch.Tensor] | None = None
     heads_k_stride: int = 1
+    ulysses_group: Any = None
+    """USP: the Ulysses sub-group (consecutive cp ranks) and the ring sub-group across them."""
+    ring_group: Any = None
+    chunks: int | None = None
+    """Chunks per rank's block classified separately (default: 2 for the zigzag layout, else 1)."""
 
     @staticmethod
     def build(token_index: torch.Tensor, document_ids: torch.Tensor | None, algo: str, group: Any,
-              heads_k_stride: int = 1) -> AttentionMeta:
+              heads_k_stride: int = 1, ulysses_group: Any = None, ring_group: Any = None) -> AttentionMeta:
         """All-gather this rank's ``token_index`` (and ``document_ids``) ``[b, s/cp]`` over the cp group."""
+        if algo not in ALGORITHMS:
+            raise ValueError(f"parallel.cp_algo = {algo!r}; supported: {', '.join(ALGORITHMS)}")
         n, rank = comm.group_size(group), comm.group_rank(group)
         if n == 1:
             return AttentionMeta("local", group, 0, [token_index],
                                  None if document_ids is None else [document_ids], heads_k_stride)
-        if algo not in ALGORITHMS:
-            raise ValueError(f"parallel.cp_algo = {algo!r}; supported: {', '.join(ALGORITHMS)}")
+        if algo == "usp" and (ulysses_group is None or ring_group is None):
+            algo = "zigzag"  # Ulysses degree 1 (no sub-groups): USP is the zigzag ring
         stacked = token_index if document_ids is None else torch.stack([token_index, document_ids])
         gathered = comm.all_gather(stacked.unsqueeze(0).contiguous(), group, dim=0)  # [n, (2,) b, s/cp]
-        if document_ids is None:
-            return AttentionMeta(algo, group, rank, list(gathered.unbind(0)), None, heads_k_stride)
-        return AttentionMeta(algo, group, rank, [g[0] for g in gathered.unbind(0)],
-                             [g[1] for g in gathered.unbind(0)], heads_k_stride)
+        parts = list(gathered.unbind(0))
+        positions = parts if document_ids is None else [g[0] for g in parts]
+        documents = None if document_ids is None else [g[1] for g in parts]
+        return AttentionMeta(algo, group, rank, positions, documents, heads_k_stride, ulysses_group, ring_group)
 
     @property
     def size(self) -> int:
@@ -85,7 +96,9 @@ class AttentionMeta:
 
     @property
     def parts(self) -> int:
-        """Chunks per rank's block (2 for the zigzag layout: classified separately)."""
+        """Chunks per rank's block, classified separately (2 for the zigzag layout)."""
+        if self.chunks is not None:
+            return self.chunks
         return 2 if self.algo != "local" and layout_of(self.algo) == "zigzag" else 1
 
     def doc(self, r: int) -> torch.Tensor | None:
@@ -111,6 +124,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
         return _ulysses(q, k, v, meta, scale)
     if meta.algo in ("ring", "zigzag"):
         return _Ring.apply(q, k, v, meta, scale)
+    if meta.algo == "usp":
+        return _usp(q, k, v, meta, scale)
     if meta.algo == "llama3":
         return _Llama3.apply(q, k, v, meta, scale)
     raise ValueError(f"parallel.cp_algo = {meta.algo!r}; supported: {', '.join(ALGORITHMS)}")
@@ -336,22 +351,43 @@ class _Local(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
-             with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    n = meta.size
-    if n == 1:
-        return _Local.apply(q, k, v, meta, scale)
-    heads, g = q.shape[2], k.shape[2]
+def _heads_to_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ulysses all-to-all over ``group`` (n ranks): ``[s', b, heads, d]`` → ``[n·s', b, heads/n, d]``.
+
+    GQA: kv heads split when ``g % n == 0``, else (``n % g == 0``) repeated so rank j gets kv head j·g/n."""
+    n, heads, g = comm.group_size(group), q.shape[2], k.shape[2]
     if heads % n:
-        raise ValueError(f"ulysses: {heads} local query heads are not divisible by cp = {n}")
+        raise ValueError(f"ulysses: {heads} local query heads are not divisible by the Ulysses degree {n}")
     if g % n:
         if n % g:
-            raise ValueError(f"ulysses: {g} local kv heads and cp = {n}: one must divide the other")
-        k = k.repeat_interleave(n // g, dim=2)  # rank j's query heads use kv head j·g/cp
+            raise ValueError(f"ulysses: {g} local kv heads and the Ulysses degree {n}: one must divide the other")
+        k = k.repeat_interleave(n // g, dim=2)
         v = v.repeat_interleave(n // g, dim=2)
-    qh = all_to_all(q, meta.group, scatter_dim=2, gather_dim=0)  # [s, b, n_heads/cp, d]
-    kh = all_to_all(k, meta.group, scatter_dim=2, gather_dim=0)
-    vh = all_to_all(v, meta.group, scatter_dim=2, gather_dim=0)
+    return (all_to_all(q, group, scatter_dim=2, gather_dim=0), all_to_all(k, group, scatter_dim=2, gather_dim=0),
+            all_to_all(v, group, scatter_dim=2, gather_dim=0))
+
+
+def _usp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    u = comm.group_size(meta.ulysses_group)
+    rings = meta.size // u
+    qh, kh, vh = _heads_to_sequence(q, k, v, meta.ulysses_group)  # this Ulysses group's tokens, heads/u
+    cat_docs = None if meta.documents is None else [torch.cat(meta.documents[j * u:(j + 1) * u], 1)
+                                                     for j in range(rings)]
+    ring_meta = AttentionMeta("ring", meta.ring_group, meta.rank // u,
+                              [torch.cat(meta.positions[j * u:(j + 1) * u], 1) for j in range(rings)], cat_docs,
+                              chunks=u * meta.parts)
+    out, lse = _Ring.apply(qh, kh, vh, ring_meta, scale)
+    lse = comm.all_to_all(lse, meta.ulysses_group, scatter_dim=2, gather_dim=1)  # [b, n_heads, s/cp]
+    return all_to_all(out, meta.ulysses_group, scatter_dim=0, gather_dim=2), lse
+
+
+def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
+             with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if meta.size == 1:
+        return _Local.apply(q, k, v, meta, scale)
+    qh, kh, vh = _heads_to_sequence(q, k, v, meta.group)  # [s, b, n_heads/cp, d]
     out, lse = _Local.apply(qh, kh, vh, meta, scale)  # every rank's chunk in rank order = the gathered order
     lse = comm.all_to_all(lse, meta.group, scatter_dim=2, gather_dim=1) if with_lse else None  # [b, n_heads, s/cp]
     return all_to_all(out, meta.group, scatter_dim=0, gather_dim=2), lse  # [s/cp, b, n_heads, d]
