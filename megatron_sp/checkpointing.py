@@ -111,12 +111,17 @@ def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimi
     if world_size > 1:
         dist.barrier()
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
+        old = root / f".old_{_step_dir(step)}"
+        if final.exists():  # saving a step again (e.g. after a resume): move the old copy aside, delete it last
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
         tmp.rename(final)
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(final.name + "\n")
         latest_tmp.replace(root / "latest")
+        if old.exists():
+            shutil.rmtree(old)
         _prune(root, cfg.checkpoint.keep)
         log.info("saved checkpoint %s", final)
     if world_size > 1:

@@ -51,3 +51,35 @@ def test_zero_bubble_checkpoint_resumes_bitwise_and_interleaved(tmp_path, byte_d
     for s in same:
         assert same[s]["loss"] == ref[s]["loss"] and same[s]["grad_norm"] == ref[s]["grad_norm"], s
         assert abs(moved[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], s
+
+
+def test_checkpoints_move_between_layouts(tmp_path, byte_data):
+    """Save under A, load under B, continue within 1e-5 of the uninterrupted 1-rank run:
+    tp2·pp2 → 1 rank, 1 rank → tp4, cp2 (zigzag) → cp1; and cp2 → cp2 resumes bitwise."""
+    model = ["model.num_layers=4"]
+    cp2 = ["parallel.cp=2", "parallel.cp_algo=zigzag"]
+    cases = {"tp2pp2_to_1": (["parallel.tp=2", "parallel.pp=2"], []),
+             "1_to_tp4": ([], ["parallel.tp=4"]),
+             "cp2_to_cp1": (cp2, []),
+             "cp2_to_cp2": (cp2, cp2)}
+    reference = tmp_path / "reference"
+    train(reference, byte_data, "train.iters=8", *model)
+    ref = metrics(reference)
+    cp2_full = tmp_path / "cp2_full"
+    train(cp2_full, byte_data, "train.iters=8", *model, *cp2)
+    saved: dict[tuple[str, ...], str] = {}
+    for name, (save_layout, load_layout) in cases.items():
+        key = tuple(save_layout)
+        if key not in saved:
+            first = tmp_path / f"first_{len(saved)}"
+            train(first, byte_data, "train.iters=4", f"checkpoint.save={first}/ckpt", *model, *save_layout)
+            saved[key] = f"{first}/ckpt"
+        cont = tmp_path / name
+        train(cont, byte_data, "train.iters=8", f"checkpoint.load={saved[key]}", *model, *load_layout)
+        got = metrics(cont)
+        assert sorted(got) == [5, 6, 7, 8], name
+        for s in got:
+            assert abs(got[s]["loss"] - ref[s]["loss"]) <= 1e-5 * ref[s]["loss"], (name, s)
+        if name == "cp2_to_cp2":
+            same = metrics(cp2_full)
+            assert all(got[s]["loss"] == same[s]["loss"] and got[s]["grad_norm"] == same[s]["grad_norm"] for s in got)

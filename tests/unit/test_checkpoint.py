@@ -97,3 +97,54 @@ def test_pickled_code_is_never_executed(tmp_path):
     with pytest.raises(DataError):
         checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
     assert not (tmp_path / "pwned").exists()
+
+
+KILL_SCRIPT = r"""
+import sys, time, pathlib, torch
+sys.path.insert(0, {tests!r})
+from test_checkpoint import _setup, _save
+root = pathlib.Path({root!r})
+cfg, model, opt = _setup(root)
+_save(cfg, model, opt, 1)
+real_save = torch.save
+def slow_save(obj, f, *a, **k):
+    if str(f).endswith("optimizer.pt") and "iter_0000002" in str(f):
+        pathlib.Path(f).write_bytes(b"PK\x03\x04 half written")  # a truncated file, then hang
+        (root / "ready").write_text("1")
+        time.sleep(60)
+    return real_save(obj, f, *a, **k)
+torch.save = slow_save
+_save(cfg, model, opt, 2)
+"""
+
+
+def test_killing_a_save_midway_keeps_the_previous_checkpoint(tmp_path):
+    """SIGKILL while step 2 is being written: `latest` still names step 1, which loads; the next save works."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the save never reached the optimizer file"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    root = tmp_path / "ckpt"
+    assert (root / "latest").read_text().strip() == "iter_0000001"
+    assert not (root / "iter_0000002").exists() and (root / ".tmp_iter_0000002").exists()
+    ckpt = checkpointing.resolve(root)
+    assert ckpt.name == "iter_0000001"
+    cfg, model, opt = _setup(tmp_path)
+    assert checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), seed=1)["step"] == 1
+    _save(cfg, model, opt, 2)  # the leftover temporary directory is replaced
+    _save(cfg, model, opt, 2)  # saving the same step again keeps a complete copy at every moment
+    assert (root / "latest").read_text().strip() == "iter_0000002"
+    assert not list(root.glob(".tmp*")) and not list(root.glob(".old*"))
+    assert checkpointing.load(checkpointing.resolve(root), model, opt, None, torch.device("cpu"), seed=1)["step"] == 2
