@@ -206,11 +206,18 @@ def load_model_state(model: nn.Module, ckpt: Path, state: ParallelState | None) 
 
 def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None,
          dev: torch.device, seed: int, tracker: RNGTracker | None = None) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG; return the meta (step, consumed samples)."""
+    """Restore model, optimizer and this rank's RNG; return the meta (step, consumed samples).
+
+    A converted checkpoint (meta ``converted_from``, see tools/convert_checkpoint.py) may lack
+    optimizer.pt: the weights load and the optimizer keeps its fresh state.
+    """
     meta = read_meta(ckpt)
     rank, world_size = (state.rank, state.dims.world_size) if state is not None else (0, 1)
     load_model_state(model, ckpt, state)
-    _load_optimizer_by_name(model, optimizer, _torch_load(ckpt / "optimizer.pt"), ckpt / "optimizer.pt", state)
+    if (ckpt / "optimizer.pt").is_file() or not meta.get("converted_from"):
+        _load_optimizer_by_name(model, optimizer, _torch_load(ckpt / "optimizer.pt"), ckpt / "optimizer.pt", state)
+    else:  # a weights-only checkpoint written by tools/convert_checkpoint.py
+        log.info("%s has no optimizer state (converted weights only): starting with a fresh optimizer", ckpt)
     rng_path = ckpt / "rng" / f"rank_{rank:05d}.pt"
     if rng_path.is_file() and meta.get("world_size") == world_size:
         states = _torch_load(rng_path)

@@ -1,0 +1,186 @@
+"""tools/convert_checkpoint.py: export to HF transformers (logits, greedy tokens), import, re-layout, refusals."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_sp import checkpointing, config
+from megatron_sp.model import GPTModel, generate
+from megatron_sp.optim import DistributedOptimizer, named_trainable
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
+convert = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(convert)  # type: ignore[union-attr]
+
+VOCAB = 258  # byte tokenizer
+ARCH = {"neox": ["model.arch=neox", "model.ffn_hidden_size=256"],
+        "llama": ["model.arch=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=96"]}
+
+
+def save_ours(tmp_path: Path, arch: str, tied: bool = False, tokenizer: list[str] | None = None,
+              vocab: int = VOCAB) -> tuple[Path, GPTModel]:
+    """A tiny trained-looking model (perturbed norms and biases) saved with checkpointing.save, single process."""
+    cfg = config.load(overrides=["data.paths=[x]", *(tokenizer or ["tokenizer.type=byte"]), "model.num_layers=2",
+                                 "model.hidden_size=64",
+                                 "model.num_heads=4", "model.seq_length=32", "model.rotary_base=500",
+                                 "model.norm_eps=1e-6", f"model.tie_embeddings={tied}",
+                                 f"checkpoint.save={tmp_path}/ckpt", *ARCH[arch]])
+    config.set_vocab(cfg, vocab)
+    model = GPTModel(cfg.model, seed=21)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    opt = DistributedOptimizer(named_trainable(model), cfg.train, None)
+    checkpointing.save(cfg, 3, 12, model, opt, None, torch.device("cpu"))
+    return tmp_path / "ckpt", model.eval()
+
+
+def run(*args: str) -> int:
+    return convert.main([str(a) for a in args])
+
+
+@pytest.mark.parametrize("arch,tied", [("neox", False), ("llama", False), ("llama", True)])
+def test_export_to_hf_matches_logits_and_greedy_tokens(tmp_path: Path, arch: str, tied: bool) -> None:
+    ckpt, model = save_ours(tmp_path, arch, tied)
+    out = tmp_path / "hf"
+    assert run("--input", ckpt, "--output", out, "--to", "hf") == 0
+    assert {"config.json", "model.safetensors", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == VOCAB
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert hf.dtype == torch.float32
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)[..., :VOCAB]
+        theirs = hf(input_ids=tokens).logits
+    rel = float((ours - theirs).abs().max() / theirs.abs().max())
+    print(f"{arch} tied={tied}: max |Δlogit| / max |logit| = {rel:.2e}")
+    assert rel <= 1e-5 and theirs.abs().max() > 0.1
+
+    prompt = tokens[0, :8].tolist()
+    mine = generate(model, prompt, max_new_tokens=16, eod=256)
+    with torch.no_grad():
+        hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
+    if 256 in hf_ids[len(prompt):]:  # HF appends the eos it stops at; ours does not
+        hf_ids = hf_ids[:len(prompt) + hf_ids[len(prompt):].index(256)]
+    assert mine == hf_ids
+
+
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+def test_hf_to_megatron_sp_to_hf_is_bit_identical(tmp_path: Path, arch: str) -> None:
+    torch.manual_seed(0)
+    if arch == "neox":
+        hf_cfg = transformers.GPTNeoXConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=256, rotary_pct=0.25, max_position_embeddings=32)
+        src_model = transformers.GPTNeoXForCausalLM(hf_cfg)
+    else:
+        hf_cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=96, max_position_embeddings=32,
+                                          tie_word_embeddings=True)
+        src_model = transformers.LlamaForCausalLM(hf_cfg)
+    src = tmp_path / "src"
+    src_model.save_pretrained(src)
+    assert run("--input", src, "--output", tmp_path / "ours", "--to", "megatron_sp") == 0
+    assert run("--input", tmp_path / "ours", "--output", tmp_path / "back", "--to", "hf") == 0
+    a = safetensors_torch.load_file(src / "model.safetensors")
+    b = safetensors_torch.load_file(tmp_path / "back" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+    # our loader takes the converted checkpoint: weights only, fresh optimizer, step 0
+    ckpt = checkpointing.resolve(tmp_path / "ours")
+    meta = checkpointing.read_meta(ckpt)
+    assert meta["step"] == 0 and not (ckpt / "optimizer.pt").exists()
+    cfg = convert.config_from_dict(meta["config"], "meta.json")
+    model = GPTModel(cfg.model, seed=5)
+    opt = DistributedOptimizer(named_trainable(model), cfg.train, None)
+    checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), seed=1)
+    tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model.eval()(tokens)[..., :300]
+        theirs = src_model.eval()(input_ids=tokens).logits
+    assert float((ours - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+
+
+def test_relayout_records_target_layout_and_validates_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    ckpt, _ = save_ours(tmp_path, "llama")
+    assert run("--input", ckpt, "--output", tmp_path / "tp2", "--to", "megatron_sp", "--tp", "2") == 0
+    assert run("--input", ckpt, "--output", tmp_path / "pp2", "--to", "megatron_sp", "--pp", "2") == 2
+    assert "1f1b schedule needs at least pp" in capsys.readouterr().err  # the batch must fill the pipeline
+    assert run("--input", ckpt, "--output", tmp_path / "pp2", "--to", "megatron_sp", "--pp", "2",
+               "--set", "train.global_batch_size=2") == 0
+    for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
+        new = checkpointing.resolve(tmp_path / name)
+        meta = checkpointing.read_meta(new)
+        assert (meta["config"]["parallel"]["tp"], meta["config"]["parallel"]["pp"]) == (tp, pp)
+        assert meta["config"]["parallel"]["world_size"] == tp * pp
+        assert meta["step"] == 3 and meta["consumed_samples"] == 12
+        old = checkpointing.resolve(ckpt)
+        for f in ("model.pt", "optimizer.pt"):
+            assert (new / f).read_bytes() == (old / f).read_bytes()
+    assert run("--input", ckpt, "--output", tmp_path / "tp3", "--to", "megatron_sp", "--tp", "3") == 2
+    err = capsys.readouterr().err
+    assert "num_heads 4 must be divisible by parallel.tp 3" in err and "Traceback" not in err
+    assert run("--input", ckpt, "--output", tmp_path / "pp3", "--to", "megatron_sp", "--pp", "3") == 2
+    assert not (tmp_path / "tp3").exists() and not (tmp_path / "pp3").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary leftovers
+
+
+def test_refuses_existing_output_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    ckpt, _ = save_ours(tmp_path, "neox")
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert run("--input", ckpt, "--output", out, "--to", "hf") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(out) in err and "not empty" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert run("--input", tmp_path / "nothing", "--output", tmp_path / "o", "--to", "hf") == 1
+    assert "not a directory" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run("--input", ckpt, "--output", empty, "--to", "hf") == 0  # an empty directory is fine
+
+
+def test_sentencepiece_tokenizer_is_exported_for_autotokenizer(tmp_path: Path) -> None:
+    from megatron_sp.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+
+    corpus = tmp_path / "corpus.jsonl"
+    text = Path(checkpointing.__file__).read_text() + Path(convert.__file__).read_text()
+    corpus.write_text("\n".join(json.dumps({"text": text[i:i + 2000]}) for i in range(0, len(text), 2000)))
+    sp_model = train_sentencepiece([corpus], tmp_path / "tok", 600)
+    ours = SentencePieceTokenizer(sp_model)
+    ckpt, _ = save_ours(tmp_path, "llama", tokenizer=[f"tokenizer.model={sp_model}"], vocab=ours.vocab_size)
+    out = tmp_path / "hf"
+    assert run("--input", ckpt, "--output", out, "--to", "hf") == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok.eos_token_id == ours.eod and len(hf_tok) == ours.vocab_size
+    samples = ["def f(x):\n    return x  # ok\n", "\t  mixed\twhitespace  \n\n", "unicode é 漢字 \U0001F600 ~"]
+    samples += [text[i:i + 400] for i in range(0, len(text), 400)]
+    documented = ("\u2581", "<unk>", "<s>", "</s>", "<pad>")  # the two differences sentencepiece_to_tokenizers names
+    samples = [x for x in samples if not any(d in x for d in documented)]
+    assert len(samples) > 20
+    for sample in samples:
+        ids = hf_tok.encode(sample, add_special_tokens=False)
+        assert ids == ours.encode(sample), sample[:60]
+        assert hf_tok.decode(ids) == sample
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == ours.eod
+
+
+def test_help_exits_zero() -> None:
+    p = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0
+    for flag in ("--input", "--output", "--to", "--tp", "--pp", "--iteration", "--set", "layout-free"):
+        assert flag in p.stdout

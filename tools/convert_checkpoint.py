@@ -1,0 +1,475 @@
+#!/usr/bin/env python
+"""Convert checkpoints between megatron_sp and Hugging Face transformers, or re-lay out ours.
+
+    python tools/convert_checkpoint.py --input runs/ckpt --output export/hf --to hf
+    python tools/convert_checkpoint.py --input export/hf --output runs/from_hf --to megatron_sp --tp 2
+    python tools/convert_checkpoint.py --input runs/ckpt --output runs/ckpt_pp2 --to megatron_sp --pp 2
+
+The input format is detected: a Hugging Face directory has a config.json naming its
+``architectures`` (GPTNeoXForCausalLM or LlamaForCausalLM); ours is a checkpoint.save directory
+(with ``latest``) or one iter_XXXXXXX directory (with ``meta.json``).
+
+megatron_sp → hf writes config.json (float32), model.safetensors, generation_config.json and, when
+the checkpoint used a SentencePiece tokenizer whose .model file is still there, an equivalent
+tokenizer.json (built with the tokenizers library; no protobuf needed) and tokenizer_config.json
+for ``AutoTokenizer``, plus the original tokenizer.model. A byte tokenizer gets no tokenizer
+files. The vocabulary is exported without the layout's padding rows (vocab_size = the
+tokenizer's size), so HF logits equal ours on every id.
+
+hf → megatron_sp writes a checkpoint.save directory (latest → iter_0000000) holding model.pt and
+meta.json (step 0, the model section taken from the HF config), without optimizer state:
+resuming it with checkpoint.load starts a fresh optimizer. Set data.paths and the tokenizer when
+training from it.
+
+megatron_sp → megatron_sp: our files are layout-free (every tensor is stored whole under its
+unsharded name, without vocabulary padding), so changing --tp/--pp is a validated rewrite: the
+weights and optimizer state are copied unchanged and the target layout is checked against the
+model (heads and FFN width divisible by tp, layers split over pp, ...) and recorded in meta.json.
+
+The output is written under a temporary name and renamed when complete; an existing non-empty
+output directory is refused. Loading uses safetensors or torch.load(weights_only=True).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout without installing the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from megatron_sp import checkpointing
+from megatron_sp.config import Config
+from megatron_sp.config.loader import _apply_section, apply_override, finalize, set_vocab, to_dict
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.data.tokenizer import SPACE_SYMBOL
+from megatron_sp.errors import ConfigError, DataError, UserError
+from megatron_sp.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+
+log = logging.getLogger("megatron_sp")
+
+HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama"}
+STEP0 = "iter_0000000"
+
+
+# --------------------------------------------------------------------------- input detection
+
+
+def detect_format(path: Path) -> str:
+    """'hf' or 'megatron_sp' for an input directory (DataError when it is neither)."""
+    if not path.is_dir():
+        raise DataError(f"--input '{path}' is not a directory")
+    config_json = path / "config.json"
+    if config_json.is_file():
+        try:
+            if "architectures" in json.loads(config_json.read_text()):
+                return "hf"
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DataError(f"'{config_json}' is not valid JSON ({exc})") from None
+    if (path / "latest").is_file() or (path / "meta.json").is_file():
+        return "megatron_sp"
+    raise DataError(f"--input '{path}' is neither a Hugging Face model directory (config.json with 'architectures') "
+                    "nor a megatron_sp checkpoint (a 'latest' or 'meta.json' file)")
+
+
+# --------------------------------------------------------------------------- output handling
+
+
+def check_output(out: Path) -> None:
+    """Refuse an output path that exists and is not an empty directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"--output '{out}' already exists and is not empty; choose a new directory or remove it")
+
+
+@contextlib.contextmanager
+def staging(out: Path) -> Iterator[Path]:
+    """A temporary sibling directory of ``out``, renamed to ``out`` when the block succeeds, else removed."""
+    check_output(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        check_output(out)  # nobody created it meanwhile
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+# --------------------------------------------------------------------------- our format
+
+
+def config_from_dict(sections: dict[str, Any], source: str) -> Config:
+    """A Config from a saved (resolved) config dict; unknown keys are an error."""
+    cfg = Config()
+    for section, values in sections.items():
+        _apply_section(cfg, str(section), values, source)
+    return cfg
+
+
+def validated(cfg: Config, source: str) -> Config:
+    """``cfg`` finalized (every cross-field check) for its own ``parallel`` layout.
+
+    The derived world size and gradient accumulation are recomputed for the new layout; an unset
+    data path or tokenizer model does not fail the check (training sets them).
+    """
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.world_size = None
+    cfg.train.grad_accum_steps = None
+    probe = copy.deepcopy(cfg)
+    if not probe.data.paths:
+        probe.data.paths = ["<unset>"]
+    if probe.tokenizer.type == "sentencepiece" and not probe.tokenizer.model:
+        probe.tokenizer.model = "<unset>"
+    try:
+        finalize(probe)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: the target layout does not fit this model: {exc}") from None
+    probe.data.paths, probe.tokenizer.model = cfg.data.paths, cfg.tokenizer.model
+    return probe
+
+
+def check_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
+    """Names and shapes of ``weights`` are those of a GPTModel built from ``cfg`` (built on the meta device)."""
+    from megatron_sp.model import GPTModel
+    from megatron_sp.mpu.sharding import stored_name, stored_shape
+    from megatron_sp.optim import named_trainable
+
+    with torch.device("meta"):
+        model = GPTModel(cfg, seed=0)
+    expected = {stored_name(n, p): stored_shape(p, 1) for n, p in named_trainable(model)}
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise DataError(f"{source}: the weights do not match the model config: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise DataError(f"{source}: '{name}' has shape {tuple(weights[name].shape)}, the model config needs {shape}")
+
+
+def read_ours(path: Path, iteration: int | None) -> tuple[Path, dict[str, Any], Config, dict[str, torch.Tensor]]:
+    """(checkpoint dir, meta, config, full weights by name) of the newest (or ``iteration``) checkpoint."""
+    if iteration is not None:
+        if (path / "meta.json").is_file():
+            raise ConfigError(f"--iteration: '{path}' is already one checkpoint directory; drop --iteration")
+        path = path / f"iter_{iteration:07d}"
+        if not (path / "meta.json").is_file():
+            raise DataError(f"--iteration {iteration}: '{path}' is missing or incomplete")
+    ckpt = checkpointing.resolve(path)
+    meta = checkpointing.read_meta(ckpt)
+    cfg = config_from_dict(meta.get("config", {}), f"{ckpt / 'meta.json'}")
+    weights = checkpointing._torch_load(ckpt / "model.pt")
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise DataError(f"checkpoint file '{ckpt / 'model.pt'}' does not hold a dict of tensors")
+    check_weights(weights, cfg.model, str(ckpt / "model.pt"))
+    return ckpt, meta, cfg, weights
+
+
+def write_ours(root: Path, meta: dict[str, Any], weights: dict[str, torch.Tensor] | None,
+               copy_from: Path | None = None, keep_rng: bool = False) -> Path:
+    """Lay out a checkpoint.save directory in ``root``: iter_XXXXXXX/{model.pt, meta.json, ...}, then ``latest``."""
+    ckpt = root / f"iter_{int(meta['step']):07d}"
+    ckpt.mkdir()
+    if weights is not None:
+        torch.save(weights, ckpt / "model.pt")
+    if copy_from is not None:
+        for name in ("model.pt", "optimizer.pt"):
+            if (copy_from / name).is_file() and not (ckpt / name).exists():
+                shutil.copy2(copy_from / name, ckpt / name)
+        if keep_rng and (copy_from / "rng").is_dir():
+            shutil.copytree(copy_from / "rng", ckpt / "rng")
+    (ckpt / "meta.json").write_text(json.dumps(meta, indent=1))
+    (root / "latest").write_text(ckpt.name + "\n")
+    return ckpt
+
+
+def relayout(src: Path, out: Path, iteration: int | None, tp: int | None, pp: int | None,
+             overrides: list[str]) -> Path:
+    """megatron_sp → megatron_sp with the target layout recorded (weights and optimizer state copied as they are)."""
+    ckpt, meta, cfg, _ = read_ours(src, iteration)
+    before = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
+    cfg.parallel.tp = tp if tp is not None else cfg.parallel.tp
+    cfg.parallel.pp = pp if pp is not None else cfg.parallel.pp
+    for item in overrides:
+        apply_override(cfg, item)
+    cfg = validated(cfg, f"--tp {cfg.parallel.tp} --pp {cfg.parallel.pp}")
+    same_layout = before == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
+    meta = {**meta, "config": to_dict(cfg), "converted_from": str(ckpt.resolve())}
+    with staging(out) as tmp:
+        write_ours(tmp, meta, None, copy_from=ckpt, keep_rng=same_layout)
+    log.info("wrote %s (tp %d, pp %d; weights%s copied unchanged)", out, cfg.parallel.tp, cfg.parallel.pp,
+             " and optimizer state" if (ckpt / "optimizer.pt").is_file() else "")
+    return out / f"iter_{int(meta['step']):07d}"
+
+
+# --------------------------------------------------------------------------- megatron_sp → hf
+
+
+def sentencepiece_to_tokenizers(model: Path) -> Any:
+    """A ``tokenizers.Tokenizer`` that encodes like our SentencePiece BPE model (no protobuf needed).
+
+    Our models (tools/train_tokenizer.py) are BPE with byte fallback, identity normalisation, no
+    dummy prefix and no whitespace splitting, so the equivalent is: spaces → "▁", no
+    pre-tokenizer, BPE over the same pieces with merges ranked by the merged piece's score (SentencePiece's
+    order), byte fallback; decoding reverses it. Two differences from ``SentencePieceTokenizer``:
+    a literal "▁" in the text encodes as a space, and the control pieces' text (``</s>``) in the
+    input maps to those ids.
+    """
+    import sentencepiece as spm
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    special = [i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)]
+    merges = []
+    for piece, pid in vocab.items():
+        if pid in special or sp.is_byte(pid):
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                merges.append((pid, vocab[left], vocab[right], left, right))
+    merges.sort()  # ids follow SentencePiece's scores: a lower id merges first
+    unk = sp.id_to_piece(sp.unk_id()) if sp.unk_id() >= 0 else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], unk_token=unk,
+                               byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", SPACE_SYMBOL)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE_SYMBOL, " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(sp.id_to_piece(i), special=True, normalized=False) for i in special])
+    return tok
+
+
+def _tokenizer_files(cfg: Config, tmp: Path) -> str:
+    """tokenizer.json + tokenizer_config.json (and the original tokenizer.model) for a SentencePiece checkpoint."""
+    if cfg.tokenizer.type != "sentencepiece":
+        return f"no tokenizer files (tokenizer.type={cfg.tokenizer.type} has no Hugging Face equivalent)"
+    model = Path(cfg.tokenizer.model or "")
+    if not model.is_file():
+        return f"no tokenizer files ({cfg.tokenizer.model!r} is not found from here)"
+    from megatron_sp.data.tokenizer import SentencePieceTokenizer
+
+    ours = SentencePieceTokenizer(model)  # validates the model (an eos piece is required)
+    sentencepiece_to_tokenizers(model).save(str(tmp / "tokenizer.json"))
+    shutil.copy2(model, tmp / "tokenizer.model")
+    sp = ours._sp
+
+    def piece(i: int) -> str | None:
+        return sp.id_to_piece(i) if i >= 0 else None
+
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              "unk_token": piece(sp.unk_id()),
+              "bos_token": piece(sp.bos_id()), "eos_token": piece(ours.eod), "pad_token": piece(ours.pad)}
+    (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return f"tokenizer.json from {model}"
+
+
+def to_hf(src: Path, out: Path, iteration: int | None) -> Path:
+    """megatron_sp → a Hugging Face directory loadable by ``AutoModelForCausalLM.from_pretrained``."""
+    from safetensors.torch import save_file
+
+    ckpt, _, cfg, weights = read_ours(src, iteration)
+    m = cfg.model
+    vocab = weights["embedding.weight"].shape[0]  # stored without the layout's padding rows
+    hf_cfg = {**hf_config_dict(m), "vocab_size": vocab, "torch_dtype": "float32"}
+    eod = None
+    if cfg.tokenizer.type == "byte":
+        eod = 256
+    elif cfg.tokenizer.model and Path(cfg.tokenizer.model).is_file():
+        from megatron_sp.data.tokenizer import build_tokenizer
+        eod = build_tokenizer(cfg.tokenizer).eod
+    if eod is not None:
+        hf_cfg.update(eos_token_id=eod, bos_token_id=eod, pad_token_id=eod)
+    state = {name: t.detach().to(torch.float32).contiguous().clone() for name, t in to_hf_state_dict(weights, m).items()}
+    with staging(out) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=1))
+        generation: dict[str, Any] = {"do_sample": False}
+        if eod is not None:
+            generation.update(eos_token_id=eod, bos_token_id=eod, pad_token_id=eod)
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
+        note = _tokenizer_files(cfg, tmp)
+    log.info("wrote %s (%s, %d tensors, vocab %d) from %s; %s", out, hf_cfg["architectures"][0], len(state), vocab,
+             ckpt, note)
+    return out
+
+
+# --------------------------------------------------------------------------- hf → megatron_sp
+
+
+def _rope(raw: dict[str, Any], key: str, legacy: str, default: float) -> float:
+    """A rotary setting from transformers >= 5's ``rope_parameters`` or the older top-level key."""
+    params = raw.get("rope_parameters") or {}
+    return float(params.get(key, raw.get(legacy, default)))
+
+
+def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
+    """Our model section for an HF GPTNeoX / Llama config dict; unsupported variants are refused."""
+    names = [a for a in raw.get("architectures") or [] if a in HF_ARCHS]
+    if not names:
+        raise DataError(f"{source}: architectures {raw.get('architectures')} is not one of {', '.join(HF_ARCHS)}")
+    arch = HF_ARCHS[names[0]]
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+
+    def refuse(what: str) -> DataError:
+        return DataError(f"{source}: {what} is not supported by megatron_sp's {arch} model")
+
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise refuse(f"rope type {rope.get('rope_type', rope.get('type'))!r}")
+    common = {"arch": arch, "num_layers": int(raw["num_hidden_layers"]), "hidden_size": hidden, "num_heads": heads,
+              "ffn_hidden_size": int(raw["intermediate_size"]), "seq_length": int(raw["max_position_embeddings"]),
+              "attention_dropout": float(raw.get("attention_dropout", 0.0)),
+              "tie_embeddings": bool(raw.get("tie_word_embeddings", arch == "llama")),
+              "init_std": float(raw.get("initializer_range", 0.02)), "vocab_size": int(raw["vocab_size"])}
+    if arch == "neox":
+        if not raw.get("use_parallel_residual", True):
+            raise refuse("use_parallel_residual=false")
+        if raw.get("hidden_act", "gelu") != "gelu":
+            raise refuse(f"hidden_act {raw.get('hidden_act')!r}")
+        if not raw.get("attention_bias", True):
+            raise refuse("attention_bias=false")
+        if common["tie_embeddings"]:
+            raise refuse("tie_word_embeddings=true")
+        return ModelConfig(**common, num_kv_heads=heads, rotary_pct=_rope(raw, "partial_rotary_factor", "rotary_pct", 0.25),
+                           rotary_base=_rope(raw, "rope_theta", "rotary_emb_base", 10000.0),
+                           norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
+                           hidden_dropout=float(raw.get("hidden_dropout", 0.0)))
+    if raw.get("hidden_act", "silu") != "silu":
+        raise refuse(f"hidden_act {raw.get('hidden_act')!r}")
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise refuse("attention_bias/mlp_bias=true")
+    if raw.get("head_dim") not in (None, hidden // heads):
+        raise refuse(f"head_dim {raw.get('head_dim')} != hidden_size / num_attention_heads")
+    return ModelConfig(**common, num_kv_heads=int(raw.get("num_key_value_heads") or heads), rotary_pct=1.0,
+                       rotary_base=_rope(raw, "rope_theta", "rope_theta", 10000.0),
+                       norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
+
+
+def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory: model.safetensors, its sharded index, or pytorch_model.bin (weights only)."""
+    from safetensors.torch import load_file
+
+    if (src / "model.safetensors").is_file():
+        return load_file(str(src / "model.safetensors"))
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for f in files for k, v in load_file(str(src / f)).items()}
+    if (src / "pytorch_model.bin").is_file():
+        return checkpointing._torch_load(src / "pytorch_model.bin")
+    raise DataError(f"'{src}' has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: list[str]) -> Path:
+    """Hugging Face directory → a megatron_sp checkpoint.save directory at step 0 (no optimizer state)."""
+    raw = json.loads((src / "config.json").read_text())
+    cfg = Config()
+    cfg.model = model_config_from_hf(raw, str(src / "config.json"))
+    cfg.parallel.tp, cfg.parallel.pp = tp or 1, pp or 1
+    set_vocab(cfg, cfg.model.vocab_size)  # the padding is the layout's; the stored rows are the HF vocabulary
+    has_sp = (src / "tokenizer.model").is_file()
+    cfg.tokenizer.type = "sentencepiece" if has_sp else "byte" if cfg.model.vocab_size == 258 else "sentencepiece"
+    for item in overrides:
+        apply_override(cfg, item)
+    hf_weights = read_hf_weights(src)
+    try:
+        ours = from_hf_state_dict(hf_weights, cfg.model)
+    except (KeyError, ValueError) as exc:
+        raise DataError(f"'{src}': {exc.args[0] if exc.args else exc}") from None
+    weights = {n: t.detach().to(torch.float32).contiguous().clone() for n, t in ours.items()}
+    check_weights(weights, cfg.model, str(src))
+    with staging(out) as tmp:
+        if has_sp:
+            shutil.copy2(src / "tokenizer.model", tmp / "tokenizer.model")
+            if cfg.tokenizer.model is None:
+                cfg.tokenizer.model = str(out.resolve() / "tokenizer.model")
+        cfg = validated(cfg, f"'{src}' at --tp {cfg.parallel.tp} --pp {cfg.parallel.pp}")
+        meta = {"format_version": checkpointing.FORMAT_VERSION, "step": 0, "consumed_samples": 0,
+                "world_size": cfg.parallel.world_size, "config": to_dict(cfg), "converted_from": str(src.resolve())}
+        ckpt = write_ours(tmp, meta, weights)
+    log.info("wrote %s/%s (%s, %d tensors, step 0, no optimizer state); set data.paths%s to train from it", out,
+             ckpt.name, cfg.model.arch, len(weights), "" if has_sp else " and the tokenizer")
+    return out / ckpt.name
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, type=Path, metavar="DIR",
+                        help="Checkpoint to read: a Hugging Face model directory, a megatron_sp checkpoint.save "
+                             "directory (its 'latest' is used) or one iter_XXXXXXX directory. Detected automatically.")
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR",
+                        help="Directory to create (must not exist or be empty); written under a temporary name "
+                             "and renamed when complete.")
+    parser.add_argument("--to", required=True, choices=("megatron_sp", "hf"),
+                        help="Target format: megatron_sp (a checkpoint.save directory for checkpoint.load) or hf "
+                             "(config.json + model.safetensors for transformers' from_pretrained).")
+    parser.add_argument("--tp", type=int, default=None, metavar="N",
+                        help="--to megatron_sp: tensor-parallel size recorded in the output's config (default: the "
+                             "input's, 1 for HF input). Our files are layout-free, so this is a validated rewrite: "
+                             "the tensors do not change, the layout is checked against the model.")
+    parser.add_argument("--pp", type=int, default=None, metavar="N",
+                        help="--to megatron_sp: pipeline-parallel size recorded in the output's config (default: "
+                             "the input's, 1 for HF input); checked like --tp.")
+    parser.add_argument("--iteration", type=int, default=None, metavar="STEP",
+                        help="megatron_sp input: convert iter_STEP instead of the one 'latest' names.")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="--to megatron_sp: a config override for the output's meta.json, e.g. "
+                             "data.paths=[data/x_text_document] (repeatable).")
+    args = parser.parse_args(argv)
+    for flag in ("tp", "pp"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag} must be at least 1, got {value}")
+        if value is not None and args.to == "hf":
+            parser.error(f"--{flag} applies to --to megatron_sp only (HF files have no parallel layout)")
+    if args.overrides and args.to == "hf":
+        parser.error("--set applies to --to megatron_sp only")
+    return args
+
+
+def convert(args: argparse.Namespace) -> Path:
+    """Run one conversion; returns the written path."""
+    source = detect_format(args.input)
+    check_output(args.output)
+    if source == "hf":
+        if args.to == "hf":
+            raise ConfigError(f"--input '{args.input}' is already a Hugging Face directory; use --to megatron_sp")
+        if args.iteration is not None:
+            raise ConfigError("--iteration applies to megatron_sp input only")
+        return from_hf(args.input, args.output, args.tp, args.pp, args.overrides)
+    if args.to == "hf":
+        return to_hf(args.input, args.output, args.iteration)
+    return relayout(args.input, args.output, args.iteration, args.tp, args.pp, args.overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        convert(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
