@@ -303,6 +303,95 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
     return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
 
 
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for incremental decoding (inference only).
+
+    Each layer keeps ``[max_length, b, g, d]`` key and value buffers (after rotary), allocated at
+    its first ``append``; ``length`` tokens of them are filled. ``GPTModel.forward(...,
+    kv_cache=cache)`` runs the new tokens, appends their keys/values in every layer, then calls
+    ``advance``. Invariant: all layers hold the same ``length`` tokens, at rotary positions
+    ``0..length-1`` unless the caller passed other ``position_ids``. Only for the plain model (tp 1,
+    no sequence or context parallelism) in eval mode; ``GPTModel.forward`` checks that.
+
+    Trade-off: preallocating ``max_length`` rows costs ``2 · layers · max_length · b · g · d``
+    elements up front but makes each step a slice write instead of a concatenation of the history.
+    """
+
+    def __init__(self, max_length: int) -> None:
+        if max_length < 1:
+            raise ValueError(f"KVCache max_length must be positive, got {max_length}")
+        self.max_length = max_length
+        self.length = 0
+        self._layers: dict[int, LayerKVCache] = {}
+
+    def layer(self, index: int) -> LayerKVCache:
+        """The cache of layer ``index`` (global layer number), created on first use."""
+        if index not in self._layers:
+            self._layers[index] = LayerKVCache(self)
+        return self._layers[index]
+
+    def check_room(self, new_tokens: int) -> None:
+        """Raise ValueError if ``new_tokens`` more tokens do not fit."""
+        if self.length + new_tokens > self.max_length:
+            raise ValueError(f"KV cache full: {self.length} cached + {new_tokens} new tokens exceed max_length "
+                             f"{self.max_length}; start a new cache (generate crops the context and re-runs it)")
+
+    def advance(self, new_tokens: int) -> None:
+        """Mark ``new_tokens`` more tokens as filled (after every layer appended them)."""
+        self.check_room(new_tokens)
+        self.length += new_tokens
+
+
+class LayerKVCache:
+    """One layer's key/value buffers inside a ``KVCache`` (which owns the filled length)."""
+
+    def __init__(self, owner: KVCache) -> None:
+        self.owner = owner
+        self.k: torch.Tensor | None = None  # [max_length, b, g, d]
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new ``k``/``v`` ``[s, b, g, d]`` after the cached ones; return all ``[past + s, b, g, d]``."""
+        start, s = self.owner.length, k.shape[0]
+        self.owner.check_room(s)
+        if self.k is None or self.v is None:
+            self.k = k.new_empty((self.owner.max_length, *k.shape[1:]))
+            self.v = v.new_empty((self.owner.max_length, *v.shape[1:]))
+        elif self.k.shape[1:] != k.shape[1:] or self.k.dtype != k.dtype:
+            raise ValueError(f"KV cache holds {tuple(self.k.shape[1:])} {self.k.dtype} per token, got "
+                             f"{tuple(k.shape[1:])} {k.dtype}: use one cache per batch and dtype")
+        self.k[start:start + s] = k
+        self.v[start:start + s] = v
+        return self.k[:start + s], self.v[:start + s]
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of the new queries q ``[s, b, n, d]`` over cached + new keys k/v ``[past + s, b, g, d]``.
+
+    New query ``i`` sits at position ``past + i`` and sees keys ``0..past + i`` (the causal mask is
+    bottom-right aligned; torch SDPA's ``is_causal`` with ``Lq != Lk`` is top-left aligned, so it is
+    not used here). Without a past this is ``dot_product_attention``; a single new token sees every
+    key and needs no mask; a block of new tokens gets an explicit boolean mask. → ``[s, b, n, d]``.
+    """
+    s, b, n, d = q.shape
+    total, g = k.shape[0], k.shape[2]
+    past = total - s
+    if past == 0:
+        return dot_product_attention(q, k, v, 0.0)
+    if g != n and not _SDPA_HAS_GQA:
+        k = k[:, :, :, None].expand(total, b, g, n // g, d).reshape(total, b, n, d)
+        v = v[:, :, :, None].expand(total, b, g, n // g, d).reshape(total, b, n, d)
+    mask = None
+    if s > 1:
+        key_pos = torch.arange(total, device=q.device)
+        query_pos = torch.arange(past, total, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [s, past + s], True = attend
+    gqa = {"enable_gqa": True} if k.shape[2] != n else {}
+    out_bnsd = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                              attn_mask=mask, **gqa)
+    return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
+
+
 class ReplicatedGroupQKV(nn.Module):
     """The fused QKV projection when tp > num_kv_heads: each rank computes one kv group's share.
 
@@ -388,10 +477,12 @@ class SelfAttention(nn.Module):
         return self.attention_fn(q, k, v, 0.0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMeta | None = None) -> torch.Tensor:
+                meta: AttentionMeta | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]``, cos/sin ``[s, b|1, rd/2]`` → same shape as x.
 
-        Under context parallelism ``s`` is this rank's ``s/cp`` tokens and ``meta`` says which."""
+        Under context parallelism ``s`` is this rank's ``s/cp`` tokens and ``meta`` says which.
+        With ``kv_cache`` (inference, tp 1) the ``s`` tokens follow the cached ones: their keys and
+        values are appended and the queries attend over all of them (``cached_attention``)."""
         r, d = self.q_per_kv, self.head_dim
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
         s, b = qkv.shape[0], qkv.shape[1]
@@ -404,6 +495,9 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, -1, d)  # [s, b, n/t, d]
         # v is a view into the projection output: copy it so autograd does not keep all of qkv alive.
         k, v = k.squeeze(3), v.squeeze(3).contiguous()  # [s, b, g_local, d]
+        if kv_cache is not None:
+            k_all, v_all = kv_cache.append(k, v)  # [past + s, b, g, d]
+            return self.out(cached_attention(q, k_all, v_all).reshape(s, b, -1))
         if self.tp.recompute == "selective" and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core, q, k, v, meta, tracker=self.tp.tracker)  # [s, b, n/t, d]
         else:
@@ -464,13 +558,13 @@ class TransformerLayer(nn.Module):
         return self.tp.hidden_dropout(x, self.hidden_dropout, self.training)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMeta | None = None) -> torch.Tensor:
-        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape (``meta``: see ``SelfAttention.forward``)."""
+                meta: AttentionMeta | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape (``meta``, ``kv_cache``: see ``SelfAttention.forward``)."""
         if self.parallel_residual:
-            attn = self._dropout(self.attention(self.attn_norm(x), cos, sin, meta))
+            attn = self._dropout(self.attention(self.attn_norm(x), cos, sin, meta, kv_cache))
             mlp = self._dropout(self.mlp(self.mlp_norm(x)))
             return x + attn + mlp
-        x = x + self._dropout(self.attention(self.attn_norm(x), cos, sin, meta))
+        x = x + self._dropout(self.attention(self.attn_norm(x), cos, sin, meta, kv_cache))
         return x + self._dropout(self.mlp(self.mlp_norm(x)))
 
 

@@ -1,0 +1,250 @@
+"""Decoding: KV-cache logits equal full-context logits, greedy/sampling, HF parity and the generate CLI."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_sp import checkpointing, config
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.data.tokenizer import build_tokenizer
+from megatron_sp.model.gpt import GPTModel, generate, sample_next
+from megatron_sp.model.hf_names import hf_config_dict, to_hf_state_dict
+from megatron_sp.model.transformer import KVCache
+from megatron_sp.optim import DistributedOptimizer, named_trainable
+
+VOCAB, PADDED = 100, 128
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "generate.py"
+
+
+def make_cfg(arch: str, **overrides: object) -> ModelConfig:
+    """As ``test_model.make_cfg`` (neox: 4 rotary dims of 16; llama: GQA 4 heads over 2), wider init
+    so the logits are far from ties."""
+    base: dict[str, object] = {"arch": arch, "num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 32,
+                               "vocab_size": VOCAB, "padded_vocab_size": PADDED, "norm_eps": 1e-5, "init_std": 0.2}
+    if arch == "neox":
+        base.update(num_kv_heads=4, ffn_hidden_size=256, rotary_pct=0.25)
+    else:
+        base.update(num_kv_heads=2, ffn_hidden_size=96, rotary_pct=1.0)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def make_model(arch: str, **overrides: object) -> GPTModel:
+    model = GPTModel(make_cfg(arch, **overrides), seed=5).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    return model
+
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+@pytest.mark.parametrize("blocks", [[8, 1, 1, 1, 1, 1, 1, 1, 1], [5, 3, 1, 4, 1, 2]])
+def test_cached_logits_equal_full_context(arch: str, blocks: list[int]) -> None:
+    model = make_model(arch)
+    total = sum(blocks)
+    tokens = torch.randint(0, VOCAB, (2, total), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)  # [2, total, V]
+        cache = KVCache(model.cfg.seq_length)
+        start = 0
+        for n in blocks:  # prefill, then single tokens and multi-token blocks (explicit mask)
+            step = model(tokens[:, start:start + n], kv_cache=cache)
+            torch.testing.assert_close(step, full[:, start:start + n], atol=1e-5, rtol=0)
+            start += n
+    assert cache.length == total
+
+
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+def test_cached_logits_equal_full_context_fp64(arch: str) -> None:
+    """The whole seq_length, token by token after a prefill: in fp64 the only difference is rounding."""
+    model = make_model(arch).double()
+    tokens = torch.randint(0, VOCAB, (2, model.cfg.seq_length), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model.cfg.seq_length)
+        steps = [model(tokens[:, :4], kv_cache=cache)]
+        steps += [model(tokens[:, i:i + 1], kv_cache=cache) for i in range(4, tokens.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-12, rtol=0)
+
+
+def test_kv_cache_refuses_training_and_overflow() -> None:
+    model = make_model("llama")
+    cache = KVCache(4)
+    model.train()
+    with pytest.raises(ValueError, match="training mode"):
+        model(torch.tensor([[1, 2]]), kv_cache=cache)
+    model.eval()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), kv_cache=cache)
+        with pytest.raises(ValueError, match="KV cache full"):
+            model(torch.tensor([[4, 5]]), kv_cache=cache)
+
+
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+def test_greedy_with_cache_equals_without(arch: str) -> None:
+    model = make_model(arch)
+    for prompt, n in ((PROMPT, 20), (PROMPT, 40), ([7] * 40, 5)):  # within, across and beyond seq_length 32
+        cached = generate(model, prompt, n, eod=None)
+        uncached = generate(model, prompt, n, eod=None, use_cache=False)
+        assert cached == uncached and len(cached) == len(prompt) + n
+    new = generate(model, PROMPT, 10, eod=None)[len(PROMPT):]
+    stop = new.index(new[-1])  # where the last token first appears
+    assert generate(model, PROMPT, 10, eod=new[stop]) == PROMPT + new[:stop]  # stops at eod, not appended
+
+
+def test_generate_keeps_old_call_and_mode() -> None:
+    model = make_model("neox")
+    model.train()
+    out = generate(model, PROMPT, 4, eod=None)
+    assert model.training and len(out) == len(PROMPT) + 4 and all(0 <= t < VOCAB for t in out)
+
+
+# --------------------------------------------------------------------------- HF transformers
+
+
+def build_hf(cfg: ModelConfig, model: GPTModel) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    kwargs = hf_config_dict(cfg)
+    kwargs.pop("architectures")
+    kwargs.pop("model_type")
+    if cfg.arch == "neox":
+        hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**kwargs))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    state = to_hf_state_dict(model.state_dict(), cfg)
+    if "embed_out.weight" in state and not hasattr(hf, "embed_out"):
+        state["lm_head.weight"] = state.pop("embed_out.weight")  # transformers >= 5 module name
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not missing and not unexpected
+    return hf.eval()
+
+
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+def test_greedy_matches_hf_generate(arch: str) -> None:
+    model = make_model(arch)
+    hf = build_hf(model.cfg, model)
+    n = 24  # prompt 8 + 24 = seq_length: no cropping on either side
+    ours = generate(model, PROMPT, n, eod=None)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                             pad_token_id=0, suppress_tokens=list(range(VOCAB, PADDED)))
+    assert theirs[0].tolist() == ours
+    assert len(set(ours[len(PROMPT):])) >= 8  # a varied continuation, not one repeated token
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy() -> None:
+    model = make_model("llama")
+    greedy = generate(model, PROMPT, 16, eod=None)
+
+    def sample(seed: int, **kw: object) -> list[int]:
+        return generate(model, PROMPT, 16, eod=None, greedy=False, generator=torch.Generator().manual_seed(seed), **kw)
+
+    a, b = sample(1, temperature=1.5), sample(1, temperature=1.5)
+    assert a == b and a != greedy and a != sample(2, temperature=1.5)
+    assert sample(1, temperature=1.5, use_cache=False) == a
+    assert sample(3, temperature=2.0, top_k=1) == greedy
+    assert sample(4, top_p=1e-6) == greedy  # the nucleus always keeps the most likely token
+    assert all(0 <= t < VOCAB for t in sample(5, temperature=50.0))  # padded rows never chosen
+
+
+def test_sample_next_filters() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.0, 1.0, -5.0])
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample_next(logits, False, 1.0, 2, 1.0, gen) for _ in range(200)}
+    assert draws == {1, 2}
+    probs = torch.softmax(logits, -1)  # [.04, .67, .24, .09, 0]: top_p .8 keeps ids 1 and 2
+    assert probs[1] < 0.8 < probs[1] + probs[2]
+    assert {sample_next(logits, False, 1.0, 0, 0.8, gen) for _ in range(200)} == {1, 2}
+    with pytest.raises(ValueError, match="temperature"):
+        generate(make_model("neox"), PROMPT, 1, None, greedy=False, temperature=0.0)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama checkpoint written by ``checkpointing.save`` (byte tokenizer)."""
+    root = tmp_path_factory.mktemp("gen") / "ckpt"
+    cfg = config.load(overrides=["data.paths=[x]", "tokenizer.type=byte", "model.arch=llama", "model.num_layers=2",
+                                 "model.hidden_size=32", "model.num_heads=2", "model.seq_length=48",
+                                 "model.init_std=0.2", f"checkpoint.save={root}"])
+    config.set_vocab(cfg, build_tokenizer(cfg.tokenizer).vocab_size)
+    model = GPTModel(cfg.model, seed=3)
+    optimizer = DistributedOptimizer(named_trainable(model), cfg.train, None)
+    checkpointing.save(cfg, 2, 8, model, optimizer, None, torch.device("cpu"))
+    return root
+
+
+def run_tool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, input=stdin,
+                          timeout=120, cwd=ROOT)
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("generate_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_json_greedy_matches_library(checkpoint_dir: Path) -> None:
+    proc = run_tool("--load", str(checkpoint_dir), "--prompt", "def f(x):", "--max-new-tokens", "12", "--greedy",
+                    "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result) == {"prompt", "prompt_ids", "new_ids", "text"}
+    tool = load_tool()
+    model, tokenizer, ckpt = tool.load_checkpoint(str(checkpoint_dir))
+    assert ckpt.name == "iter_0000002"
+    ids = tokenizer.encode("def f(x):")
+    expected = generate(model, ids, 12, tokenizer.eod)[len(ids):]
+    assert result["prompt_ids"] == ids and result["new_ids"] == expected
+    assert result["text"] == tokenizer.decode(expected) and len(expected) > 0
+
+
+def test_cli_interactive_sampling_and_no_cache(checkpoint_dir: Path, capsys: pytest.CaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    tool = load_tool()
+    outputs = []
+    for extra in ([], ["--no-cache"]):
+        monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("abc\n\nxyz\n"))
+        args = ["--load", str(checkpoint_dir / "iter_0000002"), "--interactive", "--json", "--max-new-tokens", "6",
+                "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "11", *extra]
+        assert tool.main(args) == 0
+        outputs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    assert [r["prompt"] for r in outputs[0]] == ["abc", "", "xyz"]
+    assert outputs[0] == outputs[1]  # same seed, cache or not: same samples
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--load", "/nonexistent/ckpt", "--prompt", "x"], "--load"),
+    (["--load", ".", "--prompt", "x"], "--load"),
+    (["--load", "CKPT", "--prompt", "x", "--top-p", "1.5"], "--top-p"),
+    (["--load", "CKPT", "--prompt", "x", "--greedy", "--temperature", "0.5"], "--greedy"),
+    (["--load", "CKPT"], "--prompt"),
+])
+def test_cli_bad_input_is_one_line(checkpoint_dir: Path, args: list[str], needle: str) -> None:
+    proc = run_tool(*[str(checkpoint_dir) if a == "CKPT" else a for a in args])
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
