@@ -1,6 +1,7 @@
 """tools/convert_checkpoint.py on checkpoints written by train.py at tp2 and pp2, and HF weights resumed by train.py."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -47,6 +48,19 @@ def test_export_after_parallel_training(tmp_path, byte_data, layout):
         mine = ours(tokens)[..., :258]
         theirs = hf(input_ids=tokens).logits
     assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+    # greedy decoding: tools/generate.py on our checkpoint and transformers on the export agree token for token
+    p = subprocess.run([sys.executable, "tools/generate.py", "--load", str(tmp_path / "ckpt"), "--prompt", "def main(",
+                        "--max-new-tokens", "12", "--greedy", "--json"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    with torch.no_grad():
+        hf_ids = hf.generate(torch.tensor([out["prompt_ids"]]), max_new_tokens=12, do_sample=False)[0].tolist()
+    hf_new = hf_ids[len(out["prompt_ids"]):]
+    eos = hf.generation_config.eos_token_id
+    if hf_new and hf_new[-1] == eos:  # transformers keeps the end-of-document token; ours stops before it
+        hf_new = hf_new[:-1]
+    assert out["new_ids"] == hf_new and len(hf_new) > 0
 
 
 def test_hf_import_resumes_in_train_py_with_a_fresh_optimizer(tmp_path, byte_data):
