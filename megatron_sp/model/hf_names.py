@@ -164,3 +164,27 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
                              parts["v"].reshape(g, 1, d, h)], dim=1)  # [g, r+2, d, h]
         out[name] = grouped.reshape(g * (r + 2) * d, h)
     return out
+
+
+def build_hf_model(cfg: ModelConfig, our_sd: Mapping[str, torch.Tensor]) -> Any:
+    """The transformers model of ``cfg.arch`` (``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``) holding our weights.
+
+    Imports transformers lazily (an optional dependency: the ``test`` extra). Raises ``RuntimeError``
+    when the mapped weights do not cover the HF model (a tied ``lm_head.weight`` may be absent).
+    """
+    import transformers
+
+    kwargs = hf_config_dict(cfg)
+    kwargs.pop("architectures")
+    kwargs.pop("model_type")
+    if cfg.arch == "neox":
+        hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**kwargs))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    state = to_hf_state_dict(our_sd, cfg)
+    if "embed_out.weight" in state and not hasattr(hf, "embed_out"):
+        state["lm_head.weight"] = state.pop("embed_out.weight")  # transformers >= 5 module name
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF weight mapping mismatch: missing {missing}, unexpected {unexpected}")
+    return hf.eval()

@@ -14,7 +14,7 @@ from megatron_sp import checkpointing, config
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.data.tokenizer import build_tokenizer
 from megatron_sp.model.gpt import GPTModel, generate, sample_next
-from megatron_sp.model.hf_names import hf_config_dict, to_hf_state_dict
+from megatron_sp.model.hf_names import build_hf_model
 from megatron_sp.model.transformer import KVCache
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 
@@ -117,20 +117,8 @@ def test_generate_keeps_old_call_and_mode() -> None:
 
 
 def build_hf(cfg: ModelConfig, model: GPTModel) -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    kwargs = hf_config_dict(cfg)
-    kwargs.pop("architectures")
-    kwargs.pop("model_type")
-    if cfg.arch == "neox":
-        hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**kwargs))
-    else:
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
-    state = to_hf_state_dict(model.state_dict(), cfg)
-    if "embed_out.weight" in state and not hasattr(hf, "embed_out"):
-        state["lm_head.weight"] = state.pop("embed_out.weight")  # transformers >= 5 module name
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not missing and not unexpected
-    return hf.eval()
+    pytest.importorskip("transformers")
+    return build_hf_model(cfg, model.state_dict())
 
 
 @pytest.mark.parametrize("arch", ["neox", "llama"])

@@ -35,7 +35,7 @@ from megatron_sp import device
 from megatron_sp.config import Config, finalize, set_vocab
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel, flops_per_token
-from megatron_sp.model.hf_names import hf_config_dict, to_hf_state_dict
+from megatron_sp.model.hf_names import build_hf_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -77,23 +77,8 @@ def model_config(args: argparse.Namespace, arch: str) -> ModelConfig:
 
 
 def build_hf(cfg: ModelConfig, ours: GPTModel) -> torch.nn.Module:
-    """The HF model of ``cfg.arch`` with our weights."""
-    import transformers
-
-    kwargs = hf_config_dict(cfg)
-    kwargs.pop("architectures")
-    kwargs.pop("model_type")
-    if cfg.arch == "neox":
-        hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**kwargs))
-    else:
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
-    state = to_hf_state_dict(ours.state_dict(), cfg)
-    if "embed_out.weight" in state and not hasattr(hf, "embed_out"):
-        state["lm_head.weight"] = state.pop("embed_out.weight")  # transformers >= 5 naming
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"HF weight mapping mismatch: missing {missing}, unexpected {unexpected}")
-    return hf
+    """The HF model of ``cfg.arch`` with our weights (train mode, as the benchmark times it)."""
+    return build_hf_model(cfg, ours.state_dict()).train()
 
 
 def make_step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], float]:
