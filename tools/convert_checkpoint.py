@@ -7,7 +7,7 @@
 
 The input format is detected: a Hugging Face directory has a config.json naming its
 ``architectures`` (GPTNeoXForCausalLM or LlamaForCausalLM); ours is a checkpoint.save directory
-(with ``latest``) or one iter_XXXXXXX directory (with ``meta.json``).
+(with ``latest``) or one iter_NNNNNNN directory (with ``meta.json``).
 
 megatron_sp → hf writes config.json (float32), model.safetensors, generation_config.json and, when
 the checkpoint used a SentencePiece tokenizer whose .model file is still there, an equivalent
@@ -182,7 +182,7 @@ def read_ours(path: Path, iteration: int | None) -> tuple[Path, dict[str, Any], 
 
 def write_ours(root: Path, meta: dict[str, Any], weights: dict[str, torch.Tensor] | None,
                copy_from: Path | None = None, keep_rng: bool = False) -> Path:
-    """Lay out a checkpoint.save directory in ``root``: iter_XXXXXXX/{model.pt, meta.json, ...}, then ``latest``."""
+    """Lay out a checkpoint.save directory in ``root``: iter_NNNNNNN/{model.pt, meta.json, ...}, then ``latest``."""
     ckpt = root / f"iter_{int(meta['step']):07d}"
     ckpt.mkdir()
     if weights is not None:
@@ -414,7 +414,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, type=Path, metavar="DIR",
                         help="Checkpoint to read: a Hugging Face model directory, a megatron_sp checkpoint.save "
-                             "directory (its 'latest' is used) or one iter_XXXXXXX directory. Detected automatically.")
+                             "directory (its 'latest' is used) or one iter_NNNNNNN directory. Detected automatically.")
     parser.add_argument("--output", required=True, type=Path, metavar="DIR",
                         help="Directory to create (must not exist or be empty); written under a temporary name "
                              "and renamed when complete.")

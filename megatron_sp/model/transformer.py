@@ -273,6 +273,16 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     return out.view(b, n, s, d).permute(2, 0, 1, 3)  # [s, b, n, d]
 
 
+def _kv_for_sdpa(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v ``[s, b, g, d]`` as SDPA takes them for n query heads: as is, or (torch < 2.5, no GQA
+    support) each kv head repeated for its ``n/g`` query heads."""
+    s, b, g, d = k.shape
+    if g == n or _SDPA_HAS_GQA:
+        return k, v
+    return (k[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d),
+            v[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d))
+
+
 def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal softmax(q kᵀ / √d) v. q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` with g | n → ``[s, b, n, d]``.
 
@@ -291,10 +301,7 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
     if (not q.is_cuda and q.dtype in MATH_ATTENTION_DTYPES and k.shape[0] == s
             and b * n * s * s <= MATH_ATTENTION_MAX_SCORES):
         return _math_attention(q, k, v, dropout_p)
-    g = k.shape[2]
-    if g != n and not _SDPA_HAS_GQA:  # torch < 2.5: repeat each kv head for its n/g query heads
-        k = k[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d)
-        v = v[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d)
+    k, v = _kv_for_sdpa(k, v, n)
     q_bnsd = q.permute(1, 2, 0, 3)
     k_bgsd = k.permute(1, 2, 0, 3)
     v_bgsd = v.permute(1, 2, 0, 3)
@@ -374,13 +381,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     key and needs no mask; a block of new tokens gets an explicit boolean mask. → ``[s, b, n, d]``.
     """
     s, b, n, d = q.shape
-    total, g = k.shape[0], k.shape[2]
+    total = k.shape[0]
     past = total - s
     if past == 0:
         return dot_product_attention(q, k, v, 0.0)
-    if g != n and not _SDPA_HAS_GQA:
-        k = k[:, :, :, None].expand(total, b, g, n // g, d).reshape(total, b, n, d)
-        v = v[:, :, :, None].expand(total, b, g, n // g, d).reshape(total, b, n, d)
+    k, v = _kv_for_sdpa(k, v, n)
     mask = None
     if s > 1:
         key_pos = torch.arange(total, device=q.device)

@@ -60,10 +60,8 @@ def run(queue: list[WeightGrad]) -> None:
     """Compute every queued weight gradient and accumulate it through autograd; empties ``queue``."""
     if not queue:
         return
-    weights, grads = [], []
     with torch.no_grad():  # plain math on saved tensors (and buffers) outside any graph
-        while queue:
-            item = queue.pop(0)
-            weights.append(item.weight)
-            grads.append(item.compute().to(item.weight.dtype))
+        grads = [item.compute().to(item.weight.dtype) for item in queue]
+    weights = [item.weight for item in queue]
+    queue.clear()
     torch.autograd.backward(weights, grads)

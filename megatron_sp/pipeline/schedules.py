@@ -399,8 +399,7 @@ class _P2P:
     def prefetch(self) -> None:
         """Post the first receive of every incoming link (so data can arrive while we compute)."""
         for src in self.incoming:
-            if not any(key in self.pending for key in self.incoming[src][:self.posted[src]]):
-                self._post_next(src)
+            self._post_next(src)
 
     def recv(self, key: tuple[str, int, int], src: int) -> torch.Tensor:
         """Wait for message ``key`` from pp rank ``src`` (posting the receives before it on that link first)."""

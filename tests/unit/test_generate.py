@@ -17,23 +17,17 @@ from megatron_sp.model.gpt import GPTModel, generate, sample_next
 from megatron_sp.model.hf_names import build_hf_model
 from megatron_sp.model.transformer import KVCache
 from megatron_sp.optim import DistributedOptimizer, named_trainable
+from test_model import PADDED, VOCAB
+from test_model import make_cfg as model_cfg
 
-VOCAB, PADDED = 100, 128
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "generate.py"
 
 
 def make_cfg(arch: str, **overrides: object) -> ModelConfig:
-    """As ``test_model.make_cfg`` (neox: 4 rotary dims of 16; llama: GQA 4 heads over 2), wider init
+    """``test_model.make_cfg`` (neox: 4 rotary dims of 16; llama: GQA 4 heads over 2) with a wider init,
     so the logits are far from ties."""
-    base: dict[str, object] = {"arch": arch, "num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 32,
-                               "vocab_size": VOCAB, "padded_vocab_size": PADDED, "norm_eps": 1e-5, "init_std": 0.2}
-    if arch == "neox":
-        base.update(num_kv_heads=4, ffn_hidden_size=256, rotary_pct=0.25)
-    else:
-        base.update(num_kv_heads=2, ffn_hidden_size=96, rotary_pct=1.0)
-    base.update(overrides)
-    return ModelConfig(**base)
+    return model_cfg(arch, **{"init_std": 0.2, **overrides})
 
 
 def make_model(arch: str, **overrides: object) -> GPTModel:

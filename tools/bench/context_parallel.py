@@ -98,7 +98,7 @@ from megatron_sp.testing import run_distributed
 ELEMENT_BYTES = 4
 """q, k, v (and the activations) are fp32 here."""
 ACC_BYTES = 4
-"""dK,dV accumulators and the lse travel in fp32 (``kernels._compute_dtype``)."""
+"""dK,dV accumulators and the lse travel in fp32 (``kernels.compute_dtype``)."""
 INDEX_BYTES = 8
 """token indices are int64."""
 MEMORY_GOAL = 1.05

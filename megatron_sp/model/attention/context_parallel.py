@@ -35,7 +35,6 @@ cp == 1 with packed documents (``data.reset_attention_mask``) uses the same loca
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,7 +163,7 @@ class _Accumulator:
         outs, lses = [], []
         for q, acc in zip(self.q, self.acc):
             if acc is None:  # no key visible to any query of this chunk: out 0, lse −inf
-                acc = kernels._empty_forward(q)
+                acc = kernels.empty_result(q)
             outs.append(acc[0])
             lses.append(acc[1])
         return torch.cat(outs, 0), torch.cat(lses, 2)
@@ -175,7 +174,7 @@ def _block_backward(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse:
                     k_doc: torch.Tensor | None, parts: int, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq share, dk, dv) of one key block, in fp32, chunk pair by chunk pair (empty pairs skipped)."""
-    dtype = kernels._compute_dtype(q.dtype)
+    dtype = kernels.compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
@@ -295,7 +294,7 @@ class _Llama3(torch.autograd.Function):
         n, rank, parts = meta.size, meta.rank, meta.parts
         s, g, r = k.shape[0], k.shape[2], q.shape[2] // k.shape[2]
         dout = dout.contiguous()
-        dtype = kernels._compute_dtype(q.dtype)
+        dtype = kernels.compute_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dkv_local = torch.zeros((s, 2, *k.shape[1:]), dtype=dtype, device=k.device)  # [s, 2, b, g, d]
         groups = _head_groups(g, meta.heads_k_stride)
@@ -391,11 +390,3 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionM
     out, lse = _Local.apply(qh, kh, vh, meta, scale)  # every rank's chunk in rank order = the gathered order
     lse = comm.all_to_all(lse, meta.group, scatter_dim=2, gather_dim=1) if with_lse else None  # [b, n_heads, s/cp]
     return all_to_all(out, meta.group, scatter_dim=0, gather_dim=2), lse  # [s/cp, b, n_heads, d]
-
-
-def full_sequence(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """All ranks' positions (and documents) concatenated in rank order (for tests)."""
-    return torch.cat(meta.positions, 1), (None if meta.documents is None else torch.cat(meta.documents, 1))
-
-
-__all__: Sequence[str] = ("ALGORITHMS", "AttentionMeta", "context_parallel_attention", "full_sequence")

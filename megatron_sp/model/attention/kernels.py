@@ -151,7 +151,7 @@ def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | Non
 # Helpers
 # ----------------------------------------------------------------------------------------------
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp64 for fp64 inputs, else fp32: the dtype of every out/lse/grad this module returns."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -219,9 +219,10 @@ def _flash_attn_fits(q: torch.Tensor) -> bool:
     return q.device.type == "cuda" and q.dtype in _HALF and d % 8 == 0 and d <= FLASH_ATTN_MAX_HEAD_DIM
 
 
-def _empty_forward(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of a block no query sees: out 0 and lse −inf, in ``compute_dtype``."""
     sq, b, n, d = q.shape
-    dtype = _compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     return (torch.zeros(sq, b, n, d, dtype=dtype, device=q.device),
             torch.full((b, n, sq), float("-inf"), dtype=dtype, device=q.device))
 
@@ -251,7 +252,7 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     _check_shapes(q, k, v, q_pos, k_pos)
     kind = _resolve_kind(kind, q_pos, k_pos, q_doc, k_doc)
     if kind == "empty":
-        return _empty_forward(q)
+        return empty_result(q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     name = kernel_for(kind, q, kernel)
     if name == "cpu_flash":
@@ -282,7 +283,7 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         kernel: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_shapes(q, k, v, q_pos, k_pos)
     kind = _resolve_kind(kind, q_pos, k_pos, q_doc, k_doc)
-    dtype = _compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     if kind == "empty":
         return (torch.zeros(q.shape, dtype=dtype, device=q.device), torch.zeros(k.shape, dtype=dtype, device=k.device),
                 torch.zeros(v.shape, dtype=dtype, device=v.device))
@@ -331,7 +332,7 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
 
 def _reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = _compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     g = k.shape[2]
     q_g = _grouped(q, g, dtype)  # [b, g, r, sq, d]
     k_g = k.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [b, g, 1, sk, d]
@@ -347,7 +348,7 @@ def _reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dtype = _compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     g = k.shape[2]
     b, n, sq = lse.shape
     q_g = _grouped(q, g, dtype)  # [b, g, r, sq, d]
@@ -400,7 +401,7 @@ def _kv_grad(grad_bnsd: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tenso
 
 def _cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = _compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     n = q.shape[2]
     out_bnsd, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.permute(1, 2, 0, 3), _bnsd_kv(k, n), _bnsd_kv(v, n), 0.0, causal, scale=scale)
@@ -411,7 +412,7 @@ def _cpu_flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The op wants dout/out in the input dtype and lse in its accumulation dtype. Every row of a
     # full/causal block sees a key of this block, so the final lse is finite on all of its rows.
-    dtype = _compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     n, g = q.shape[2], k.shape[2]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.to(q.dtype).permute(1, 2, 0, 3), q.permute(1, 2, 0, 3), _bnsd_kv(k, n), _bnsd_kv(v, n),
@@ -471,7 +472,7 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     if len(result) not in (4, 8):
         raise RuntimeError(f"flash-attn _flash_attn_forward returned {len(result)} values; expected 4 or 8")
     out_bsnd, lse = result[0], result[1 if len(result) == 4 else 5]
-    dtype = _compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     return _dense(out_bsnd.transpose(0, 1), dtype), _dense(lse[..., :sq], dtype)
 
 
