@@ -18,9 +18,10 @@ setup(
         "numpy",
         "sentencepiece",
         "pyyaml",
+        "safetensors",  # checkpoint shards
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40", "safetensors"],
+        "test": ["pytest>=7", "transformers>=4.40"],
         "logging": ["wandb", "tensorboard"],
         # flash-attn builds against the installed CUDA torch; NVIDIA apex is built from source (README).
         "gpu": ["flash-attn>=2.5"],

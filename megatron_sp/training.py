@@ -216,7 +216,8 @@ def setup(cfg: Config) -> Runtime:
     rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds, scaler)
     if cfg.checkpoint.load:
         ckpt = checkpointing.resolve(cfg.checkpoint.load)
-        meta = checkpointing.load(ckpt, model, optimizer, state, dev, cfg.train.seed, tracker)
+        meta = checkpointing.load(ckpt, model, optimizer, state, dev, cfg.train.seed, tracker,
+                                  layout=checkpointing.layout_of(cfg))
         rt.step, rt.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
         rt.skipped_steps = int(meta.get("skipped_steps", 0))
         if scaler.enabled and "loss_scaler" in meta:
@@ -402,8 +403,10 @@ def _loop(rt: Runtime) -> None:
     t_window = time.perf_counter()
     t_start, start_step = t_window, rt.step
     paused = 0.0  # seconds of validation and checkpointing inside the current window (not training)
+    saver = checkpointing.Checkpointer(cfg, st, rt.device)
     while rt.step < cfg.train.iters:
         out = train_step(rt)
+        saver.poll()  # finishes an asynchronous save once every rank has written its part
         window.append(out)
         done = rt.step == cfg.train.iters
         if rt.step % cfg.logging.interval == 0 or done:
@@ -431,10 +434,10 @@ def _loop(rt: Runtime) -> None:
             log.info("step %d | validation loss %.4f | perplexity %.2f", rt.step, val, math.exp(min(val, 50.0)))
         if cfg.checkpoint.save and ((cfg.checkpoint.interval and rt.step % cfg.checkpoint.interval == 0)
                                     or (done and cfg.checkpoint.save_at_end)):
-            checkpointing.save(cfg, rt.step, rt.consumed_samples, rt.model, rt.optimizer, st, rt.device,
-                               get_tracker(), extra={"skipped_steps": rt.skipped_steps,
-                                                     "loss_scaler": rt.scaler.state_dict()})
+            saver.save(rt.step, rt.consumed_samples, rt.model, rt.optimizer, get_tracker(),
+                       extra={"skipped_steps": rt.skipped_steps, "loss_scaler": rt.scaler.state_dict()})
         paused += time.perf_counter() - t_pause
+    saver.wait()
     metrics.close()
     if cfg.train.sample_prompt and st.pp_size > 1:
         log.info("no sample: generation through pipeline stages is not available yet (parallel.pp > 1)")

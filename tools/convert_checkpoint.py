@@ -16,15 +16,17 @@ for ``AutoTokenizer``, plus the original tokenizer.model. A byte tokenizer gets 
 files. The vocabulary is exported without the layout's padding rows (vocab_size = the
 tokenizer's size), so HF logits equal ours on every id.
 
-hf → megatron_sp writes a checkpoint.save directory (latest → iter_0000000) holding model.pt and
-meta.json (step 0, the model section taken from the HF config), without optimizer state:
+hf → megatron_sp writes a checkpoint.save directory (latest → iter_0000000) holding the weights
+(index.json + shards/rank_00000.safetensors) and meta.json (step 0, the model section taken from the HF config), without optimizer state:
 resuming it with checkpoint.load starts a fresh optimizer. Set data.paths and the tokenizer when
 training from it.
 
-megatron_sp → megatron_sp: our files are layout-free (every tensor is stored whole under its
-unsharded name, without vocabulary padding), so changing --tp/--pp is a validated rewrite: the
-weights and optimizer state are copied unchanged and the target layout is checked against the
-model (heads and FFN width divisible by tp, layers split over pp, ...) and recorded in meta.json.
+megatron_sp → megatron_sp: our files are layout-free (index.json maps every unsharded tensor,
+without vocabulary padding, to the boxes each writing rank stored; any layout reads any box), so
+changing --tp/--pp is a validated rewrite: the weights and optimizer state are copied unchanged
+and the target layout is checked against the model (heads and FFN width divisible by tp, layers
+split over pp, ...) and recorded in meta.json. The RNG states stay with the writer's layout:
+training at another layout reseeds them (one log line).
 
 The output is written under a temporary name and renamed when complete; an existing non-empty
 output directory is refused. Loading uses safetensors or torch.load(weights_only=True).
@@ -38,9 +40,11 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import shutil
 import sys
 import uuid
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,27 +177,26 @@ def read_ours(path: Path, iteration: int | None) -> tuple[Path, dict[str, Any], 
     ckpt = checkpointing.resolve(path)
     meta = checkpointing.read_meta(ckpt)
     cfg = config_from_dict(meta.get("config", {}), f"{ckpt / 'meta.json'}")
-    weights = checkpointing._torch_load(ckpt / "model.pt")
-    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise DataError(f"checkpoint file '{ckpt / 'model.pt'}' does not hold a dict of tensors")
-    check_weights(weights, cfg.model, str(ckpt / "model.pt"))
+    weights = checkpointing.read_full(ckpt)
+    check_weights(weights, cfg.model, str(ckpt / checkpointing.INDEX))
     return ckpt, meta, cfg, weights
 
 
 def write_ours(root: Path, meta: dict[str, Any], weights: dict[str, torch.Tensor] | None,
-               copy_from: Path | None = None, keep_rng: bool = False) -> Path:
-    """Lay out a checkpoint.save directory in ``root``: iter_NNNNNNN/{model.pt, meta.json, ...}, then ``latest``."""
+               copy_from: Path | None = None) -> Path:
+    """Lay out a checkpoint.save directory in ``root``: iter_NNNNNNN/{index.json, shards/, meta.json}, then ``latest``.
+
+    ``weights``: full tensors to store; ``copy_from``: a checkpoint whose tensors (weights and
+    optimizer state, with the writer's RNG states) are copied unchanged.
+    """
     ckpt = root / f"iter_{int(meta['step']):07d}"
     ckpt.mkdir()
     if weights is not None:
-        torch.save(weights, ckpt / "model.pt")
+        checkpointing.write_weights(ckpt, meta, weights)
     if copy_from is not None:
-        for name in ("model.pt", "optimizer.pt"):
-            if (copy_from / name).is_file() and not (ckpt / name).exists():
-                shutil.copy2(copy_from / name, ckpt / name)
-        if keep_rng and (copy_from / "rng").is_dir():
-            shutil.copytree(copy_from / "rng", ckpt / "rng")
-    (ckpt / "meta.json").write_text(json.dumps(meta, indent=1))
+        shutil.copy2(copy_from / checkpointing.INDEX, ckpt / checkpointing.INDEX)
+        shutil.copytree(copy_from / checkpointing.store.SHARDS, ckpt / checkpointing.store.SHARDS)
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "format_version": checkpointing.FORMAT_VERSION}, indent=1))
     (root / "latest").write_text(ckpt.name + "\n")
     return ckpt
 
@@ -202,18 +205,16 @@ def relayout(src: Path, out: Path, iteration: int | None, tp: int | None, pp: in
              overrides: list[str]) -> Path:
     """megatron_sp → megatron_sp with the target layout recorded (weights and optimizer state copied as they are)."""
     ckpt, meta, cfg, _ = read_ours(src, iteration)
-    before = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
     cfg.parallel.tp = tp if tp is not None else cfg.parallel.tp
     cfg.parallel.pp = pp if pp is not None else cfg.parallel.pp
     for item in overrides:
         apply_override(cfg, item)
     cfg = validated(cfg, f"--tp {cfg.parallel.tp} --pp {cfg.parallel.pp}")
-    same_layout = before == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
     meta = {**meta, "config": to_dict(cfg), "converted_from": str(ckpt.resolve())}
     with staging(out) as tmp:
-        write_ours(tmp, meta, None, copy_from=ckpt, keep_rng=same_layout)
+        write_ours(tmp, meta, None, copy_from=ckpt)
     log.info("wrote %s (tp %d, pp %d; weights%s copied unchanged)", out, cfg.parallel.tp, cfg.parallel.pp,
-             " and optimizer state" if (ckpt / "optimizer.pt").is_file() else "")
+             " and optimizer state" if checkpointing.Reader(ckpt).names("optim/") else "")
     return out / f"iter_{int(meta['step']):07d}"
 
 
@@ -360,6 +361,18 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
                        norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
 
 
+def load_pickled_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A ``pytorch_model.bin``: ``torch.load(weights_only=True)`` (no pickled code runs), one-line errors."""
+    try:
+        weights = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"'{path}' is corrupted, truncated or holds more than tensors ({first[:120]})") from None
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise DataError(f"'{path}' does not hold a dict of tensors")
+    return weights
+
+
 def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF directory: model.safetensors, its sharded index, or pytorch_model.bin (weights only)."""
     from safetensors.torch import load_file
@@ -371,7 +384,7 @@ def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return {k: v for f in files for k, v in load_file(str(src / f)).items()}
     if (src / "pytorch_model.bin").is_file():
-        return checkpointing._torch_load(src / "pytorch_model.bin")
+        return load_pickled_weights(src / "pytorch_model.bin")
     raise DataError(f"'{src}' has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 

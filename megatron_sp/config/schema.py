@@ -154,6 +154,9 @@ class CheckpointConfig:
     interval: int = doc(0, "Save every this many steps (0: only at the end).")
     keep: int = doc(0, "Keep only the newest this many checkpoints (0: keep all).")
     save_at_end: bool = doc(True, "Save a checkpoint after the last step (needs save).")
+    async_save: bool = doc(False, "Write checkpoint files in a background thread while training goes on (each rank "
+                                  "first copies its part to host memory); the checkpoint becomes 'latest' once every "
+                                  "rank has written it.")
 
 
 @dataclass

@@ -562,6 +562,29 @@ class DistributedOptimizer:
         full = self._gather_global(self._local_of(self.grad_buffer)) if self._sharded else self.grad_buffer
         return {i.name: full[i.start:i.end].view_as(i.param).clone() for i in self._params}
 
+    def checkpoint_parts(self) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
+        """{name: (start, {"param", "exp_avg", "exp_avg_sq"[, "master_param"]: flat tensor})}: what this rank saves.
+
+        Data-parallel rank ``r`` saves chunk ``r`` of every bucket — the elements ZeRO-1 makes it
+        own, and the same split without ZeRO (every rank holds everything then, and the writing is
+        spread over dp_cp all the same). ``start`` is the part's first element in the parameter's
+        flattened (this TP rank's) shape; the tensors are views. No communication.
+        """
+        out: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        for info in self._params:
+            b = self._buckets[info.bucket]
+            chunk = b.numel // self.dp_size
+            lo = min(max(info.start, b.start + self.dp_rank * chunk), info.end)
+            hi = max(min(info.end, b.start + (self.dp_rank + 1) * chunk), lo)
+            if hi == lo:
+                continue
+            a, z = self._to_local(lo, hi)
+            parts = {"param": self.param_buffer[lo:hi], "exp_avg": self.exp_avg[a:z], "exp_avg_sq": self.exp_avg_sq[a:z]}
+            if self._master_local is not None:
+                parts["master_param"] = self._master_local[a:z]
+            out[info.name] = (lo - info.start, parts)
+        return out
+
     def state_dict_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         """{name: {"exp_avg", "exp_avg_sq", "step"[, "master_param"]}}: parameter-shaped fp32, same at any dp.
 

@@ -55,11 +55,13 @@ def test_zero_bubble_checkpoint_resumes_bitwise_and_interleaved(tmp_path, byte_d
 
 def test_checkpoints_move_between_layouts(tmp_path, byte_data):
     """Save under A, load under B, continue within 1e-5 of the uninterrupted 1-rank run:
-    tp2·pp2 → 1 rank, 1 rank → tp4, cp2 (zigzag) → cp1; and cp2 → cp2 resumes bitwise."""
+    tp2·pp2 → 1 rank, 1 rank → tp4, dp2 + ZeRO-1 → 1 rank, cp2 (zigzag) → cp1; and cp2 → cp2 resumes
+    bitwise. Every saving rank wrote its own shard file (sharded format)."""
     model = ["model.num_layers=4"]
     cp2 = ["parallel.cp=2", "parallel.cp_algo=zigzag"]
     cases = {"tp2pp2_to_1": (["parallel.tp=2", "parallel.pp=2"], []),
              "1_to_tp4": ([], ["parallel.tp=4"]),
+             "dp2zero1_to_1": (["parallel.dp=2", "parallel.zero=1"], []),
              "cp2_to_cp1": (cp2, []),
              "cp2_to_cp2": (cp2, cp2)}
     reference = tmp_path / "reference"
@@ -74,6 +76,9 @@ def test_checkpoints_move_between_layouts(tmp_path, byte_data):
             first = tmp_path / f"first_{len(saved)}"
             train(first, byte_data, "train.iters=4", f"checkpoint.save={first}/ckpt", *model, *save_layout)
             saved[key] = f"{first}/ckpt"
+            files = sorted(p.name for p in (first / "ckpt" / "iter_0000004" / "shards").iterdir())
+            world = 4 if name == "tp2pp2_to_1" else 2 if save_layout else 1
+            assert files == [f"rank_{r:05d}.safetensors" for r in range(world)], (name, files)
         cont = tmp_path / name
         train(cont, byte_data, "train.iters=8", f"checkpoint.load={saved[key]}", *model, *load_layout)
         got = metrics(cont)

@@ -65,10 +65,19 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     with pytest.raises(DataError, match="no 'latest' file"):
         checkpointing.resolve(tmp_path / "empty")
 
-    # a truncated weights file
-    data = (ckpt / "model.pt").read_bytes()
-    (ckpt / "model.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(DataError, match=r"model\.pt' is corrupted or truncated"):
+    shard = ckpt / "shards" / "rank_00000.safetensors"
+    data = shard.read_bytes()
+    # a truncated shard file
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"rank_00000\.safetensors' has \d+ bytes, index\.json says"):
+        checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
+    # a corrupted header at the recorded size
+    shard.write_bytes(b"\xff" * len(data))
+    with pytest.raises(DataError, match=r"rank_00000\.safetensors' is corrupted or truncated"):
+        checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
+    # a missing shard file
+    shard.unlink()
+    with pytest.raises(DataError, match=r"rank_00000\.safetensors' is missing"):
         checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
 
     # a config that does not match the weights
@@ -79,10 +88,41 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     with pytest.raises(DataError, match="does not match this model config|has shape"):
         checkpointing.load(ckpt, bigger, _optimizer(bigger, other), None, torch.device("cpu"), 1)
 
-    # a missing shard
-    (ckpt / "optimizer.pt").unlink()
-    with pytest.raises(DataError, match=r"optimizer\.pt' is missing"):
+    # an index whose boxes do not cover a tensor
+    index = json.loads((ckpt / "index.json").read_text())
+    index["tensors"]["model/final_norm.weight"]["boxes"] = []
+    (ckpt / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DataError, match="covers 0 of 32 requested elements of 'model/final_norm.weight'"):
         checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
+    (ckpt / "index.json").unlink()
+    with pytest.raises(DataError, match=r"index\.json' is missing"):
+        checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
+
+    # a checkpoint of the first (unsharded torch.save) format
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
+    with pytest.raises(DataError, match="format version 1; this version of megatron_sp reads version 2"):
+        checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
+
+
+def test_async_save_finishes_on_poll_and_loads_equal(tmp_path):
+    cfg, model, opt = _setup(tmp_path, "checkpoint.async_save=true", "checkpoint.keep=1")
+    saver = checkpointing.Checkpointer(cfg, None, torch.device("cpu"))
+    saver.save(1, 4, model, opt)
+    saver.wait()
+    saver.save(2, 8, model, opt)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():  # training goes on: the snapshot taken at save time is what lands
+        for p in model.parameters():
+            p.add_(1.0)
+    while not saver.poll():
+        pass
+    root = tmp_path / "ckpt"
+    assert (root / "latest").read_text().strip() == "iter_0000002"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["iter_0000002"]
+    checkpointing.load(checkpointing.resolve(root), model, opt, None, torch.device("cpu"), seed=1)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, expected[n]), n
 
 
 def test_pickled_code_is_never_executed(tmp_path):
@@ -93,7 +133,11 @@ def test_pickled_code_is_never_executed(tmp_path):
         def __reduce__(self):
             return (exec, ("open('%s', 'w').write('pwned')" % (tmp_path / "pwned"),))
 
-    torch.save({"x": Evil()}, ckpt / "model.pt")
+    shard = ckpt / "shards" / "rank_00000.safetensors"
+    torch.save({"x": Evil()}, shard)
+    index = json.loads((ckpt / "index.json").read_text())  # even with the size the index expects
+    index["files"]["shards/rank_00000.safetensors"] = shard.stat().st_size
+    (ckpt / "index.json").write_text(json.dumps(index))
     with pytest.raises(DataError):
         checkpointing.load(ckpt, model, opt, None, torch.device("cpu"), 1)
     assert not (tmp_path / "pwned").exists()
@@ -106,14 +150,15 @@ from test_checkpoint import _setup, _save
 root = pathlib.Path({root!r})
 cfg, model, opt = _setup(root)
 _save(cfg, model, opt, 1)
-real_save = torch.save
-def slow_save(obj, f, *a, **k):
-    if str(f).endswith("optimizer.pt") and "iter_0000002" in str(f):
-        pathlib.Path(f).write_bytes(b"PK\x03\x04 half written")  # a truncated file, then hang
+from megatron_sp.checkpointing import store
+real_write = store.write_file
+def slow_write(path, *a, **k):
+    if "iter_0000002" in str(path):
+        pathlib.Path(path).write_bytes(b"half written")  # a truncated file, then hang
         (root / "ready").write_text("1")
         time.sleep(60)
-    return real_save(obj, f, *a, **k)
-torch.save = slow_save
+    return real_write(path, *a, **k)
+store.write_file = slow_write
 _save(cfg, model, opt, 2)
 """
 
@@ -132,7 +177,7 @@ def test_killing_a_save_midway_keeps_the_previous_checkpoint(tmp_path):
     deadline = time.monotonic() + 60
     while not (tmp_path / "ready").exists():
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "the save never reached the optimizer file"
+        assert time.monotonic() < deadline, "the save never reached the shard file"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)

@@ -1,0 +1,393 @@
+"""Save and load training checkpoints: sharded, layout-free, atomic, optionally asynchronous.
+
+Layout on disk (format version 2)::
+
+    SAVE_DIR/
+      latest                          name of the newest complete checkpoint, written last
+      iter_0000100/
+        meta.json                     format version, step, consumed samples (the data position),
+                                      writer layout, optimizer step, resolved config, extra state
+        index.json                    every global tensor: shape, dtype, boxes (file, key, offsets, lengths)
+        shards/rank_00000.safetensors this rank's boxes + its RNG states (keys "rng/...")
+
+Global tensors are ``model/<parameter name>`` (the unsharded parameter, vocabulary padding
+trimmed) and ``optim/<parameter name>/{exp_avg, exp_avg_sq[, master_param]}`` (fp32). Each rank
+writes only what it holds and nobody else writes: its TP shard (TP-replicated parameters: TP rank
+0 only; a pipeline's tied output-embedding copy never), and of that only data-parallel chunk
+``r`` of every optimizer bucket (``DistributedOptimizer.checkpoint_parts``: the ZeRO-1 shard, and
+the same split without ZeRO), so a save moves no tensor between ranks and the bytes written are
+spread over the whole world. ``store.Reader`` reads any box of a global tensor back, so a
+checkpoint loads into any (tp, pp, cp, dp, ZeRO) layout; the same layout restores every rank's RNG
+too, so training continues bitwise.
+
+Atomic: everything goes under ``.tmp_iter_NNNNNNN`` and is renamed when every rank's file is
+written (fsynced) and ``index.json`` (with each file's size) is in place; ``latest`` is replaced
+(temp file + rename) after that. A crash at any point leaves the previous checkpoint and
+``latest`` untouched. Safe: safetensors and JSON only, no pickle is ever loaded.
+
+Asynchronous (``checkpoint.async_save``): the save snapshots this rank's boxes (a copy in host
+memory) and a thread writes the file while training continues; ``Checkpointer.poll()`` after each
+step agrees over the world whether every rank is done (one tiny all-reduce while a save is in
+flight) and then finalises (index, rename, ``latest``, ``keep``). The next save, the end of
+training and a preemption wait for it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import device as device_mod
+from ..config import Config, to_dict
+from ..errors import DataError, TrainingError
+from ..mpu import ParallelState
+from ..mpu.random import RNGTracker
+from ..mpu.sharding import is_sharded, is_tied_copy, stored_name, stored_shape
+from ..optim import DistributedOptimizer, named_trainable
+from . import store
+from .store import INDEX, Reader
+
+FORMAT_VERSION = 2
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
+log = logging.getLogger("megatron_sp")
+
+
+def step_dir(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def layout_of(cfg: Config) -> dict[str, int]:
+    p = cfg.parallel
+    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": int(p.dp or 1), "virtual_stages": p.virtual_stages}
+
+
+# ------------------------------------------------------------------------------------------ save
+
+
+def _shift(p: nn.Parameter, tp_rank: int) -> list[int]:
+    """The local shard's offset in the full tensor."""
+    shift = [0] * p.dim()
+    if is_sharded(p):
+        shift[p.partition_dim] = tp_rank * p.shape[p.partition_dim]
+    return shift
+
+
+def rank_boxes(model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None
+               ) -> tuple[list[store.Box], dict[str, tuple[tuple[int, ...], str]]]:
+    """(the boxes this rank writes, {global name: (shape, dtype)} of every tensor its stage declares)."""
+    tp_rank, tp = (state.tp_rank, state.tp_size) if state is not None else (0, 1)
+    parts = optimizer.checkpoint_parts()
+    boxes: list[store.Box] = []
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, p in named_trainable(model):
+        if is_tied_copy(name, p):
+            continue  # stored once, as embedding.weight, by the first stage
+        shape = stored_shape(p, tp)
+        keys = ["param", "exp_avg", "exp_avg_sq"] + (["master_param"] if optimizer.precision != "fp32" else [])
+        for key in keys:
+            tensors[_global(name, key)] = (shape, store.dtype_name(p.dtype if key == "param" else torch.float32))
+        if (tp_rank and not is_sharded(p)) or name not in parts:
+            continue  # TP-replicated: TP rank 0 writes it; or this dp rank's chunk holds none of it
+        start, flats = parts[name]
+        for key, flat in flats.items():
+            boxes += store.boxes_of_flat(_global(name, key), flat, start, p.shape, _shift(p, tp_rank), shape)
+    return boxes, tensors
+
+
+def _global(name: str, key: str) -> str:
+    return f"model/{name}" if key == "param" else f"optim/{name}/{key}"
+
+
+def _rng_tensors(dev: torch.device, tracker: RNGTracker | None) -> dict[str, torch.Tensor]:
+    states = dict(device_mod.rng_state(dev))
+    if tracker is not None:
+        states.update({f"tracker/{k}": v for k, v in tracker.get_states().items()})
+    return {f"rng/{k}": v.detach().cpu().contiguous().clone() for k, v in states.items()}
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    index: dict[str, Any] | None  # rank 0 only
+    thread: threading.Thread | None = None
+    error: list[BaseException] = field(default_factory=list)
+
+
+class Checkpointer:
+    """Writes the checkpoints of one run (every rank holds one; ``save``/``poll``/``wait`` are collective)."""
+
+    def __init__(self, cfg: Config, state: ParallelState | None, dev: torch.device) -> None:
+        self.cfg, self.state, self.dev = cfg, state, dev
+        self.rank, self.world = (state.rank, state.dims.world_size) if state is not None else (0, 1)
+        self.pending: _Pending | None = None
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def save(self, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
+             tracker: RNGTracker | None = None, extra: dict[str, Any] | None = None,
+             asynchronous: bool | None = None) -> Path:
+        """Start (``asynchronous``; default ``checkpoint.async_save``) or do the save of ``step``."""
+        self.wait()
+        asynchronous = self.cfg.checkpoint.async_save if asynchronous is None else asynchronous
+        root = Path(self.cfg.checkpoint.save)  # type: ignore[arg-type]
+        final, tmp = root / step_dir(step), root / f".tmp_{step_dir(step)}"
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / store.SHARDS).mkdir(parents=True)
+        self._barrier()
+        boxes, tensors = rank_boxes(model, optimizer, self.state)
+        file = store.rank_file(self.rank)
+        mine = (store.entries_of(boxes, file), tensors)
+        everyone = [mine]
+        if self.world > 1:
+            everyone = [None] * self.world  # type: ignore[list-item]
+            dist.all_gather_object(everyone, mine)
+        index = None
+        if self.rank == 0:
+            declared: dict[str, tuple[tuple[int, ...], str]] = {}
+            for _, t in everyone:
+                declared.update(t)
+            index = store.build_index((e for entries, _ in everyone for e in entries), declared,
+                                      [store.rank_file(r) for r in range(self.world)])
+        meta = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
+                "world_size": self.world, "layout": layout_of(self.cfg), "optimizer_step": optimizer.step_count,
+                "config": to_dict(self.cfg), **(extra or {})}
+        job = _Pending(step, tmp, final, meta, index)
+        rng = _rng_tensors(self.dev, tracker)
+
+        def write() -> None:
+            try:
+                store.write_file(tmp / file, boxes, rng)
+            except BaseException as exc:  # reported collectively in _finish
+                job.error.append(exc)
+
+        self.pending = job
+        if asynchronous:
+            job.thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+            job.thread.start()
+        else:
+            write()
+            self.wait()
+        return final
+
+    def poll(self) -> bool:
+        """Finish an asynchronous save if every rank has written its file; True when none is in flight.
+
+        Collective while a save is in flight (call it on every rank at the same point, e.g. after
+        each step)."""
+        job = self.pending
+        if job is None:
+            return True
+        done = torch.tensor([0 if job.thread is not None and job.thread.is_alive() else 1], dtype=torch.int32,
+                            device=self.dev)
+        if self.world > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if int(done.item()):
+            self.wait()
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Block until the save in flight is written, then finalise it (collective)."""
+        job, self.pending = self.pending, None
+        if job is None:
+            return
+        if job.thread is not None:
+            job.thread.join()
+        failed = torch.tensor([1 if job.error else 0], dtype=torch.int32, device=self.dev)
+        if self.world > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if int(failed.item()):
+            why = f": {type(job.error[0]).__name__}: {job.error[0]}" if job.error else " on another rank"
+            raise TrainingError(f"checkpoint of step {job.step} could not be written under '{job.tmp}'{why}; "
+                                f"'latest' still names the previous checkpoint")
+        if self.rank == 0:
+            assert job.index is not None
+            store.finish_index(job.index, job.tmp)
+            (job.tmp / "meta.json").write_text(json.dumps(job.meta, indent=1))
+            _publish(job.tmp, job.final, self.cfg.checkpoint.keep)
+            log.info("saved checkpoint %s", job.final)
+        self._barrier()
+
+
+def _publish(tmp: Path, final: Path, keep: int) -> None:
+    """Rename the complete ``tmp`` to ``final``, point ``latest`` at it, prune to ``keep``."""
+    root = final.parent
+    old = root / f".old_{final.name}"
+    if final.exists():  # saving a step again (e.g. after a resume): move the old copy aside, delete it last
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+    tmp.rename(final)
+    latest_tmp = root / ".latest.tmp"
+    latest_tmp.write_text(final.name + "\n")
+    latest_tmp.replace(root / "latest")
+    if old.exists():
+        shutil.rmtree(old)
+    if keep > 0:
+        for stale in sorted(p for p in root.glob("iter_*") if p.is_dir())[:-keep]:
+            shutil.rmtree(stale)
+
+
+def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
+         state: ParallelState | None, dev: torch.device, tracker: RNGTracker | None = None,
+         extra: dict[str, Any] | None = None) -> Path:
+    """Collectively write the checkpoint of ``step`` and return its directory (synchronous).
+
+    ``state`` None: a single process without process groups. ``extra``: more JSON-able training
+    state for meta.json (skipped steps, the fp16 loss scaler).
+    """
+    return Checkpointer(cfg, state, dev).save(step, consumed_samples, model, optimizer, tracker, extra,
+                                              asynchronous=False)
+
+
+def write_weights(ckpt: Path, meta: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+    """A weights-only checkpoint directory from full tensors, in one process (tools/convert_checkpoint.py)."""
+    boxes = [store.Box(f"model/{n}", (0,) * t.dim(), t.detach().cpu().contiguous()) for n, t in weights.items()]
+    file = store.rank_file(0)
+    store.write_file(ckpt / file, boxes)
+    index = store.build_index(store.entries_of(boxes, file),
+                              {b.name: (tuple(b.data.shape), store.dtype_name(b.data.dtype)) for b in boxes})
+    store.finish_index(index, ckpt)
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "format_version": FORMAT_VERSION}, indent=1))
+
+
+# ------------------------------------------------------------------------------------------ load
+
+
+def resolve(load_dir: str | Path) -> Path:
+    """The checkpoint directory a ``checkpoint.load`` path names (its ``latest``, or itself)."""
+    root = Path(load_dir)
+    if (root / "meta.json").is_file():
+        return root
+    latest = root / "latest"
+    if not latest.is_file():
+        raise DataError(f"checkpoint.load: no checkpoint in '{root}' (no 'latest' file); point it at a directory "
+                        "written by checkpoint.save")
+    target = root / latest.read_text().strip()
+    if not (target / "meta.json").is_file():
+        raise DataError(f"checkpoint.load: '{latest}' names '{target.name}', which is missing or incomplete")
+    return target
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"checkpoint file '{path}' is unreadable ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise DataError(f"checkpoint '{ckpt}' has format version {version}; this version of megatron_sp reads "
+                        f"version {FORMAT_VERSION} (sharded safetensors + index.json)")
+    return meta
+
+
+def read_full(ckpt: Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    """{name without ``prefix``: full tensor} of every stored tensor under ``prefix`` (one process)."""
+    reader = Reader(ckpt)
+    return {n[len(prefix):]: reader.read(n) for n in reader.names(prefix)}
+
+
+def _read_local(reader: Reader, name: str, p: nn.Parameter, state: ParallelState | None) -> torch.Tensor:
+    """This rank's shard of global tensor ``name`` for parameter ``p`` (vocabulary padding zero-filled)."""
+    tp_rank, tp = (state.tp_rank, state.tp_size) if state is not None else (0, 1)
+    want = stored_shape(p, tp)
+    if reader.shape(name) != want:
+        raise DataError(f"checkpoint file '{reader.ckpt / INDEX}': '{name}' has shape {reader.shape(name)}, the model "
+                        f"config needs {want}; the checkpoint does not match this model config")
+    offsets = _shift(p, tp_rank)
+    lengths = [min(n, limit - o) for n, o, limit in zip(p.shape, offsets, want)]
+    part = reader.read(name, offsets, [max(n, 0) for n in lengths])
+    if tuple(part.shape) != tuple(p.shape):  # vocabulary padding rows of this layout
+        padded = torch.zeros(p.shape, dtype=part.dtype)
+        padded[tuple(slice(0, n) for n in part.shape)] = part
+        part = padded
+    return part
+
+
+def load_model_state(model: nn.Module, ckpt: Path, state: ParallelState | None, reader: Reader | None = None) -> None:
+    """Copy this rank's shards of the checkpoint's tensors into ``model`` (names and full shapes must match).
+
+    Pipeline stages check only the names they hold; the checkpoint must hold every one of them.
+    """
+    reader = reader or Reader(ckpt)
+    own = {stored_name(n, p): p for n, p in named_trainable(model)}
+    saved = {n[len("model/"):] for n in reader.names("model/")}
+    missing = sorted(set(own) - saved)
+    unexpected = sorted(saved - set(own)) if state is None or state.pp_size == 1 else []
+    if missing or unexpected:
+        raise DataError(f"checkpoint file '{ckpt / INDEX}' does not match this model config: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(_read_local(reader, f"model/{name}", p, state))
+
+
+def _load_optimizer(model: nn.Module, optimizer: DistributedOptimizer, reader: Reader, meta: dict[str, Any],
+                    state: ParallelState | None) -> None:
+    named = named_trainable(model)
+    stored = {stored_name(n, p) for n, p in named}
+    saved = {n[len("optim/"):].rsplit("/", 1)[0] for n in reader.names("optim/")}
+    unknown = sorted(saved - stored) if state is None or state.pp_size == 1 else []
+    if unknown:
+        raise DataError(f"checkpoint file '{reader.ckpt / INDEX}': optimizer state for unknown parameters "
+                        f"{unknown[:3]}; the checkpoint does not match this model config")
+    entries: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in named:  # a tied copy takes the embedding's state (same init, same synced grads)
+        entry = {"step": torch.tensor(float(meta.get("optimizer_step", 0)))}
+        for key in OPTIM_KEYS:
+            gname = f"optim/{stored_name(name, p)}/{key}"
+            if gname in reader.tensors:
+                entry[key] = _read_local(reader, gname, p, state)
+        entries[name] = entry
+    try:
+        optimizer.load_state_dict_by_name(entries)
+    except DataError as exc:
+        raise DataError(f"checkpoint '{reader.ckpt}': {exc}") from None
+
+
+def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None,
+         dev: torch.device, seed: int, tracker: RNGTracker | None = None,
+         layout: dict[str, int] | None = None) -> dict[str, Any]:
+    """Restore model, optimizer and (same layout) this rank's RNG; return the meta (step, consumed samples).
+
+    ``layout``: this run's (``layout_of(cfg)``); the RNG states load only if it equals the
+    writer's (otherwise every rank reseeds from the seed, step and rank). A converted checkpoint
+    (meta ``converted_from``, see tools/convert_checkpoint.py) may hold weights only: the optimizer
+    keeps its fresh state.
+    """
+    meta = read_meta(ckpt)
+    reader = Reader(ckpt)
+    rank, world_size = (state.rank, state.dims.world_size) if state is not None else (0, 1)
+    load_model_state(model, ckpt, state, reader)
+    if reader.names("optim/") or not meta.get("converted_from"):
+        _load_optimizer(model, optimizer, reader, meta, state)
+    else:
+        log.info("%s has no optimizer state (converted weights only): starting with a fresh optimizer", ckpt)
+    same = meta.get("world_size") == world_size and (layout is None or meta.get("layout") == layout)
+    states = reader.read_extra(store.rank_file(rank), "rng/") if same and store.rank_file(rank) in \
+        reader.index["files"] else {}
+    if states:
+        device_mod.set_rng_state({k: v for k, v in states.items() if not k.startswith("tracker/")}, dev)
+        if tracker is not None:
+            tracker.set_states({k[len("tracker/"):]: v for k, v in states.items() if k.startswith("tracker/")})
+    else:
+        log.warning("no RNG state for rank %d in %s (written by another layout); reseeding from seed and step",
+                    rank, ckpt)
+        device_mod.manual_seed_all(seed + 1_000_003 * meta["step"] + rank)
+    return meta

@@ -1,0 +1,154 @@
+"""Sharded checkpoint save/load at world 4 (tp2 · dp2, ZeRO-1): bytes per rank, blocked time, load time.
+
+Every rank builds the same model (TP-sharded) and a ZeRO-1 ``DistributedOptimizer`` with
+non-zero Adam moments, then, ``--repeats`` times each:
+
+* ``sync``: ``Checkpointer.save`` with ``asynchronous=False`` — the time training is blocked;
+* ``async``: ``Checkpointer.save`` asynchronously — blocked time is the call (snapshot to host
+  memory + the index metadata exchange); ``until latest`` is the time to the first ``poll()``
+  that finalises it (polled every 10 ms, as a training loop would between steps);
+* ``gather to rank 0``: what format version 1 did — TP shards and ZeRO shards gathered to full
+  tensors and one ``torch.save`` on rank 0 (the baseline the sharded format replaces);
+* ``load same layout``: ``checkpointing.load`` at tp2 · dp2; ``load 1 rank``: ``read_full`` of
+  every tensor in one process (what the converter and generate.py do).
+
+Bytes per rank are the sizes of the shard files; the sharded format should split them evenly
+(max/min close to 1) and write no more in total than the baseline's one file.
+
+Run from the repo root:  python tools/bench/checkpoint.py [--layers 4 --hidden 512 ...]
+Prints a table, then one JSON line with every number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:
+    import megatron_sp  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron_sp import checkpointing, config
+from megatron_sp.model import GPTModel
+from megatron_sp.model.transformer import TensorParallel
+from megatron_sp.mpu import ParallelDims, initialize
+from megatron_sp.mpu.sharding import gather_full
+from megatron_sp.optim import DistributedOptimizer, named_trainable
+from megatron_sp.testing import run_distributed
+
+TP, DP = 2, 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace, root: str) -> config.Config:
+    cfg = config.load(overrides=["data.paths=[unused]", "tokenizer.type=byte", f"model.num_layers={args.layers}",
+                                 f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}",
+                                 f"parallel.tp={TP}", f"parallel.dp={DP}", "parallel.zero=1",
+                                 f"checkpoint.save={root}/ckpt"], world_size=TP * DP)
+    config.set_vocab(cfg, args.vocab)
+    return cfg
+
+
+def _timed(fn: Any) -> float:
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t
+
+
+def rank_run(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    state = initialize(ParallelDims(tp=TP, dp=DP))
+    cfg = build(args, root)
+    tp = TensorParallel(group=state.tp_group, size=TP, rank=state.tp_rank)
+    model = GPTModel(cfg.model, seed=1, tp=tp)
+    opt = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=1)
+    gen = torch.Generator().manual_seed(rank)
+    opt.exp_avg.copy_(torch.randn(opt.exp_avg.shape, generator=gen))
+    opt.exp_avg_sq.copy_(torch.rand(opt.exp_avg_sq.shape, generator=gen))
+    saver = checkpointing.Checkpointer(cfg, state, torch.device("cpu"))
+    out: dict[str, list[float]] = {k: [] for k in ("sync", "async", "until latest", "gather to rank 0",
+                                                   "load same layout")}
+    baseline = Path(root) / "baseline.pt"
+    for i in range(args.repeats):
+        out["sync"].append(_timed(lambda i=i: saver.save(10 + i, 0, model, opt, asynchronous=False)))
+        dist.barrier()
+        t = time.perf_counter()
+        saver.save(100 + i, 0, model, opt, asynchronous=True)
+        out["async"].append(time.perf_counter() - t)
+        while not saver.poll():
+            time.sleep(0.01)
+        out["until latest"].append(time.perf_counter() - t)
+
+        def gather() -> None:
+            named = named_trainable(model)
+            weights = gather_full(named, state)
+            moments = opt.state_dict_by_name()
+            name_of = {id(p): n for n, p in named}
+            full = {k: gather_full(named, state, lambda p, k=k: moments[name_of[id(p)]][k])
+                    for k in ("exp_avg", "exp_avg_sq")}
+            if rank == 0:
+                torch.save({"model": weights, **full}, baseline)
+        out["gather to rank 0"].append(_timed(gather))
+        ckpt = checkpointing.resolve(f"{root}/ckpt")
+        out["load same layout"].append(_timed(lambda: checkpointing.load(
+            ckpt, model, opt, state, torch.device("cpu"), seed=1, layout=checkpointing.layout_of(cfg))))
+    result: dict[str, Any] = {k: statistics.median(v) for k, v in out.items()}
+    ckpt = checkpointing.resolve(f"{root}/ckpt")
+    result["file_bytes"] = (ckpt / checkpointing.store.rank_file(rank)).stat().st_size
+    if rank == 0:
+        result["baseline_bytes"] = baseline.stat().st_size
+        result["params"] = sum(int(torch.tensor(s).prod()) for s, _ in
+                               [(v["shape"], 0) for k, v in checkpointing.Reader(ckpt).tensors.items()
+                                if k.startswith("model/")])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
+        results = run_distributed(rank_run, TP * DP, timeout_s=1800, args=args, root=root)
+        t = time.perf_counter()
+        full = checkpointing.read_full(checkpointing.resolve(f"{root}/ckpt"), "")
+        load_one = time.perf_counter() - t
+    sizes = [r["file_bytes"] for r in results]
+    r0 = results[0]
+    rows = [(k, max(r[k] for r in results)) for k in ("sync", "async", "until latest", "gather to rank 0",
+                                                      "load same layout")]
+    rows.append(("load 1 rank (read_full)", load_one))
+    print(f"model: {r0['params'] / 1e6:.2f}M parameters, layout tp{TP}·dp{DP} ZeRO-1, median of {args.repeats}, "
+          "slowest rank")
+    print(f"{'operation':<26}{'seconds':>10}")
+    for name, sec in rows:
+        print(f"{name:<26}{sec:>10.3f}")
+    print(f"\nbytes per rank file: {sizes} (max/min {max(sizes) / min(sizes):.3f}); total {sum(sizes) / 1e6:.1f} MB "
+          f"vs the gather-to-rank-0 file {r0['baseline_bytes'] / 1e6:.1f} MB; {len(full)} tensors read back")
+    print(f"blocked by a save: async {rows[1][1]:.3f} s vs sync {rows[0][1]:.3f} s "
+          f"({rows[1][1] / rows[0][1]:.2f}×); sharded sync vs gather to rank 0: {rows[0][1] / rows[3][1]:.2f}×")
+    print(json.dumps({"bench": "checkpoint", "params": r0["params"], "seconds": dict(rows), "rank_bytes": sizes,
+                      "baseline_bytes": r0["baseline_bytes"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
