@@ -1,0 +1,325 @@
+"""The layout planner (``megatron_sp.plan``, ``tools/plan.py``) against hand numbers and the real model.
+
+* formulas: a small neox config's parameters, state bytes, per-layer activations, Table 2 and
+  tensor-parallel communication, computed by hand in the comments;
+* parameters, gradients and optimizer state: predicted bytes EXACTLY equal to a real ``GPTModel`` +
+  ``DistributedOptimizer`` built here (one process; pipeline stages built directly; dp > 1 with a
+  stand-in state object, which the optimizer only reads at construction; TP shapes from the model's
+  sharding attributes);
+* activations: within 10% (in fact equal) of the bytes autograd saves for one micro-batch, with and
+  without recompute;
+* the layout search: every factorisation considered, refusals are the config loader's, sorted;
+* the CLI: one-line errors, the JSON line, and ``--verify`` on two gloo ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_sp import config, plan
+from megatron_sp.errors import ConfigError
+from megatron_sp.model.gpt import GPTModel, parameter_parts
+from megatron_sp.model.transformer import TensorParallel
+from megatron_sp.mpu.random import get_tracker, init_rng
+from megatron_sp.optim import DistributedOptimizer, named_trainable
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "tools" / "plan.py")
+assert _spec is not None and _spec.loader is not None
+plan_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_cli)
+
+TINY = ["data.paths=[unused]", "tokenizer.type=byte", "model.num_layers=2", "model.hidden_size=64",
+        "model.num_heads=4", "model.seq_length=32", "train.micro_batch_size=2"]
+
+
+def make_config(*overrides: str, vocab: int = 250):
+    cfg = config.load(overrides=[*TINY, *overrides])
+    config.set_vocab(cfg, vocab)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ hand numbers
+
+
+def test_formulas_against_hand_numbers() -> None:
+    cfg = make_config()  # neox, h 64, 4 heads, ffn 256, 2 layers, s 32, b 2, fp32, vocab 250 -> padded 256
+    # parameters: embedding 256·64; per layer: 2 LayerNorms 2·(64+64), qkv 192·64+192, out 64·64+64,
+    # fc1 256·64+256, fc2 64·256+64 = 256+12480+4160+16640+16448 = 49984; final norm 128; output 256·64
+    assert parameter_parts(cfg.model)["layer"] == 49984
+    n = 16384 + 2 * 49984 + 128 + 16384
+    st = plan.state_bytes(cfg)
+    assert (st.param_elements, st.padded_elements) == (n, n)  # dp 1: no bucket padding
+    assert (st.params, st.grads, st.optim) == (4 * n, 4 * n, 8 * n)  # fp32 params are the masters: Adam m, v only
+    bf16 = plan.state_bytes(make_config("train.precision=bf16", "parallel.dp=2", "parallel.zero=1",
+                                        "train.global_batch_size=4"))
+    assert (bf16.params, bf16.grads, bf16.optim) == (2 * n, 4 * n, 12 * n // 2)  # 6 + 12/d bytes per parameter
+
+    # one layer, fp32 (e = 4), x = s·b·h = 32·2·64 = 4096 elements
+    x = 4096
+    expected = {"norm inputs": 4 * x,  # one x read by both LayerNorms (parallel residual)
+                "norm statistics": 4 * 2 * 2 * 64,  # mean and rstd [s, b, 1] of two norms
+                "QKV input": 4 * x, "q,k (rotated)": 4 * 2 * x, "v": 4 * x, "attention output": 4 * x,
+                "log-sum-exp": 4 * 2 * 4 * 32,  # [b, n, s] fp32 (CPU flash kernel: no s×s scores in fp32)
+                "MLP input": 4 * x, "GeLU input": 4 * 4 * x, "fc2 input": 4 * 4 * x}
+    D = plan.dims_of(cfg)
+    assert plan.layer_terms(D) == expected
+    assert sum(expected.values()) == 247808
+    assert plan.layer_terms(plan.dims_of(make_config("model.recompute=full"))) == {"layer input": 4 * x}
+    # Table 2 as printed: sbh(34 + 5as/h), 16-bit bytes ×2 for fp32 = 4096·(34 + 5·4·32/64)·2
+    assert plan.table2_layer_bytes(D) == 4096 * 44 * 2
+
+
+def test_tensor_parallel_communication_by_hand() -> None:
+    cfg = make_config("parallel.tp=2", "parallel.sequence_parallel=true", "train.global_batch_size=2")
+    # one micro-batch; a gathered [s, b, h] fp32 activation is 32·2·64·4 = 16384 bytes; an all-gather or a
+    # reduce-scatter over 2 ranks sends half of it: 8192
+    half = 8192
+    # per layer: forward AG (QKV, fc1) + RS (out, fc2); backward AG (of the RS grads) + RS (of the AG
+    # grads) + the re-gather of the QKV and fc1 inputs (tp_recompute_allgather): 6 AG, 4 RS
+    layers_ag, layers_rs = 2 * 6 * half, 2 * 4 * half
+    # embedding: RS forward, AG backward; output layer: AG forward, AG (re-gather) + RS backward
+    ag, rs = layers_ag + half + 2 * half, layers_rs + half + half
+    # all-reduces: cross entropy max + 2 sums over [s, b] fp32 (3·64·4 bytes), then the TP sum of the
+    # sequence-parallel grads: 4 norm vectors + 2 row biases per layer and the final norm (2·6 + 2)·64 fp32
+    ar = (3 * 64 * 4) + (2 * 6 + 2) * 64 * 4  # each all-reduce over 2 ranks sends 2·(1/2)·bytes
+    book = plan.comm_per_step(cfg)
+    assert book["tp"] == {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar}
+    assert book["other"] == {"all_reduce": 4}  # the squared grad norm over tp
+    assert "dp" not in book and "cp" not in book and "pp" not in book
+
+
+def test_in_flight_follows_the_schedule() -> None:
+    cfg = make_config("model.num_layers=4", "parallel.pp=4", "train.global_batch_size=16")  # 8 micro-batches
+    lp = plan.plan_layout(cfg)
+    assert [r.schedule.in_flight for r in lp.stages] == [4, 3, 2, 1]  # 1F1B: pp − stage
+    inter = plan.plan_layout(make_config("model.num_layers=8", "parallel.pp=2", "parallel.pp_schedule=interleaved",
+                                         "parallel.virtual_stages=2", "train.global_batch_size=16"))
+    # Megatron: (pp − r − 1)·2 + (v − 1)·pp + 1 model chunks: 5 and 3
+    assert [r.schedule.in_flight for r in inter.stages] == [5, 3]
+    zb = plan.plan_layout(make_config("model.num_layers=4", "parallel.pp=4", "parallel.pp_schedule=zero_bubble",
+                                      "train.global_batch_size=16"))
+    assert all(r.schedule.in_flight <= 4 for r in zb.stages)
+    one = plan.plan_layout(make_config("model.num_layers=4", "parallel.pp=4", "parallel.pp_schedule=none",
+                                       "train.global_batch_size=16"))
+    assert [r.schedule.in_flight for r in one.stages] == [1, 1, 1, 1]
+    assert lp.stages[0].activations == 4 * lp.stages[0].chunks[0].per_micro_batch + sum(lp.stages[0].chunks[0].shared.values())
+
+
+def test_parse_memory() -> None:
+    assert plan.parse_memory("80GB") == 80 * 10**9
+    assert plan.parse_memory("80GiB") == 80 * 2**30
+    assert plan.parse_memory("512 MB") == 512 * 10**6
+    assert plan.parse_memory("1.5TiB") == int(1.5 * 2**40)
+    for bad in ("80XB", "GB", "-1GB", "0GB", ""):
+        with pytest.raises(ConfigError):
+            plan.parse_memory(bad)
+
+
+# ------------------------------------------------------------------------------------------ exact state bytes
+
+
+def _stage_model(cfg, pp_rank: int) -> GPTModel:
+    return GPTModel(cfg.model, 1, layer_chunks=plan.stage_layers(cfg, pp_rank), pre_process=pp_rank == 0,
+                    post_process=pp_rank == cfg.parallel.pp - 1)
+
+
+def _stand_in_state(cfg, pp_rank: int, dp_rank: int = 0) -> types.SimpleNamespace:
+    """What ``DistributedOptimizer`` reads at construction (no collective runs before backward)."""
+    d = cfg.parallel.dp * cfg.parallel.cp
+    return types.SimpleNamespace(dp_cp_group=None, dp_cp_size=d, dp_cp_rank=dp_rank, tp_rank=0, tp_size=1,
+                                 pp_size=cfg.parallel.pp, is_first_stage=pp_rank == 0)
+
+
+@pytest.mark.parametrize("overrides", [
+    (),
+    ("train.precision=bf16", "parallel.dp=3", "parallel.zero=1", "train.global_batch_size=6"),
+    ("model.arch=llama", "model.num_kv_heads=2", "model.tie_embeddings=true", "train.precision=bf16",
+     "model.num_layers=3", "parallel.pp=2", "parallel.pp_partition=balanced", "parallel.dp=2",
+     "train.global_batch_size=8"),
+    ("model.num_layers=4", "parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.virtual_stages=2",
+     "parallel.dp=3", "train.global_batch_size=12", "model.tie_embeddings=true"),
+])
+def test_state_bytes_equal_the_real_optimizer(overrides: tuple[str, ...]) -> None:
+    cfg = make_config(*overrides)
+    bucket = 20_000  # several buckets, each padded to a multiple of dp
+    for r in range(cfg.parallel.pp):
+        model = _stage_model(cfg, r)
+        named = named_trainable(model)
+        specs = plan.stage_parameters(cfg, r)
+        assert [(s.name, s.shape) for s in specs] == [(n, tuple(p.shape)) for n, p in named]
+        for dp_rank in {0, cfg.parallel.dp - 1}:
+            opt = DistributedOptimizer(named, cfg.train, _stand_in_state(cfg, r, dp_rank), zero=cfg.parallel.zero,
+                                       precision=cfg.train.precision, bucket_bytes=bucket)
+            measured = plan.measure_state(opt, model)
+            st = plan.state_bytes(cfg, r, bucket)
+            assert (st.params, st.grads, st.optim) == (measured["params"], measured["grads"], measured["optim"])
+            opt.remove_hooks()
+            model = _stage_model(cfg, r)  # the optimizer took over the parameters' storage
+            named = named_trainable(model)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("parallel.tp=2", "parallel.sequence_parallel=true"),
+    ("model.arch=llama", "model.num_heads=8", "model.num_kv_heads=4", "parallel.tp=4"),
+])
+def test_tensor_parallel_shapes_from_sharding_attributes(overrides: tuple[str, ...]) -> None:
+    cfg = make_config(*overrides)
+    t = cfg.parallel.tp
+    model = GPTModel(cfg.model, 1)  # the full model (this config's padded vocabulary), no process group
+    local = []
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if getattr(p, "tensor_model_parallel", False):
+            shape[p.partition_dim] //= t
+        local.append((name, tuple(shape)))
+    assert [(s.name, s.shape) for s in plan.stage_parameters(cfg)] == local
+    sp = {s.name for s in plan.stage_parameters(cfg) if s.sequence_parallel}
+    assert sp == ({n for n, _ in model.named_parameters() if "norm" in n or n.endswith(("out.bias", "fc2.bias"))}
+                  if cfg.parallel.sequence_parallel else set())
+
+
+def test_replicated_kv_heads_cost_under_tp() -> None:
+    split = plan.stage_parameters(make_config("model.arch=llama", "model.num_kv_heads=2", "parallel.tp=2"))
+    repl = plan.stage_parameters(make_config("model.arch=llama", "model.num_kv_heads=1", "parallel.tp=2"))
+    qkv = {s.name: s for s in repl if "qkv" in s.name}
+    # one kv head, 4 query heads, head dim 16: the whole [1·(4+2)·16, 64] weight on both TP ranks, TP-summed grad
+    assert all(s.shape == (96, 64) and s.sequence_parallel for s in qkv.values())
+    assert {s.name: s.shape for s in split if "qkv" in s.name}["layers.0.attention.qkv.weight"] == (64, 64)
+
+
+# ------------------------------------------------------------------------------------------ activations
+
+
+def _measure_micro_batch(cfg) -> int:
+    """Bytes autograd saves for one micro-batch through the whole model, as training runs it."""
+    tracker = get_tracker()
+    init_rng(tracker, 1, 0, 0)
+    model = GPTModel(cfg.model, 1, tp=TensorParallel(recompute=cfg.model.recompute, tracker=tracker)).train()
+    opt = DistributedOptimizer(named_trainable(model), cfg.train, None, precision=cfg.train.precision)
+    g, s, b = cfg.train.global_batch_size, cfg.model.seq_length, cfg.train.micro_batch_size
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (g, s + 1), generator=gen)
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": torch.arange(s).expand(g, s).contiguous(), "loss_mask": torch.ones(g, s)}
+    mb = {k: v[:b] for k, v in batch.items()}  # slices of the rank's batch, as train_step makes them
+    saved = plan.SavedBytes(plan.parameter_exclusions(opt, model))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
+    with saved.record(), autocast:
+        losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"])
+        (losses.float() * mb["loss_mask"]).sum()
+    return saved.nbytes
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+def test_activations_match_saved_tensors(arch: str, recompute: str) -> None:
+    extra = ("model.num_kv_heads=2", "train.precision=bf16") if arch == "llama" else ()
+    cfg = make_config(f"model.arch={arch}", f"model.recompute={recompute}", "train.global_batch_size=4", *extra)
+    chunk = plan.chunk_activations(cfg, 0, 0)
+    predicted = chunk.per_micro_batch + sum(chunk.shared.values())
+    measured = _measure_micro_batch(cfg)
+    assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)
+
+
+# ------------------------------------------------------------------------------------------ layouts
+
+
+def test_layout_search_is_sorted_and_respects_the_config_checks() -> None:
+    base = make_config("model.num_layers=4", "train.global_batch_size=16")
+    cands = plan.search(lambda extra: make_config("model.num_layers=4", "train.global_batch_size=16", *extra),
+                        base, 8, 10**12, 100.0, 100.0)
+    assert sorted(c.layout for c in cands) == sorted(plan.factorizations(8)) and len(cands) == 20
+    for c in cands:
+        assert math.prod(c.layout) == 8
+        tp, pp, cp, dp = c.layout
+        if c.plan is None:  # refused by the loader itself, with its message
+            assert c.error
+            with pytest.raises(ConfigError):
+                make_config("model.num_layers=4", "train.global_batch_size=16", *plan.layout_overrides(base, *c.layout))
+        else:
+            p = c.plan.cfg.parallel
+            assert (p.tp, p.pp, p.cp, p.dp) == c.layout and 4 % tp == 0 and 4 % pp == 0
+    assert next(c for c in cands if c.layout == (8, 1, 1, 1)).plan is None  # 4 heads do not split over 8
+    valid = [c for c in cands if c.plan is not None]
+    assert all(c.plan is not None for c in cands[:len(valid)]) and all(c.fits for c in valid)
+    times = [c.plan.time["step_s"] for c in valid]
+    assert times == sorted(times)
+    # a budget between the smallest and the largest per-rank peak: those that fit come first
+    peaks = sorted(c.plan.peak_bytes for c in valid)
+    budget = peaks[len(peaks) // 2]
+    ranked = plan.search(lambda extra: make_config("model.num_layers=4", "train.global_batch_size=16", *extra),
+                         base, 8, budget, 100.0, 100.0)
+    fits = [c.fits for c in ranked if c.plan is not None]
+    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+    assert all(c.plan.peak_bytes <= budget for c in ranked if c.fits)
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def _write_conf(path: Path, data: str = "unused") -> Path:
+    path.write_text(f"""
+model: {{arch: neox, num_layers: 2, hidden_size: 64, num_heads: 4, seq_length: 64, make_vocab_size_divisible_by: 32}}
+train: {{micro_batch_size: 2, global_batch_size: 4}}
+tokenizer: {{type: byte}}
+data: {{paths: [{data}], cache_dir: {path.parent / 'cache'}}}
+""")
+    return path
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conf = str(_write_conf(tmp_path / "tiny.yml"))
+    with pytest.raises(SystemExit) as exc:
+        plan_cli.main(["--conf", conf, "--memory", "80GB"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("error:") and err.count("\n") == 1 and "--devices" in err
+    assert plan_cli.main(["--conf", conf, "--devices", "4", "--memory", "80XB"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --memory '80XB'") and err.count("\n") == 1
+    assert plan_cli.main(["--conf", conf, "--devices", "4", "--memory", "1GB", "--set", "model.num_layres=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "did you mean" in err and err.count("\n") == 1
+
+
+def test_cli_prints_the_breakdown_and_a_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conf = str(_write_conf(tmp_path / "tiny.yml"))
+    assert plan_cli.main(["--conf", conf, "--devices", "4", "--memory", "1GiB", "--set", "parallel.tp=2",
+                          "train.global_batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank" in out and "activations at peak" in out and "Table 2" in out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["memory_bytes"] == 2**30 and report["vocab"] == 258
+    assert report["config_layout"]["layout"] == {"tp": 2, "pp": 1, "cp": 1, "dp": 1}
+    fits = [row["fits"] for row in report["layouts"]]
+    assert fits == sorted(fits, reverse=True)
+    layouts = {(r["tp"], r["pp"], r["cp"], r["dp"]) for r in report["layouts"]}
+    assert (1, 1, 1, 4) in layouts and all(math.prod(k) == 4 for k in layouts)
+
+
+def test_verify_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_sp.config import TokenizerConfig
+    from megatron_sp.data import build_tokenizer
+    from megatron_sp.data.corpus import make_demo_corpus
+    from megatron_sp.data.preprocess import preprocess_jsonl
+
+    corpus = make_demo_corpus(tmp_path / "corpus.jsonl", max_bytes=60_000)
+    preprocess_jsonl([corpus], str(tmp_path / "byte"), build_tokenizer(TokenizerConfig(type="byte")))
+    conf = str(_write_conf(tmp_path / "tiny.yml", str(tmp_path / "byte_text_document")))
+    # tp 2 > 1 kv head: replicated QKV; SwiGLU, RMSNorm, bf16, sequence parallel with its gather buffer
+    assert plan_cli.main(["--conf", conf, "--verify", "--steps", "1", "--set", "model.arch=llama",
+                          "model.num_kv_heads=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                          "train.precision=bf16"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["verify"]
+    by = {r["quantity"]: r for r in rows}
+    for exact in ("parameters", "gradients", "optimizer state", "SP gather buffer"):
+        assert by[exact]["measured"] == by[exact]["predicted"], by[exact]
+    for r in rows:
+        assert abs(r["ratio"] - 1) <= 0.10, r

@@ -1,0 +1,359 @@
+#!/usr/bin/env python
+"""Plan a layout: per-rank memory and communication of a config, and the (tp, pp, cp, dp) layouts that fit.
+
+    python tools/plan.py --conf configs/410M.yml --devices 64 --memory 80GB
+    python tools/plan.py --conf configs/410M.yml --devices 64 --memory 40GiB --vocab 50277 --device cuda \\
+        --set model.recompute=selective --peak-tflops 312 --bandwidth 100
+    python tools/plan.py --conf configs/demo.yml --verify --set parallel.dp=1 parallel.tp=2 \\
+        parallel.sequence_parallel=true
+
+Prints (a) the per-rank breakdown of the config's own layout — parameters, fp32 main gradients,
+optimizer state, activations (per micro-batch × in flight under the schedule, Table 2 of
+Korthikanti et al. adapted to this model), buffers — and the bytes each rank sends per step per
+parallel dimension; (b) every (tp, pp, cp, dp) with tp·pp·cp·dp = --devices that the config
+loader accepts, ranked: those that fit in --memory first, fastest first by the estimated step time
+(model FLOPs at --peak-tflops ÷ (1 − pipeline bubble) + communication at --bandwidth; see
+``megatron_sp.plan``), then one JSON line. ``--verify`` runs the config (shrunk with ``--set``) for
+a few steps on CPU gloo ranks through the real training code and prints each measured number
+beside its prediction. The model lives in ``megatron_sp/plan.py``. Bad input prints one
+``error:`` line and exits non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn
+
+if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout without installing the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_sp import config as config_mod
+from megatron_sp import plan
+from megatron_sp.config import Config
+from megatron_sp.errors import UserError
+
+GOAL = 0.10
+"""--verify: |measured / predicted − 1| above this is flagged."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``error:`` line (exit code 2) instead of usage + message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conf", action="append", default=[], required=True, metavar="FILE",
+                   help="config file (YAML/JSON); repeat to merge, later wins")
+    p.add_argument("--set", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="dotted config overrides, e.g. --set model.num_layers=2 parallel.tp=2")
+    p.add_argument("--devices", type=int, metavar="N", help="devices to lay out (tp·pp·cp·dp = N)")
+    p.add_argument("--memory", metavar="SIZE", help="memory per device: 80GB, 80GiB, 512MB, ...")
+    p.add_argument("--vocab", type=int, metavar="N",
+                   help="vocabulary size (default: model.vocab_size, else the tokenizer's, else tokenizer.vocab_size)")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="kernels to model (default: parallel.device): cuda = fused attention, 1-byte dropout masks")
+    p.add_argument("--peak-tflops", type=float, metavar="T",
+                   help=f"per-device peak for the ranking (default: logging.peak_tflops or {plan.DEFAULT_PEAK_TFLOPS:g})")
+    p.add_argument("--bandwidth", type=float, default=plan.DEFAULT_BANDWIDTH_GBS, metavar="GB/s",
+                   help="per-rank communication bandwidth for the ranking (default: %(default)g GB/s)")
+    p.add_argument("--bucket-bytes", type=int, default=plan.DEFAULT_BUCKET_BYTES, metavar="B",
+                   help="DistributedOptimizer bucket_bytes (default: %(default)d)")
+    p.add_argument("--top", type=int, default=15, metavar="K", help="layouts shown in the table (default: %(default)s)")
+    p.add_argument("--verify", action="store_true",
+                   help="run the config for a few steps on CPU gloo ranks and print measured beside predicted")
+    p.add_argument("--steps", type=int, default=2, metavar="N", help="--verify: training steps (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.set = [item for group in args.set for item in group]
+    if not args.verify and (args.devices is None or args.memory is None):
+        p.error("--devices and --memory are required (or use --verify)")
+    if args.devices is not None and args.devices < 1:
+        p.error(f"--devices must be >= 1, got {args.devices}")
+    if args.memory is not None and (args.devices is None):
+        p.error("--memory needs --devices")
+    if args.vocab is not None and args.vocab < 1:
+        p.error(f"--vocab must be >= 1, got {args.vocab}")
+    if args.steps < 1 or args.top < 1 or args.bandwidth <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):
+        p.error("--steps, --top, --bandwidth and --peak-tflops must be positive")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+def resolve_vocab(cfg: Config, given: int | None) -> tuple[int, str]:
+    """The vocabulary size to plan with, and where it came from."""
+    if given:
+        return given, "--vocab"
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size, "model.vocab_size"
+    tok = cfg.tokenizer
+    if tok.type == "byte":
+        return 258, "byte tokenizer"
+    if tok.model and Path(tok.model).is_file():
+        from megatron_sp.data.tokenizer import build_tokenizer
+        return build_tokenizer(tok).vocab_size, f"tokenizer {tok.model}"
+    return tok.vocab_size, f"tokenizer.vocab_size: {tok.model or 'no tokenizer model'} not found, pass --vocab N"
+
+
+def load_config(args: argparse.Namespace, extra: list[str], vocab: int | None) -> Config:
+    """The finalized config of --conf + --set + ``extra`` overrides (+ --device), vocabulary set."""
+    device = [f"parallel.device={args.device}", "parallel.backend=none"] if args.device else []
+    cfg = config_mod.load(args.conf, [*args.set, *device, *extra])
+    if vocab is not None:
+        config_mod.set_vocab(cfg, vocab)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ printing
+
+B = plan.format_bytes
+
+
+def describe(cfg: Config, vocab_source: str) -> list[str]:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    D = plan.dims_of(cfg)
+    kv = f", {m.num_kv_heads} kv heads" if m.num_kv_heads != m.num_heads else ""
+    cp = f" ({p.cp_algo}{f', ulysses {p.cp_ulysses}' if p.cp_algo == 'usp' else ''})" if p.cp > 1 else ""
+    sched = p.pp_schedule + (f", {p.virtual_stages} virtual stages" if p.virtual_stages > 1 else "")
+    return [f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads{kv}, ffn "
+            f"{m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size} padded to {m.padded_vocab_size} "
+            f"({vocab_source})",
+            f"layout: tp {p.tp}{' + SP' if D.sp else ''}, pp {p.pp} ({sched}), cp {p.cp}{cp}, dp {p.dp} = world "
+            f"{p.world_size}; {t.precision}, ZeRO-{p.zero}, recompute {m.recompute}, micro-batch {t.micro_batch_size}"
+            f" × {t.grad_accum_steps} per rank per step (global batch {t.global_batch_size}); kernels: "
+            f"{D.device}, attention {plan.attention_kernel(D)}"]
+
+
+def _stages_shown(pp: int) -> list[int]:
+    return list(range(pp)) if pp <= 4 else [0, 1, pp - 2, pp - 1]
+
+
+def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
+    D = lp.dims
+    shown = [lp.stages[r] for r in _stages_shown(D.pp)]
+    width = 14
+    header = "".join(f"{f'stage {r.pp_rank}':>{width}}" for r in shown)
+    master = " + fp32 master" if D.precision != "fp32" else ""
+    shard = f", ZeRO-1 /{D.dp_cp}" if D.zero and D.dp_cp > 1 else ""
+    rows: list[tuple[str, list[str]]] = [
+        (f"parameters ({D.precision})", [B(r.state.params) for r in shown]),
+        ("gradients (fp32 main grads)", [B(r.state.grads) for r in shown]),
+        (f"optimizer (Adam m,v fp32{master}{shard})", [B(r.state.optim) for r in shown]),
+        ("activations / micro-batch", [B(r.per_micro_batch) for r in shown]),
+        ("  micro-batches in flight", [f"{r.schedule.in_flight_micro_batches:g}" for r in shown]),
+        ("activations at peak (schedule)", [B(r.activations) for r in shown]),
+    ]
+    names = list(dict.fromkeys(k for r in shown for k in r.buffers))
+    rows += [(name, [B(r.buffers.get(name, 0)) for r in shown]) for name in names]
+    rows.append(("total", [B(r.total) for r in shown]))
+    print(f"\n{'memory per rank':<41}{header}")
+    for label, values in rows:
+        print(f"  {label:<39}" + "".join(f"{v:>{width}}" for v in values))
+    first = lp.stages[0]
+    pad_rows = D.padded_vocab - D.vocab
+    print(f"  (stage 0: {first.state.param_elements:,} parameters incl. {first.state.vocab_tables} vocabulary table(s) "
+          f"padded by {pad_rows} rows ({B(first.state.vocab_tables * pad_rows * D.h // D.tp * D.e)}), + "
+          f"{first.state.padded_elements - first.state.param_elements:,} bucket padding; in flight by the schedule "
+          f"table, Megatron's count {plan.megatron_in_flight(D, 0):g})")
+    if memory is not None:
+        worst = lp.worst
+        verdict = "fits" if worst.total <= memory else "does NOT fit"
+        print(f"  worst rank: stage {worst.pp_rank}, {B(worst.total)} of {B(memory)}: {verdict}")
+    print(f"\n{'communication per step per rank (bytes sent)':<43}" + "".join(f"{f'stage {r.pp_rank}':>{width}}" for r in shown))
+    dims = {"tp": "TP", "cp": "CP", "pp": "PP p2p", "dp": "DP grads/params", "other": "scalars"}
+    for dim, label in dims.items():
+        ops = sorted({op for r in shown for op in r.comm.get(dim, {})})
+        for op in ops:
+            print(f"  {label + ' ' + op:<43}" + "".join(f"{B(r.comm.get(dim, {}).get(op, 0)):>{width}}" for r in shown))
+    chunk = first.chunks[0]
+    print(f"\none layer's activations per micro-batch (stage 0, {chunk.layers} layers on its first chunk):")
+    for name, value in chunk.per_layer.items():
+        print(f"  {name:<39}{B(value):>{width}}")
+    ours = sum(chunk.per_layer.values())
+    paper, fused = plan.table2_layer_bytes(D), plan.table2_layer_bytes(D, scores=False)
+    table2 = f"{B(paper)} (ratio {ours / paper:.2f})"
+    if fused != paper:
+        table2 += f", {B(fused)} without its 5as/h score term (ratio {ours / fused:.2f})"
+    print(f"  {'sum (this model)':<39}{B(ours):>{width}}   Table 2: {table2}")
+    extras = {k: v for c in first.chunks for k, v in {**c.extra, **c.shared}.items()}
+    if extras:
+        print("  outside the layers: " + ", ".join(f"{k} {B(v)}" for k, v in extras.items()))
+
+
+def print_layouts(cands: list[plan.Candidate], top: int, memory: int) -> None:
+    valid = [c for c in cands if c.plan is not None]
+    fits = [c for c in valid if c.fits]
+    refused = [c for c in cands if c.plan is None]
+    print(f"\nlayouts: {len(cands)} of tp·pp·cp·dp; {len(refused)} refused by the config checks, {len(valid)} valid, "
+          f"{len(fits)} fit in {B(memory)}")
+    print(f"  {'#':>3} {'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'peak/rank':>11} {'fits':>5} {'step s':>9} {'tokens/s':>11} "
+          f"{'MFU':>6} {'bubble':>7} {'comm/step':>11}")
+    for i, c in enumerate(valid[:top], 1):
+        assert c.plan is not None
+        t = c.plan.time
+        comm = max(r.comm_bytes() for r in c.plan.stages)
+        print(f"  {i:>3} {c.layout[0]:>3} {c.layout[1]:>3} {c.layout[2]:>3} {c.layout[3]:>4} {B(c.plan.peak_bytes):>11} "
+              f"{'yes' if c.fits else 'no':>5} {t['step_s']:>9.3f} {t['tokens_per_s']:>11,.0f} {100 * t['mfu']:>5.1f}% "
+              f"{100 * t['bubble']:>6.1f}% {B(comm):>11}")
+    if len(valid) > top:
+        print(f"  ... {len(valid) - top} more")
+    print("  (step time, tokens/s and MFU take every FLOP at the peak and every byte at the bandwidth: they rank "
+          "layouts, they do not predict throughput)")
+    reasons: dict[str, int] = {}
+    for c in refused:
+        reasons[c.error.split(";")[0]] = reasons.get(c.error.split(";")[0], 0) + 1
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:4]:
+        print(f"  refused ×{n}: {reason}")
+
+
+def plan_json(lp: plan.LayoutPlan) -> dict[str, Any]:
+    return {"layout": dict(zip(("tp", "pp", "cp", "dp"), lp.layout, strict=True)), "peak_bytes": lp.peak_bytes,
+            "stages": [{"pp_rank": r.pp_rank, "params": r.state.params, "grads": r.state.grads, "optim": r.state.optim,
+                        "activations_per_micro_batch": r.per_micro_batch, "in_flight": r.schedule.in_flight,
+                        "activations_peak": r.activations, "buffers": r.buffers, "total": r.total, "comm": r.comm}
+                       for r in lp.stages], **({"time": lp.time} if lp.time else {})}
+
+
+def layout_json(c: plan.Candidate) -> dict[str, Any]:
+    """One ranked layout, compact: degrees, fit, worst rank's bytes, time estimate, bytes sent by the busiest rank."""
+    assert c.plan is not None
+    return {**dict(zip(("tp", "pp", "cp", "dp"), c.layout, strict=True)), "fits": c.fits, "peak_bytes": c.plan.peak_bytes,
+            **c.plan.time, "comm_bytes": max(r.comm_bytes() for r in c.plan.stages)}
+
+
+# ------------------------------------------------------------------------------------------ verify
+
+
+def verify_overrides(args: argparse.Namespace, log_dir: str) -> list[str]:
+    """--set plus what a short CPU check needs: gloo, no checkpoints, no validation, ``--steps`` iterations,
+    batches read in the rank itself (the ranks are daemon processes: no loader workers)."""
+    from dataclasses import fields
+
+    from megatron_sp.config import DataConfig
+
+    workers = ["data.num_workers=0"] if "num_workers" in {f.name for f in fields(DataConfig)} else []
+    return [*args.set, "parallel.device=cpu", "parallel.backend=gloo", f"train.iters={args.steps}",
+            "train.lr_warmup_iters=0", "train.eval_interval=0", "checkpoint.load=none", "checkpoint.save=none",
+            "checkpoint.interval=0", f"logging.dir={log_dir}", "train.sample_prompt=none", "logging.level=warning",
+            *workers]
+
+
+def verify_rows(lp: plan.LayoutPlan, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (pipeline stage, quantity): predicted, measured (the largest over the stage's ranks), ratio."""
+    rows = []
+    for stage in lp.stages:
+        mine = [r for r in results if r["pp_rank"] == stage.pp_rank]
+
+        def worst(get: Any, mine: list[dict[str, Any]] = mine) -> float:
+            return max(get(r) for r in mine)
+
+        pairs = [("parameters", stage.state.params, worst(lambda r: r["state"]["params"])),
+                 ("gradients", stage.state.grads, worst(lambda r: r["state"]["grads"])),
+                 ("optimizer state", stage.state.optim, worst(lambda r: r["state"]["optim"]))]
+        for c, chunk in enumerate(stage.chunks):
+            label = "activations / micro-batch" + (f" (chunk {c})" if len(stage.chunks) > 1 else "")
+            pairs.append((label, chunk.per_micro_batch + sum(chunk.shared.values()), worst(lambda r, c=c: r["chunks"][c])))
+        pairs.append(("micro-batches in flight", stage.schedule.in_flight, worst(lambda r: r["in_flight"])))
+        pairs.append(("activations at peak (schedule)", stage.activations, worst(lambda r: r["peak"])))
+        gather = stage.buffers.get("SP gather buffer (mpu.memory)", 0)
+        if gather or worst(lambda r: r["gather_buffer"]):
+            pairs.append(("SP gather buffer", gather, worst(lambda r: r["gather_buffer"])))
+        predicted_ops: dict[str, float] = {}
+        for ops in stage.comm.values():
+            for op, nbytes in ops.items():
+                predicted_ops[op] = predicted_ops.get(op, 0.0) + nbytes
+        measured_ops = sorted({op for r in mine for op in r["comm"]} | set(predicted_ops))
+        for op in measured_ops:
+            pairs.append((f"sent per step: {op}", predicted_ops.get(op, 0.0), worst(lambda r, op=op: r["comm"].get(op, 0.0))))
+        for name, predicted, measured in pairs:
+            ratio = measured / predicted if predicted else (1.0 if not measured else float("inf"))
+            rows.append({"stage": stage.pp_rank, "quantity": name, "predicted": predicted, "measured": measured,
+                         "ratio": ratio})
+    return rows
+
+
+def print_verify(rows: list[dict[str, Any]]) -> None:
+    print(f"\n--verify: measured on CPU gloo ranks (largest over each stage's ranks) beside predicted; goal within "
+          f"{100 * GOAL:.0f}%")
+    print(f"  {'stage':>5} {'quantity':<34} {'predicted':>14} {'measured':>14} {'ratio':>7}")
+    for r in rows:
+        count = r["quantity"] == "micro-batches in flight"
+        fmt = (lambda v: f"{v:g}") if count else (lambda v: f"{v:,.0f}")
+        flag = "  *" if abs(r["ratio"] - 1) > GOAL else ""
+        print(f"  {r['stage']:>5} {r['quantity']:<34} {fmt(r['predicted']):>14} {fmt(r['measured']):>14} "
+              f"{r['ratio']:>7.3f}{flag}")
+    off = [r for r in rows if abs(r["ratio"] - 1) > GOAL]
+    print(f"  {len(rows) - len(off)} of {len(rows)} within {100 * GOAL:.0f}%" + ("" if not off else "; * = outside"))
+
+
+def run_verify(args: argparse.Namespace) -> tuple[plan.LayoutPlan, list[dict[str, Any]]]:
+    from megatron_sp import training
+    from megatron_sp.testing import run_distributed
+
+    log_dir = tempfile.mkdtemp(prefix="plan_verify_")
+    try:
+        overrides = verify_overrides(args, log_dir)
+        cfg = config_mod.load(args.conf, overrides)
+        training.prepare_inputs(cfg)  # builds the demo data if asked; sets the vocabulary
+        lp = plan.plan_layout(cfg, args.bucket_bytes)
+        world = cfg.parallel.world_size
+        results = run_distributed(plan.verify_rank, world, conf_files=list(args.conf), overrides=overrides,
+                                  steps=args.steps, timeout_s=cfg.parallel.timeout_s)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return lp, verify_rows(lp, results)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        report: dict[str, Any] = {"tool": "plan"}
+        if args.verify:
+            lp, rows = run_verify(args)
+            for line in describe(lp.cfg, "tokenizer"):
+                print(line)
+            print_breakdown(lp, None)
+            print_verify(rows)
+            report |= {"config_layout": plan_json(lp), "verify": rows}
+        if args.devices is not None:
+            memory = plan.parse_memory(args.memory)
+            base = load_config(args, [], None)
+            vocab, source = resolve_vocab(base, args.vocab)
+            config_mod.set_vocab(base, vocab)
+            peak = args.peak_tflops or base.logging.peak_tflops or plan.DEFAULT_PEAK_TFLOPS
+            if not args.verify:
+                own = plan.plan_layout(base, args.bucket_bytes)
+                own.time = plan.estimate_step_time(own, peak, args.bandwidth)
+                for line in describe(base, source):
+                    print(line)
+                print_breakdown(own, memory)
+                report["config_layout"] = plan_json(own)
+            cands = plan.search(lambda extra: load_config(args, extra, vocab), base, args.devices, memory, peak,
+                                args.bandwidth, args.bucket_bytes)
+            print(f"\nranking: estimated step time = busiest stage's FLOPs at {peak:g} TFLOP/s ÷ (1 − bubble) + exposed "
+                  f"communication at {args.bandwidth:g} GB/s (megatron_sp/plan.py)")
+            print_layouts(cands, args.top, memory)
+            report |= {"devices": args.devices, "memory_bytes": memory, "peak_tflops": peak,
+                       "bandwidth_gbs": args.bandwidth, "vocab": vocab,
+                       "layouts": [layout_json(c) for c in cands if c.plan is not None],
+                       "refused": [{"layout": c.layout, "error": c.error} for c in cands if c.plan is None]}
+        print(json.dumps(report, default=float))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
