@@ -49,6 +49,8 @@ def test_zero1_checkpoint_resumes_at_other_dp_sizes(tmp_path, byte_data):
     train(full, byte_data, "train.iters=10", "parallel.dp=2", "parallel.zero=1")
     train(first, byte_data, "train.iters=5", "parallel.dp=2", "parallel.zero=1", f"checkpoint.save={first}/ckpt")
     ref = metrics(full)
+    shards = sorted(p.name for p in (first / "ckpt" / "iter_0000005" / "shards").iterdir())
+    assert shards == ["rank_00000.safetensors", "rank_00001.safetensors"]  # each rank wrote its ZeRO-1 part
     for dp in (1, 4):
         run = tmp_path / f"dp{dp}"
         train(run, byte_data, "train.iters=10", f"parallel.dp={dp}", "parallel.zero=1", f"checkpoint.load={first}/ckpt")
