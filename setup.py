@@ -21,10 +21,14 @@ setup(
         "safetensors",  # checkpoint shards
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40"],
-        "logging": ["wandb", "tensorboard"],
+        "test": ["pytest>=7", "transformers>=4.40", "matplotlib"],
+        "logging": ["wandb", "tensorboard", "matplotlib"],  # matplotlib: tools/plot_metrics.py
         # flash-attn builds against the installed CUDA torch; NVIDIA apex is built from source (README).
         "gpu": ["flash-attn>=2.5"],
+        # tokenizer.type=hf: a Hugging Face tokenizer.json through the `tokenizers` package alone.
+        "hf": ["tokenizers>=0.15"],
+        # Byte-compatibility and blending tests against megatron-core (its dataset modules import on CPU).
+        "compat": ["megatron-core==0.16.1"],
     },
     scripts=[],
 )

@@ -6,9 +6,11 @@ matmul rate of the devices used (on CPU measured at start-up, see ``device.measu
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,34 @@ def format_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+# config key → (the package it imports, what to tell the user when it is absent)
+_SINKS = {
+    "wandb": ("wandb", "logging.wandb=true needs wandb: pip install 'megatron_sp[logging]' "
+                       "(or set logging.wandb=false)"),
+    "tensorboard": ("tensorboard", "logging.tensorboard=true needs tensorboard: pip install 'megatron_sp[logging]' "
+                                   "(or set logging.tensorboard=false)"),
+}
+
+
+def check_sinks(cfg: Config) -> None:
+    """Raise the ``ConfigError`` of an enabled optional sink whose package is not installed.
+
+    Cheap (nothing is imported): ``train.py`` calls it before it starts any rank, so a missing
+    package is one line at once rather than a failure of rank 0 after the model is built.
+    """
+    for key, (package, message) in _SINKS.items():
+        if getattr(cfg.logging, key) and importlib.util.find_spec(package) is None:
+            raise ConfigError(message)
+
+
 class MetricsLogger:
-    """Writes records to ``logging.dir/metrics.jsonl`` and the optional sinks; a no-op off rank 0."""
+    """Writes records to ``logging.dir/metrics.jsonl`` and the optional sinks; a no-op off rank 0.
+
+    Every numeric field of a record (``step`` aside) goes to wandb and TensorBoard as a scalar at
+    that step. wandb writes under ``$WANDB_DIR`` if set, else under ``logging.dir``; with
+    ``WANDB_MODE=offline`` it needs no account or network (``wandb sync`` uploads later).
+    TensorBoard event files go to ``logging.dir/tensorboard``.
+    """
 
     def __init__(self, cfg: Config, enabled: bool, resume_step: int = 0) -> None:
         self.enabled = enabled
@@ -44,6 +72,7 @@ class MetricsLogger:
         self._tb: Any = None
         if not enabled:
             return
+        check_sinks(cfg)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step and self.path.exists():
             # Drop records past the resume point so the file reads as one continuous run.
@@ -56,17 +85,24 @@ class MetricsLogger:
             try:
                 import wandb  # type: ignore[import-not-found]
             except ImportError:
-                raise ConfigError("logging.wandb=true needs wandb: pip install 'megatron_sp[logging]' "
-                                  "(or set logging.wandb=false)") from None
-            self._wandb = wandb.init(project=cfg.logging.wandb_project, dir=str(self.path.parent),
-                                     config=_plain(cfg), resume="allow")
+                raise ConfigError(_SINKS["wandb"][1]) from None
+            try:
+                self._wandb = wandb.init(project=cfg.logging.wandb_project,
+                                         dir=os.environ.get("WANDB_DIR") or str(self.path.parent),
+                                         config=_plain(cfg), resume="allow")
+            except wandb.errors.Error as exc:  # no API key, no network, ...: a setup problem, not a bug
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ConfigError(f"logging.wandb: wandb.init failed: {first} (run `wandb login`, or set "
+                                  "WANDB_MODE=offline and `wandb sync` later, or set logging.wandb=false)") from None
         if cfg.logging.tensorboard:
             try:
+                import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ConfigError("logging.tensorboard=true needs tensorboard: pip install 'megatron_sp[logging]' "
-                                  "(or set logging.tensorboard=false)") from None
-            self._tb = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"))
+                raise ConfigError(_SINKS["tensorboard"][1]) from None
+            # On resume, TensorBoard drops the earlier run's events past the resume step, as metrics.jsonl does.
+            self._tb = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"),
+                                     purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -74,7 +110,8 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         step = int(record.get("step", 0))
-        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        numbers = {k: v for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
         if self._tb is not None:

@@ -16,8 +16,10 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import sys
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpointing, config as config_mod, device as device_mod, metrics as metrics_mod
+from . import checkpointing, config as config_mod, device as device_mod, faults, metrics as metrics_mod
 from .config import Config
 from .errors import TrainingError, UserError
 from .mpu import ParallelDims, ParallelState, comm, init_default_group, initialize
@@ -42,8 +44,15 @@ log = logging.getLogger("megatron_sp")
 
 # ----------------------------------------------------------------------------- command line
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``error:`` line (exit code 2) like every other user error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message} (see train.py --help)\n")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a GPT. Config keys can be set in --conf files (YAML/JSON, merged in order) "
                     "and as section.key=value overrides; --help-config lists every key.")
@@ -80,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         world = int(os.environ["WORLD_SIZE"]) if torchrun else None
         cfg = config_mod.load(args.conf, args.overrides, world_size=world)
         setup_logging(cfg.logging.level, rank)
+        metrics_mod.check_sinks(cfg)  # a missing wandb/tensorboard: one line now, not a rank failing later
         if not torchrun:
             prepare_inputs(cfg)  # build the demo data once, check files, before any rank starts
+            if cfg.checkpoint.load and not (cfg.checkpoint.auto_resume and cfg.checkpoint.save
+                                            and (Path(cfg.checkpoint.save) / "latest").is_file()):
+                checkpointing.read_meta(checkpointing.resolve(cfg.checkpoint.load))  # a bad path: one line now
             if cfg.parallel.world_size > 1:
                 return _launch_local(cfg, argv)
         run(cfg)
@@ -97,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 def _launch_local(cfg: Config, argv: list[str]) -> int:
     """Start ``world_size`` local ranks of this same command through torch.distributed.run."""
     from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     n = cfg.parallel.world_size
@@ -110,25 +124,38 @@ def _launch_local(cfg: Config, argv: list[str]) -> int:
     if not script:
         run_args.remove("-m")
         run_args.insert(run_args.index("megatron_sp.training"), "--module")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # our one line names the failure
+    started = time.time()
     try:
         torch_run.main(run_args)
     except ChildFailedError as exc:
-        failures = exc.failures
-        first = min(failures) if failures else 0
-        print(f"error: rank {first} of {n} failed (exit code {failures[first].exitcode if failures else '?'}); "
-              f"its message is above", file=sys.stderr)
-        return failures[first].exitcode if failures and failures[first].exitcode > 0 else 1
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"error: rank {rank} of {n} {how}; the other ranks were stopped"
+              + ("" if code < 0 else " (its message is above)"), file=sys.stderr)
+        return code if code > 0 else 1
+    except SignalException as exc:  # SIGTERM/SIGINT to this launcher: torchrun passed it on to the ranks
+        latest = Path(cfg.checkpoint.save) / "latest" if cfg.checkpoint.save else None
+        if exc.sigval == signal.SIGTERM and latest is not None and latest.is_file() \
+                and latest.stat().st_mtime >= started:
+            log.info("stopped by SIGTERM; the ranks saved %s", checkpointing.resolve(latest.parent))
+            return 0
+        print(f"error: stopped by signal {signal.Signals(exc.sigval).name} without a new checkpoint"
+              + ("" if cfg.checkpoint.save else " (set checkpoint.save to save one on SIGTERM)"), file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0
 
 
 def prepare_inputs(cfg: Config) -> Any:
-    """Build the demo data if asked and absent; load the tokenizer and derive the vocab sizes."""
-    from .data import build_tokenizer, ensure_demo_data
+    """Build the demo data if asked and absent; load the tokenizer and derive the vocab sizes; open the dataset."""
+    from .data import build_tokenizer, ensure_demo_data, open_dataset, parse_blend
     if cfg.data.build_demo:
         ensure_demo_data(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
     config_mod.set_vocab(cfg, tokenizer.vocab_size)
+    for prefix in parse_blend(cfg.data.paths)[0]:  # every dataset of a blend
+        open_dataset(prefix)  # a missing, malformed or empty .bin/.idx is one line here, before any rank starts
     return tokenizer
 
 
@@ -151,6 +178,7 @@ class Runtime:
     consumed_samples: int = 0
     skipped_steps: int = 0
     pipeline_costs: dict[str, float] | None = None  # zero-bubble: the last step's agreed action costs
+    train_loader: Any = None  # data.loader.BatchLoader reading ahead from consumed_samples (next_train_batch)
 
 
 def setup(cfg: Config) -> Runtime:
@@ -214,8 +242,12 @@ def setup(cfg: Config) -> Runtime:
         train_ds, valid_ds = build_datasets(cfg, tokenizer, n_train, n_valid)
 
     rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds, scaler)
-    if cfg.checkpoint.load:
-        ckpt = checkpointing.resolve(cfg.checkpoint.load)
+    load_from = cfg.checkpoint.load
+    if cfg.checkpoint.auto_resume and (Path(cfg.checkpoint.save) / "latest").is_file():  # type: ignore[arg-type]
+        load_from = cfg.checkpoint.save
+        log.info("checkpoint.auto_resume: resuming from %s", checkpointing.resolve(load_from))
+    if load_from:
+        ckpt = checkpointing.resolve(load_from)
         meta = checkpointing.load(ckpt, model, optimizer, state, dev, cfg.train.seed, tracker,
                                   layout=checkpointing.layout_of(cfg))
         rt.step, rt.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
@@ -242,9 +274,37 @@ def rank_batch(rt: Runtime, ds: Any, first_sample: int) -> dict[str, torch.Tenso
     start = first_sample + st.dp_rank * per_rank
     batch = collate([ds[i] for i in range(start, start + per_rank)], rt.tokenizer.eod, cfg.data.eod_mask_loss,
                     reset_position_ids=cfg.data.reset_position_ids, reset_attention_mask=cfg.data.reset_attention_mask)
-    if st.cp_size > 1:  # this rank's s/cp tokens of every sample (labels were shifted on the full sequence)
+    return place_batch(rt, batch)
+
+
+def next_train_batch(rt: Runtime) -> dict[str, torch.Tensor]:
+    """This rank's share of the global batch at ``rt.consumed_samples``, from the read-ahead loader.
+
+    The loader is (re)built whenever it is not positioned at ``consumed_samples`` (first step, after
+    a resume), so it returns exactly what ``rank_batch(rt, rt.train_ds, rt.consumed_samples)`` would.
+    """
+    from .data.loader import BatchLoader, rank_collate
+
+    cfg, st = rt.cfg, rt.state
+    loader = rt.train_loader
+    if loader is None or loader.next_sample != rt.consumed_samples:
+        if loader is not None:
+            loader.close()
+        collate_fn = rank_collate(rt.tokenizer.eod, cfg.data.eod_mask_loss, cfg.data.reset_position_ids,
+                                  cfg.data.reset_attention_mask)
+        loader = rt.train_loader = BatchLoader(
+            rt.train_ds, rt.consumed_samples, cfg.train.global_batch_size, st.dp_rank, st.dp_size,  # type: ignore[arg-type]
+            collate_fn, num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
+            pin_memory=rt.device.type == "cuda")
+    return place_batch(rt, next(loader))
+
+
+def place_batch(rt: Runtime, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep this CP rank's part of every sample (labels were shifted on the full sequence) and move it to the device."""
+    st = rt.state
+    if st.cp_size > 1:  # this rank's s/cp tokens of every sample
         from .model.attention.layout import layout_of, shard_batch
-        batch = shard_batch(batch, st.cp_size, st.cp_rank, layout_of(cfg.parallel.cp_algo))
+        batch = shard_batch(batch, st.cp_size, st.cp_rank, layout_of(rt.cfg.parallel.cp_algo))
     return {k: v.to(rt.device) for k, v in batch.items()}
 
 
@@ -260,7 +320,7 @@ def train_step(rt: Runtime) -> dict[str, float]:
     """One optimizer step over one global batch. Returns loss, grad_norm, lr, tokens."""
     cfg, model, opt = rt.cfg, rt.model, rt.optimizer
     opt.zero_grad()
-    batch = rank_batch(rt, rt.train_ds, rt.consumed_samples)
+    batch = next_train_batch(rt)
     micro = cfg.train.micro_batch_size
     n_micro = cfg.train.grad_accum_steps
     global_tokens = _global_sum([float(batch["loss_mask"].sum())], rt)[0]
@@ -352,7 +412,14 @@ def run(cfg: Config) -> Runtime:
     rt = setup(cfg)
     try:
         _loop(rt)
+    except RuntimeError as exc:  # a collective with a dead or hung peer: name it, without a traceback
+        report = faults.peer_failure(exc, rt.cfg.parallel.timeout_s)
+        if report is None:
+            raise
+        raise report from None
     finally:
+        if rt.train_loader is not None:
+            rt.train_loader.close()  # loader worker processes, if any
         if dist.is_initialized():
             rt.state.destroy()
             dist.destroy_process_group()
@@ -404,6 +471,7 @@ def _loop(rt: Runtime) -> None:
     t_start, start_step = t_window, rt.step
     paused = 0.0  # seconds of validation and checkpointing inside the current window (not training)
     saver = checkpointing.Checkpointer(cfg, st, rt.device)
+    preemption = faults.Preemption(enabled=bool(cfg.checkpoint.save))
     while rt.step < cfg.train.iters:
         out = train_step(rt)
         saver.poll()  # finishes an asynchronous save once every rank has written its part
@@ -432,11 +500,19 @@ def _loop(rt: Runtime) -> None:
             val = evaluate(rt)
             metrics.write({"step": rt.step, "val_loss": val})
             log.info("step %d | validation loss %.4f | perplexity %.2f", rt.step, val, math.exp(min(val, 50.0)))
+        preempted = preemption.agreed(rt.device)
         if cfg.checkpoint.save and ((cfg.checkpoint.interval and rt.step % cfg.checkpoint.interval == 0)
-                                    or (done and cfg.checkpoint.save_at_end)):
+                                    or (done and cfg.checkpoint.save_at_end) or preempted):
+            if preempted:
+                log.warning("SIGTERM: saving a checkpoint at step %d, then exiting", rt.step)
             saver.save(rt.step, rt.consumed_samples, rt.model, rt.optimizer, get_tracker(),
-                       extra={"skipped_steps": rt.skipped_steps, "loss_scaler": rt.scaler.state_dict()})
+                       extra={"skipped_steps": rt.skipped_steps, "loss_scaler": rt.scaler.state_dict()},
+                       asynchronous=False if preempted else None)
         paused += time.perf_counter() - t_pause
+        if preempted:
+            saver.wait()
+            metrics.close()
+            return
     saver.wait()
     metrics.close()
     if cfg.train.sample_prompt and st.pp_size > 1:

@@ -2,10 +2,12 @@
 """Tokenize JSONL corpora into Megatron indexed datasets (PREFIX_{key}_document.bin/.idx).
 
     python tools/preprocess_data.py --input data/demo/corpus.jsonl --output-prefix data/demo/demo \\
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model --append-eod
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model --append-eod \\
+        --workers 2
 
 The flags follow Megatron-LM's tools/preprocess_data.py; the output files are byte-compatible
-with megatron-core's IndexedDataset. Each JSON line becomes one document.
+with megatron-core's IndexedDataset (uint16 tokens below 65500 ids, else int32). Each JSON line
+becomes one document; --split-sentences writes one sequence per sentence (PREFIX_{key}_sentence).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from megatron_sp.errors import UserError
 TOKENIZER_TYPES = {
     "SentencePieceTokenizer": "sentencepiece",
     "sentencepiece": "sentencepiece",
+    "HuggingFaceTokenizer": "hf",
+    "hf": "hf",
     "ByteTokenizer": "byte",
     "byte": "byte",
 }
@@ -39,21 +43,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Output prefix: writes OUTPUT_PREFIX_{key}_document.bin/.idx for each JSON key.")
     parser.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZER_TYPES),
                         help="SentencePieceTokenizer (or sentencepiece): needs --tokenizer-model; "
+                             "HuggingFaceTokenizer (or hf): a tokenizers tokenizer.json as --tokenizer-model; "
                              "ByteTokenizer (or byte): UTF-8 bytes, 258 ids.")
     parser.add_argument("--tokenizer-model", default=None,
-                        help="SentencePiece .model file (made by tools/train_tokenizer.py).")
+                        help="SentencePiece .model file (made by tools/train_tokenizer.py), or the HF tokenizer.json "
+                             "(or its directory).")
+    parser.add_argument("--eod-token", default=None,
+                        help="The end-of-document token, when the tokenizer's default is not the one wanted "
+                             "(the tokenizer.eod_token config key).")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="JSON keys to tokenize, one dataset per key (default: text).")
     parser.add_argument("--append-eod", action="store_true",
                         help="Append the end-of-document token to every document (wanted for GPT pretraining; "
                              "off by default, as in Megatron).")
+    parser.add_argument("--split-sentences", action="store_true",
+                        help="Write each sentence as its own sequence (documents keep their sentences together); "
+                             "outputs are named OUTPUT_PREFIX_{key}_sentence. A rule-based splitter (no NLTK).")
     parser.add_argument("--workers", type=int, default=1,
                         help="Tokenizer processes; the output does not depend on it (default: %(default)s).")
+    parser.add_argument("--log-interval", type=int, default=1000,
+                        help="Log progress (documents, docs/s, MB/s) every this many documents "
+                             "(default: %(default)s; 0: only the summary).")
     args = parser.parse_args(argv)
-    if TOKENIZER_TYPES[args.tokenizer_type] == "sentencepiece" and not args.tokenizer_model:
+    if TOKENIZER_TYPES[args.tokenizer_type] in ("sentencepiece", "hf") and not args.tokenizer_model:
         parser.error(f"--tokenizer-model is required with --tokenizer-type {args.tokenizer_type}")
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    if args.log_interval < 0:
+        parser.error(f"--log-interval must be >= 0, got {args.log_interval}")
     return args
 
 
@@ -62,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         tokenizer = build_tokenizer(TokenizerConfig(type=TOKENIZER_TYPES[args.tokenizer_type],
-                                                    model=args.tokenizer_model))
+                                                    model=args.tokenizer_model, eod_token=args.eod_token))
         stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
-                                 append_eod=args.append_eod, workers=args.workers)
+                                 append_eod=args.append_eod, workers=args.workers,
+                                 split_sentences=args.split_sentences, log_interval=args.log_interval)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -120,6 +120,10 @@ def read_file(path: str | Path) -> dict[str, Any]:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+        if mark is not None and problem:  # YAML: where, what, and in what (its first line is only the context)
+            context = getattr(exc, "context", None)
+            first = f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
         raise ConfigError(f"config file '{p}' is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {first}") from None
     if data is None:
         return {}
@@ -159,7 +163,9 @@ def load(conf_files: list[str | Path] | None = None, overrides: list[str] | None
 
 def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
-        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}{_did_you_mean(value, list(options))}")
+        close = difflib.get_close_matches(value, list(options), n=1, cutoff=0.5)  # the options are listed already
+        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}"
+                          + (f"; did you mean '{close[0]}'?" if close else ""))
 
 
 def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
@@ -182,17 +188,18 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     _choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
     _choice("train.lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
     _choice("model.recompute", m.recompute, ("none", "selective", "full"))
-    _choice("tokenizer.type", cfg.tokenizer.type, ("sentencepiece", "byte"))
+    _choice("tokenizer.type", cfg.tokenizer.type, ("sentencepiece", "hf", "byte"))
     _choice("logging.level", cfg.logging.level, ("debug", "info", "warning"))
     _positive(cfg, "model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads",
               "model.ffn_hidden_size", "model.seq_length", "model.ffn_multiple_of", "model.make_vocab_size_divisible_by",
               "parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp", "parallel.virtual_stages",
               "parallel.timeout_s", "train.iters", "train.micro_batch_size", "train.global_batch_size",
               "train.eval_iters", "logging.interval", "train.sample_tokens", "tokenizer.vocab_size",
-              "train.loss_scale_init", "train.loss_scale_window", "train.loss_scale_hysteresis")
+              "train.loss_scale_init", "train.loss_scale_window", "train.loss_scale_hysteresis",
+              "data.prefetch_factor")
     _positive(cfg, "train.lr", "train.min_lr", "train.lr_warmup_iters", "train.weight_decay", "train.clip_grad",
               "train.eval_interval", "checkpoint.interval", "checkpoint.keep", "logging.dump_grads_step", "logging.peak_tflops",
-              "model.hidden_dropout", "model.attention_dropout", allow_zero=True)
+              "model.hidden_dropout", "model.attention_dropout", "data.num_workers", allow_zero=True)
     for key in ("hidden_dropout", "attention_dropout"):
         if getattr(m, key) >= 1.0:
             raise ConfigError(f"model.{key}: {getattr(m, key)} must be below 1")
@@ -324,26 +331,33 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.lr_warmup_iters {t.lr_warmup_iters} must not exceed train.lr_decay_iters {t.lr_decay_iters}")
 
     # --- data / tokenizer ---
-    try:
-        ratios = [float(x) for x in d.split.split(",")]
-    except ValueError:
-        raise ConfigError(f"data.split: '{d.split}' must be comma-separated ratios like 98,2,0") from None
-    if not 1 <= len(ratios) <= 3 or any(r < 0 for r in ratios) or sum(ratios) <= 0:
-        raise ConfigError(f"data.split: '{d.split}' must be 1 to 3 non-negative ratios with a positive sum, like 98,2,0")
+    from ..data.blending import parse_blend
+    from ..data.gpt_dataset import parse_split
+    parse_split(d.split)
     if d.build_demo:
         demo = Path(d.demo_dir)
         if not d.paths:
             d.paths = [str(demo / "demo_text_document")]
         if cfg.tokenizer.type == "sentencepiece" and cfg.tokenizer.model is None:
             cfg.tokenizer.model = str(demo / "tokenizer.model")
-    if not d.paths:
-        raise ConfigError("data.paths is empty; give a dataset prefix (data.paths=[path/to/prefix]) or set data.build_demo=true")
-    if len(d.paths) != 1:
-        raise ConfigError(f"data.paths: {len(d.paths)} entries given; blending several datasets is not available yet, give one prefix")
-    if cfg.tokenizer.type == "sentencepiece" and not cfg.tokenizer.model:
+    prefixes, _ = parse_blend(d.paths)
+    if d.build_demo and len(prefixes) != 1:
+        raise ConfigError(f"data.build_demo builds one dataset but data.paths names {len(prefixes)}; drop "
+                          f"data.build_demo or give one prefix")
+    tk = cfg.tokenizer
+    if tk.type == "sentencepiece" and not tk.model:
         raise ConfigError("tokenizer.model is not set; give the SentencePiece .model path, or set tokenizer.type=byte")
+    if tk.type == "hf" and not tk.model:
+        raise ConfigError("tokenizer.model is not set; give the path of the Hugging Face tokenizer.json "
+                          "(tokenizer.type=hf)")
+    if tk.type == "byte" and (tk.eod_token is not None or tk.pad_token is not None):
+        raise ConfigError("tokenizer.eod_token / tokenizer.pad_token: the byte tokenizer's special ids are fixed "
+                          "(EOD 256, pad 257); drop these keys")
     if cfg.checkpoint.save is None and cfg.checkpoint.interval:
         raise ConfigError("checkpoint.interval is set but checkpoint.save is not; set checkpoint.save=DIR")
+    if cfg.checkpoint.save is None and cfg.checkpoint.auto_resume:
+        raise ConfigError("checkpoint.auto_resume resumes from checkpoint.save's 'latest', but checkpoint.save is not "
+                          "set; set checkpoint.save=DIR")
     return cfg
 
 

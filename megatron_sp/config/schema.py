@@ -121,28 +121,43 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """Training data: Megatron mmap indexed datasets (.bin + .idx)."""
+    """Training data: Megatron mmap indexed datasets (.bin + .idx), one or a weighted blend."""
 
-    paths: list = doc([], "Dataset prefixes (each names PREFIX.bin and PREFIX.idx). One prefix for now.")
-    split: str = doc("98,2,0", "train,valid,test ratios over documents, Megatron style.")
+    paths: list = doc([], "Dataset prefixes (each names PREFIX.bin and PREFIX.idx): [PREFIX], or a weighted blend "
+                          "[w1, PREFIX1, w2, PREFIX2, ...] (Megatron's --data-path; weights are normalised and each "
+                          "dataset gives its share of every split's samples). Several prefixes without weights are "
+                          "blended in proportion to their tokens.")
+    split: str = doc("98,2,0", "train,valid,test ratios over the documents of each dataset, Megatron style.")
     eod_mask_loss: bool = doc(False, "Exclude end-of-document targets from the loss.")
     reset_position_ids: bool = doc(False, "Rotary positions restart at 0 after each end-of-document token inside a sample.")
     reset_attention_mask: bool = doc(False, "Packed documents: a token attends only to earlier tokens of its own document "
                                             "(document ids from end-of-document tokens).")
+    num_workers: int = doc(0, "Loader processes per rank that read and collate the next global batches ahead of the "
+                              "step (0: read in the training process, the cheaper choice on CPU unless the storage "
+                              "is slow; tools/bench/data.py). The batches are the same either way.")
+    prefetch_factor: int = doc(2, "Batches each loader process prepares ahead (data.num_workers > 0).")
     build_demo: bool = doc(False, "If the data or tokenizer files are absent, build the demo corpus (from the "
                                   "Python standard library's sources), train the tokenizer and preprocess it.")
     demo_dir: str = doc("data/demo", "Where build_demo writes the corpus, tokenizer and dataset.")
-    cache_dir: str | None = doc(None, "Derived (= the dataset's directory) unless set: where the "
-                                      "document/sample/shuffle index caches are written.")
+    cache_dir: str | None = doc(None, "Derived (= each dataset's directory) unless set: where the document/sample/"
+                                      "shuffle and blending index caches are written (file names carry a hash of "
+                                      "their parameters; a changed parameter or dataset file builds new ones).")
 
 
 @dataclass
 class TokenizerConfig:
     """How text becomes token ids."""
 
-    type: str = doc("sentencepiece", "sentencepiece | byte (raw UTF-8 bytes, 256 ids + EOD).")
-    model: str | None = doc(None, "Path of the SentencePiece .model file (type sentencepiece).")
+    type: str = doc("sentencepiece", "sentencepiece | hf (a Hugging Face tokenizers tokenizer.json) | byte (raw "
+                                     "UTF-8 bytes, 256 ids + EOD + pad).")
+    model: str | None = doc(None, "The SentencePiece .model file (type sentencepiece), or the tokenizer.json (or its "
+                                  "directory) of type hf.")
     vocab_size: int = doc(4096, "Vocabulary size when build_demo trains the tokenizer.")
+    eod_token: str | None = doc(None, "The end-of-document token (appended after each document, and where packed "
+                                      "documents are cut). Default: sentencepiece's eos piece; hf: the first of "
+                                      "<|endoftext|>, </s>, <|end_of_text|>, <eos> in the vocabulary.")
+    pad_token: str | None = doc(None, "The padding token. Default: the tokenizer's pad piece (<pad>, <|padding|>, "
+                                      "[PAD]), else the EOD token.")
 
 
 @dataclass
@@ -157,6 +172,9 @@ class CheckpointConfig:
     async_save: bool = doc(False, "Write checkpoint files in a background thread while training goes on (each rank "
                                   "first copies its part to host memory); the checkpoint becomes 'latest' once every "
                                   "rank has written it.")
+    auto_resume: bool = doc(False, "Resume from checkpoint.save's 'latest' when it exists (else from "
+                                   "checkpoint.load, else from scratch): a restarted job (torchrun --max-restarts, "
+                                   "a requeued Slurm job) continues where it stopped.")
 
 
 @dataclass

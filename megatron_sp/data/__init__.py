@@ -2,12 +2,14 @@
 
 - ``ensure_demo_data(cfg)`` builds the demo corpus, tokenizer and dataset when asked and absent
   (call it on one rank, then barrier);
-- ``build_tokenizer(cfg.tokenizer)`` and ``build_datasets(cfg, tokenizer, n_train, n_valid)``;
+- ``build_tokenizer(cfg.tokenizer)`` and ``build_datasets(cfg, tokenizer, n_train, n_valid)`` (one dataset, or a
+  weighted blend of several: ``megatron_sp.data.blending``);
 - ``batch_indices(step, global_batch_size, dp_rank, dp_size)``: the sample ids one DP rank
   reads for one step. Global batch ``step`` is always samples ``step·gbs … (step+1)·gbs - 1`` in
   that order, whatever the layout; DP rank ``r`` takes the ``r``-th contiguous block of it;
 - ``collate(samples, eod, eod_mask_loss, reset_position_ids, reset_attention_mask)``: tokens, shifted
-  labels, loss mask, positions (and document ids for packed documents).
+  labels, loss mask, positions (and document ids for packed documents);
+- ``megatron_sp.data.loader.BatchLoader``: those batches, read ahead by worker processes (imports torch).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_sp.config.schema import Config
+from megatron_sp.data.blending import SURPLUS, BlendedDataset, parse_blend, samples_per_dataset
 from megatron_sp.data.corpus import make_demo_corpus
 from megatron_sp.data.gpt_dataset import GPTDataset, split_documents
 from megatron_sp.data.indexed import (
@@ -35,10 +38,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megatron_sp")
 
+Dataset = GPTDataset | BlendedDataset
+"""What ``build_datasets`` returns per split: ``len(ds)`` samples, ``ds[i]`` = ``seq_length + 1`` int64 tokens."""
+
 __all__ = [
-    "GPTDataset", "IndexedDataset", "IndexedDatasetWriter", "Tokenizer", "batch_indices", "best_dtype",
-    "build_datasets", "build_tokenizer", "collate", "ensure_demo_data", "make_demo_corpus", "preprocess_jsonl",
-    "split_documents", "train_sentencepiece",
+    "BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter", "Tokenizer", "batch_indices",
+    "best_dtype", "build_datasets", "build_tokenizer", "collate", "ensure_demo_data", "make_demo_corpus",
+    "open_dataset", "parse_blend", "preprocess_jsonl", "split_documents", "train_sentencepiece",
 ]
 
 _TOKEN_CHECK_LIMIT = 1 << 22
@@ -57,10 +63,11 @@ def ensure_demo_data(cfg: Config) -> None:
     """
     if not cfg.data.build_demo:
         return
-    if len(cfg.data.paths) != 1:
+    prefixes, _ = parse_blend(cfg.data.paths)
+    if len(prefixes) != 1:
         raise ConfigError("data.build_demo needs exactly one data.paths entry (the demo dataset prefix)")
     demo_dir = Path(cfg.data.demo_dir)
-    prefix = str(cfg.data.paths[0])
+    prefix = prefixes[0]
     sentencepiece = cfg.tokenizer.type.lower() == "sentencepiece"
     if sentencepiece and not cfg.tokenizer.model:
         raise ConfigError("tokenizer.model is not set; give the path the demo tokenizer should be written to")
@@ -79,31 +86,81 @@ def ensure_demo_data(cfg: Config) -> None:
 
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer, num_train_samples: int,
-                   num_valid_samples: int) -> tuple[GPTDataset, GPTDataset | None]:
-    """The train and validation GPT datasets of ``cfg.data.paths[0]``, split by ``cfg.data.split``.
+                   num_valid_samples: int) -> tuple[Dataset, Dataset | None]:
+    """The train and validation datasets of ``cfg.data.paths``, each dataset split by ``cfg.data.split``.
 
-    The validation dataset is ``None`` when ``num_valid_samples`` is 0 or the valid split is empty.
+    One prefix: a ``GPTDataset`` per split. Several (a weighted blend ``[w1, P1, w2, P2, ...]``, or
+    prefixes weighted by their tokens): a ``BlendedDataset`` per split over one ``GPTDataset`` per
+    prefix, sized as megatron-core does (see ``megatron_sp.data.blending``). The validation dataset is
+    ``None`` when ``num_valid_samples`` is 0 or every valid split is empty.
     """
-    if len(cfg.data.paths) != 1:
-        raise ConfigError(f"data.paths: {len(cfg.data.paths)} entries given; blending several datasets is not "
-                          f"available yet, give exactly one prefix")
-    prefix = Path(cfg.data.paths[0])
-    indexed = IndexedDataset(prefix)
-    _check_vocabulary(indexed, tokenizer)
-    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else prefix.parent
-    train_docs, valid_docs, _ = split_documents(indexed.num_documents, cfg.data.split)
-    if train_docs.size == 0:
-        raise DataError(f"the train split of {prefix} is empty ({indexed.num_documents} documents, "
-                        f"data.split={cfg.data.split}); give the train split a larger share or use more data")
+    prefixes, weights = parse_blend(cfg.data.paths)
+    datasets = [open_dataset(prefix) for prefix in prefixes]
+    for indexed in datasets:
+        _check_vocabulary(indexed, tokenizer)
+    splits = [split_documents(indexed.num_documents, cfg.data.split) for indexed in datasets]
     seq_length, seed = cfg.model.seq_length, cfg.train.seed
-    train = GPTDataset(indexed, train_docs, seq_length, num_train_samples, seed, cache_dir, "train")
-    valid = None
-    if num_valid_samples > 0:
-        if valid_docs.size == 0:
-            log.warning("the valid split of %s is empty (data.split=%s): no validation", prefix, cfg.data.split)
-        else:
-            valid = GPTDataset(indexed, valid_docs, seq_length, num_valid_samples, seed, cache_dir, "valid")
-    return train, valid
+
+    def cache_dir(indexed: IndexedDataset) -> Path:
+        return Path(cfg.data.cache_dir) if cfg.data.cache_dir else indexed.prefix.parent
+
+    for indexed, (train_docs, _, _) in zip(datasets, splits, strict=True):
+        if train_docs.size == 0 or indexed.document_sizes[train_docs].sum() == 0:
+            raise DataError(f"the train split of {indexed.prefix} is empty ({train_docs.size} of "
+                            f"{indexed.num_documents} documents, data.split={cfg.data.split}); give the train split "
+                            f"a larger share or use more data")
+    if len(datasets) == 1:
+        indexed, (train_docs, valid_docs, _) = datasets[0], splits[0]
+        train: Dataset = GPTDataset(indexed, train_docs, seq_length, num_train_samples, seed, cache_dir(indexed),
+                                    "train")
+        valid: Dataset | None = None
+        if num_valid_samples > 0:
+            if valid_docs.size == 0:
+                log.warning("the valid split of %s is empty (data.split=%s): no validation", indexed.prefix,
+                            cfg.data.split)
+            else:
+                valid = GPTDataset(indexed, valid_docs, seq_length, num_valid_samples, seed, cache_dir(indexed),
+                                   "valid")
+        return train, valid
+
+    def blend(split: int, name: str, num_samples: int) -> BlendedDataset | None:
+        members = [(k, splits[k][split]) for k in range(len(datasets))
+                   if splits[k][split].size and datasets[k].document_sizes[splits[k][split]].sum() > 0]
+        if len(members) < len(datasets):
+            empty = [str(datasets[k].prefix) for k in range(len(datasets)) if k not in dict(members)]
+            if not members:
+                log.warning("the %s split of every dataset is empty (data.split=%s): no validation", name,
+                            cfg.data.split)
+                return None
+            log.warning("the %s split of %s is empty (data.split=%s): blending the others", name, ", ".join(empty),
+                        cfg.data.split)
+        if weights is not None:
+            member_weights = [weights[k] for k, _ in members]
+        else:  # no weights given: in proportion to the tokens of each dataset's split
+            member_weights = [float(datasets[k].document_sizes[docs].sum()) for k, docs in members]
+        targets = samples_per_dataset(member_weights, num_samples)
+        built = samples_per_dataset(member_weights, num_samples, SURPLUS)
+        parts = [GPTDataset(datasets[k], docs, seq_length, n, seed, cache_dir(datasets[k]), name)
+                 for (k, docs), n in zip(members, built, strict=True)]
+        blended = BlendedDataset(parts, member_weights, sum(targets), cache_dir(datasets[0]), name)
+        log.info("%s blend of %d samples: %s", name, len(blended), ", ".join(
+            f"{w:.3f} {datasets[k].prefix} ({c} samples)"
+            for w, (k, _), c in zip(blended.weights, members, blended.counts, strict=True)))
+        return blended
+
+    train_blend = blend(0, "train", num_train_samples)
+    assert train_blend is not None  # every train split is non-empty (checked above)
+    return train_blend, blend(1, "valid", num_valid_samples) if num_valid_samples > 0 else None
+
+
+def open_dataset(prefix: str | Path) -> IndexedDataset:
+    """``IndexedDataset(prefix)``, refusing an empty one (``DataError`` naming the file and the fix)."""
+    indexed = IndexedDataset(prefix)
+    if indexed.num_documents == 0 or indexed.num_tokens == 0:
+        raise DataError(f"dataset {indexed.bin_path} is empty ({indexed.num_documents} documents, "
+                        f"{indexed.num_tokens} tokens): preprocess a non-empty corpus into it with "
+                        f"tools/preprocess_data.py, or drop it from data.paths")
+    return indexed
 
 
 def _check_vocabulary(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_sp.errors import DataError
 
@@ -112,8 +113,12 @@ def iter_jsonl_lines(paths: Sequence[str | Path], json_key: str = "text") -> Ite
             raise DataError(f"{path}: not a readable gzip file ({e})") from None
 
 
-def parse_jsonl_line(raw: bytes | str, path: str | Path, line_no: int, json_keys: Sequence[str]) -> list[str]:
-    """The strings under ``json_keys`` of one JSONL line; ``DataError`` naming file and line otherwise."""
+def parse_jsonl_line(raw: bytes | str, path: str | Path, line_no: int, json_keys: Sequence[str],
+                     allow_lists: bool = False) -> list[Any]:
+    """The strings under ``json_keys`` of one JSONL line; ``DataError`` naming file and line otherwise.
+
+    ``allow_lists``: a value may also be a list of strings (a document already split into sentences).
+    """
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
     except UnicodeDecodeError as e:
@@ -131,8 +136,12 @@ def parse_jsonl_line(raw: bytes | str, path: str | Path, line_no: int, json_keys
             raise DataError(f"{path}:{line_no}: key '{key}' missing (keys present: {sorted(record)}); "
                             f"choose the key with --json-keys / --json-key")
         value = record[key]
+        if allow_lists and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            values.append(value)
+            continue
         if not isinstance(value, str):
-            raise DataError(f"{path}:{line_no}: key '{key}' holds {type(value).__name__}, expected a string")
+            expected = "a string or a list of strings" if allow_lists else "a string"
+            raise DataError(f"{path}:{line_no}: key '{key}' holds {type(value).__name__}, expected {expected}")
         values.append(value)
     return values
 

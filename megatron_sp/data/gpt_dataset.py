@@ -16,16 +16,14 @@ seq_length, num_samples, seed), so a changed parameter never reuses a stale cach
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from megatron_sp.data.index_cache import cache_paths, description_hash, load_arrays, save_arrays
 from megatron_sp.data.indexed import IndexedDataset
 from megatron_sp.errors import ConfigError, DataError
 
@@ -106,7 +104,7 @@ class GPTDataset:
             "num_samples": num_samples,
             "seed": seed,
         }
-        self.hash = hashlib.sha256(json.dumps(self.description, sort_keys=True).encode()).hexdigest()
+        self.hash = description_hash(self.description)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.loaded_from_cache = False
         arrays = self._load_cache()
@@ -156,24 +154,16 @@ class GPTDataset:
     def cache_paths(self) -> dict[str, Path]:
         """The cache file of each index array (and ``description``, the JSON of what was hashed)."""
         assert self.cache_dir is not None
-        stem = f"{self.indexed.prefix.name}_{self.name}_{self.hash}"
-        paths = {key: self.cache_dir / f"{stem}_{key}.npy" for key in _ARRAYS}
-        paths["description"] = self.cache_dir / f"{stem}_description.json"
-        return paths
+        return cache_paths(self.cache_dir, f"{self.indexed.prefix.name}_{self.name}_{self.hash}", _ARRAYS)
 
     def _load_cache(self) -> dict[str, np.ndarray] | None:
         if self.cache_dir is None:
             return None
-        paths = self.cache_paths()
-        if not all(paths[key].is_file() for key in _ARRAYS):
-            return None
-        try:
-            arrays = {key: np.load(paths[key], mmap_mode="r", allow_pickle=False) for key in _ARRAYS}
-        except (OSError, ValueError) as e:
-            log.warning("ignoring unreadable index cache %s (%s); rebuilding it", paths["doc_idx"], e)
+        arrays = load_arrays(self.cache_paths(), _ARRAYS)
+        if arrays is None:
             return None
         if arrays["sample_idx"].shape[0] != arrays["shuffle_idx"].shape[0] + 1:
-            log.warning("ignoring inconsistent index cache %s; rebuilding it", paths["doc_idx"])
+            log.warning("ignoring inconsistent index cache %s; rebuilding it", self.cache_paths()["doc_idx"])
             return None
         self.loaded_from_cache = True
         log.info("loaded %s indices of %s from cache (%d samples)", self.name, self.indexed.prefix,
@@ -181,28 +171,8 @@ class GPTDataset:
         return arrays
 
     def _save_cache(self, arrays: dict[str, np.ndarray]) -> None:
-        if self.cache_dir is None:
-            return
-        paths = self.cache_paths()
-        try:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            description = json.dumps(self.description, indent=1, sort_keys=True).encode()
-            items: list[tuple[Path, Any]] = [(paths["description"], description)]
-            items += [(paths[key], arrays[key]) for key in _ARRAYS]  # arrays last: they mark a complete cache
-            for path, value in items:
-                tmp = path.with_name(path.name + tag)
-                try:
-                    with open(tmp, "wb") as f:
-                        if isinstance(value, bytes):
-                            f.write(value)
-                        else:
-                            np.save(f, value, allow_pickle=False)
-                    os.replace(tmp, path)
-                finally:
-                    tmp.unlink(missing_ok=True)
-        except OSError as e:
-            log.warning("could not write the index cache in %s (%s); continuing without it", self.cache_dir, e)
+        if self.cache_dir is not None:
+            save_arrays(self.cache_paths(), {key: arrays[key] for key in _ARRAYS}, self.description)
 
     # ---- access -----------------------------------------------------------------------------------
 

@@ -82,12 +82,20 @@ class IndexedDatasetWriter:
     half-written pair under the final names. As a context manager it finalizes on success and
     removes the temporaries when the block raises.
 
+    Sequence sizes and document boundaries are kept as numpy chunks (4 + 8 bytes per sequence, not
+    Python ints), so the index of a corpus of hundreds of millions of documents fits in memory.
+    ``add_packed`` appends many documents from one flat token array in one write (what the
+    preprocessing workers produce).
+
     Usage::
 
         with IndexedDatasetWriter("out/demo_text_document", best_dtype(tok.vocab_size)) as w:
             for text in texts:
                 w.add_document(tok.encode(text) + [tok.eod])
     """
+
+    _FLUSH = 1 << 16
+    """Pending per-item sizes are moved into a numpy chunk every this many sequences."""
 
     def __init__(self, prefix: str | Path, dtype: np.dtype | type = np.int32) -> None:
         self.dtype = np.dtype(dtype)
@@ -100,8 +108,13 @@ class IndexedDatasetWriter:
         self._tmp_bin = self.bin_path.with_name(self.bin_path.name + tag)
         self._tmp_idx = self.idx_path.with_name(self.idx_path.name + tag)
         self._bin = open(self._tmp_bin, "wb")
-        self._sizes: list[int] = []
-        self._document_indices: list[int] = [0]
+        self._size_chunks: list[np.ndarray] = []  # int32 sizes, in order
+        self._pending_sizes: list[int] = []  # sizes not yet in a chunk (after the chunks)
+        self._doc_chunks: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]  # document_indices, in order
+        self._pending_docs: list[int] = []
+        self._num_sequences = 0
+        self._num_documents = 0
+        self._last_document_end = 0
         self._closed = False
         info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self._bounds = (info.min, info.max) if info is not None else None
@@ -109,31 +122,52 @@ class IndexedDatasetWriter:
     @property
     def num_sequences(self) -> int:
         """Sequences written so far."""
-        return len(self._sizes)
+        return self._num_sequences
 
     @property
     def num_documents(self) -> int:
         """Documents ended so far."""
-        return len(self._document_indices) - 1
+        return self._num_documents
 
-    def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
-        """Append one sequence to the current document (end it with ``end_document``)."""
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"writer for {self.bin_path} is already finalized")
-        array = np.asarray(tokens)
-        if array.ndim != 1:
-            raise ValueError(f"a sequence must be 1-D, got shape {array.shape}")
-        if array.size and self._bounds is not None:
+
+    def _write_tokens(self, array: np.ndarray) -> None:
+        # Ids are range-checked unless their dtype already fits (workers hand over arrays of self.dtype).
+        if array.size and self._bounds is not None and not np.can_cast(array.dtype, self.dtype, "safe"):
             low, high = int(array.min()), int(array.max())
             if low < self._bounds[0] or high > self._bounds[1]:
                 raise ValueError(f"token ids {low}..{high} do not fit {self.dtype} (range {self._bounds[0]}.."
                                  f"{self._bounds[1]}); pick the dtype with best_dtype(vocab_size)")
-        self._bin.write(array.astype(_le(self.dtype), copy=False).tobytes(order="C"))
-        self._sizes.append(int(array.size))
+        self._bin.write(memoryview(np.ascontiguousarray(array, dtype=_le(self.dtype))).cast("B"))
+
+    def _flush_pending(self) -> None:
+        if self._pending_sizes:
+            self._size_chunks.append(np.asarray(self._pending_sizes, dtype=np.int32))
+            self._pending_sizes = []
+        if self._pending_docs:
+            self._doc_chunks.append(np.asarray(self._pending_docs, dtype=np.int64))
+            self._pending_docs = []
+
+    def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Append one sequence to the current document (end it with ``end_document``)."""
+        self._check_open()
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            raise ValueError(f"a sequence must be 1-D, got shape {array.shape}")
+        self._write_tokens(array)
+        self._pending_sizes.append(int(array.size))
+        self._num_sequences += 1
+        if len(self._pending_sizes) >= self._FLUSH:
+            self._flush_pending()
 
     def end_document(self) -> None:
         """Close the current document: the sequences added since the previous call form one document."""
-        self._document_indices.append(len(self._sizes))
+        self._check_open()
+        self._pending_docs.append(self._num_sequences)
+        self._num_documents += 1
+        self._last_document_end = self._num_sequences
 
     def add_document(self, tokens: Sequence[int] | np.ndarray, lengths: Sequence[int] | None = None) -> None:
         """Append one document: a single sequence, or ``tokens`` cut into sequences of ``lengths``."""
@@ -154,19 +188,42 @@ class IndexedDatasetWriter:
         for tokens in documents:
             self.add_document(tokens)
 
+    def add_packed(self, tokens: np.ndarray, sequence_lengths: np.ndarray, sequences_per_document: np.ndarray) -> None:
+        """Append whole documents in one write: ``tokens`` back to back, cut into sequences of
+        ``sequence_lengths``, which group into documents of ``sequences_per_document`` sequences each."""
+        self._check_open()
+        if self._last_document_end != self._num_sequences:
+            raise RuntimeError(f"add_packed on {self.bin_path} inside an open document; call end_document first")
+        tokens = np.asarray(tokens)
+        lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        per_doc = np.asarray(sequences_per_document, dtype=np.int64)
+        if tokens.ndim != 1 or int(lengths.sum()) != tokens.size or int(per_doc.sum()) != lengths.size:
+            raise ValueError(f"add_packed: {tokens.size} tokens, sequence lengths summing to {int(lengths.sum())}, "
+                             f"{lengths.size} sequences but documents of {int(per_doc.sum())} sequences")
+        if (lengths.size and lengths.min() < 0) or (per_doc.size and per_doc.min() < 0):
+            raise ValueError("add_packed: negative sequence lengths or sequence counts")
+        self._write_tokens(tokens)
+        self._flush_pending()
+        self._size_chunks.append(lengths.astype(np.int32))
+        self._doc_chunks.append(self._num_sequences + np.cumsum(per_doc))
+        self._num_sequences += int(lengths.size)
+        self._num_documents += int(per_doc.size)
+        self._last_document_end = self._num_sequences
+
     def finalize(self) -> None:
         """Write the index and move both files to their final names. Ends an open document first."""
         if self._closed:
             return
-        if self._document_indices[-1] != len(self._sizes):
+        if self._last_document_end != self._num_sequences:
             self.end_document()
         try:
             self._bin.close()
-            sizes = np.asarray(self._sizes, dtype="<i4")
+            self._flush_pending()
+            sizes = np.concatenate(self._size_chunks).astype("<i4") if self._size_chunks else np.zeros(0, "<i4")
             pointers = np.zeros(len(sizes), dtype="<i8")
             if len(sizes) > 1:
                 np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-            document_indices = np.asarray(self._document_indices, dtype="<i8")
+            document_indices = np.concatenate(self._doc_chunks).astype("<i8")
             with open(self._tmp_idx, "wb") as f:
                 f.write(HEADER.pack(MAGIC, VERSION, _CODE_OF_DTYPE[self.dtype], len(sizes), len(document_indices)))
                 f.write(sizes.tobytes())
@@ -227,9 +284,11 @@ class IndexedDataset:
                             f"rebuild it with tools/preprocess_data.py")
         _, version, code, num_sequences, num_doc_entries = HEADER.unpack(header)
         if version != VERSION:
-            raise DataError(f"{self.idx_path} has index version {version}; only version {VERSION} is supported")
+            raise DataError(f"{self.idx_path} has index version {version}; only version {VERSION} is supported: "
+                            f"rebuild it with tools/preprocess_data.py")
         if code not in DTYPE_CODES:
-            raise DataError(f"{self.idx_path} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)})")
+            raise DataError(f"{self.idx_path} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)}); rebuild "
+                            f"it with tools/preprocess_data.py")
         self.dtype: np.dtype = DTYPE_CODES[code]
         expected = HEADER.size + num_sequences * (4 + 8) + num_doc_entries * 8
         if idx_size < expected:
@@ -256,11 +315,13 @@ class IndexedDataset:
             raise DataError(f"{self.bin_path} has {bin_size} bytes but {self.idx_path} describes {expected_bin} "
                             f"(last pointer + last size * {self.dtype.itemsize}); the pair does not belong together "
                             f"or was cut short: rebuild it with tools/preprocess_data.py")
-        self._bin = (np.memmap(self.bin_path, dtype=_le(self.dtype), mode="r") if bin_size
+        # A plain ndarray view of the map: slicing a np.memmap runs Python code per slice (5x slower reads).
+        self._bin = (np.memmap(self.bin_path, dtype=_le(self.dtype), mode="r").view(np.ndarray) if bin_size
                      else np.empty(0, dtype=_le(self.dtype)))
         # Token offset of each sequence and of each document in the .bin (sequences are contiguous).
         self._sequence_starts = self.pointers // self.dtype.itemsize
         self._document_sizes: np.ndarray | None = None
+        self._document_starts: np.ndarray = np.zeros(0, dtype=np.int64)
 
     def _check_index(self) -> None:
         sizes, pointers, doc = self.sizes, self.pointers, self.document_indices
@@ -294,7 +355,8 @@ class IndexedDataset:
         """Tokens per document (int64), the sum of its sequences' sizes."""
         if self._document_sizes is None:
             ends = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])
-            self._document_sizes = ends[self.document_indices[1:]] - ends[self.document_indices[:-1]]
+            self._document_starts = ends[self.document_indices[:-1]]
+            self._document_sizes = ends[self.document_indices[1:]] - self._document_starts
         return self._document_sizes
 
     def __getitem__(self, i: int | slice) -> Any:
@@ -309,27 +371,27 @@ class IndexedDataset:
         if not -n <= i < n:
             raise IndexError(f"sequence {i} out of range for {n} sequences in {self.idx_path}")
         i %= n
-        return self._slice(int(self._sequence_starts[i]), int(self.sizes[i]), offset, length, f"sequence {i}")
+        return self._slice(int(self._sequence_starts[i]), int(self.sizes[i]), offset, length, "sequence", i)
 
     def get_document(self, d: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset … offset+length-1`` of document ``d`` (all of its sequences, concatenated)."""
-        n = self.num_documents
+        sizes = self.document_sizes  # also fills _document_starts: token offset of each document
+        n = len(sizes)
         if not -n <= d < n:
             raise IndexError(f"document {d} out of range for {n} documents in {self.idx_path}")
-        d %= n
-        first = int(self.document_indices[d])
-        start = int(self._sequence_starts[first]) if first < len(self) else self.num_tokens
-        return self._slice(start, int(self.document_sizes[d]), offset, length, f"document {d}")
+        if d < 0:
+            d += n
+        return self._slice(int(self._document_starts[d]), int(sizes[d]), offset, length, "document", d)
 
     def token_range(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``start … stop-1`` of the whole ``.bin`` (all sequences back to back)."""
         return self._bin[start:stop]
 
-    def _slice(self, start: int, size: int, offset: int, length: int | None, what: str) -> np.ndarray:
+    def _slice(self, start: int, size: int, offset: int, length: int | None, kind: str, i: int) -> np.ndarray:
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"tokens {offset}..{offset + length} out of range for {what} of {size} tokens")
+            raise IndexError(f"tokens {offset}..{offset + length} out of range for {kind} {i} of {size} tokens")
         return self._bin[start + offset:start + offset + length]
 
     def __getstate__(self) -> dict[str, Any]:

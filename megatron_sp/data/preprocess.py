@@ -1,58 +1,119 @@
-"""JSONL → Megatron indexed dataset: ``{output_prefix}_{key}_document.bin/.idx`` per JSON key.
+"""JSONL → Megatron indexed dataset: ``{output_prefix}_{key}_{level}.bin/.idx`` per JSON key.
 
-One JSONL line is one document: its text is tokenized, EOD appended (``append_eod``), and it is
-written as a single sequence. With ``workers > 1`` lines are tokenized by a process pool
-(``imap`` in chunks, which keeps the input order, so the output does not depend on ``workers``).
+As Megatron-LM's ``tools/preprocess_data.py``: one JSONL line is one document; its text under each
+key is tokenized, EOD appended to the document (``append_eod``), and it is written as one
+sequence, or as one sequence per sentence with ``split_sentences`` (level ``sentence`` instead of
+``document`` in the file name; a document is still one entry of the document index). A JSON list
+of strings is taken as the document's sentences already split. Sentences (or documents) with no
+tokens are left out, so an empty document gets no EOD and no sequence, as in Megatron.
+
+At scale: the input is read in chunks of about ``chunk_bytes`` bytes of whole lines; with
+``workers > 1`` a process pool tokenizes chunks, at most ``2·workers`` in flight (bounded memory),
+and returns each chunk as one flat token array plus lengths, which the writer appends with one
+write. Chunks come back in input order, so the output does not depend on ``workers``. Progress is
+logged every ``log_interval`` documents with docs/s and MB/s.
 """
 from __future__ import annotations
 
 import contextlib
+import gzip
 import logging
 import multiprocessing
+import re
 import time
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from megatron_sp.data.corpus import (
-    check_input_files,
-    iter_jsonl_lines,
-    parse_jsonl_line,
-)
+from megatron_sp.data.corpus import check_input_files, parse_jsonl_line
 from megatron_sp.data.indexed import IndexedDatasetWriter, best_dtype
 from megatron_sp.data.tokenizer import Tokenizer
+from megatron_sp.errors import DataError
 
 log = logging.getLogger("megatron_sp")
 
-_LineTask = tuple[str, int, bytes]
-_LineResult = tuple[list[np.ndarray], int]
+_Chunk = tuple[str, int, list[bytes]]
+"""(path, line number of the first line, raw lines) of one read chunk."""
+_Packed = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""One key's tokens of a chunk: (tokens, sequence lengths int32, sequences per document int64)."""
+_ChunkResult = tuple[list[_Packed], int, int]
+"""(one _Packed per key, documents, input bytes)."""
+
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+|\n[ \t\r\f\v]*\n\s*")
 
 
-def output_prefix_for(output_prefix: str | Path, json_key: str) -> str:
-    """Megatron's naming: the dataset prefix of ``json_key`` is ``{output_prefix}_{json_key}_document``."""
-    return f"{output_prefix}_{json_key}_document"
+def split_sentences(text: str) -> list[str]:
+    """Cut ``text`` after each sentence end: ``.``, ``!`` or ``?`` (then closing quotes or brackets) followed
+    by whitespace, and after each blank line. The whitespace stays with the sentence before it, so
+    ``"".join(split_sentences(t)) == t``. A rule, not a model (Megatron uses NLTK's punkt):
+    abbreviations such as "e.g. " end a sentence too.
+    """
+    sentences, start = [], 0
+    for match in _SENTENCE_END.finditer(text):
+        sentences.append(text[start:match.end()])
+        start = match.end()
+    if start < len(text):
+        sentences.append(text[start:])
+    return sentences
+
+
+def output_prefix_for(output_prefix: str | Path, json_key: str, level: str = "document") -> str:
+    """Megatron's naming: the dataset prefix of ``json_key`` is ``{output_prefix}_{json_key}_{level}``."""
+    return f"{output_prefix}_{json_key}_{level}"
 
 
 class _Encoder:
-    """Tokenizes one JSONL line into one token array per key (runs in the workers)."""
+    """Tokenizes one chunk of JSONL lines into one packed token array per key (runs in the workers)."""
 
-    def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool, dtype: np.dtype) -> None:
+    def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool, dtype: np.dtype,
+                 split: bool = False) -> None:
         self.tokenizer = tokenizer
         self.json_keys = tuple(json_keys)
         self.append_eod = append_eod
         self.dtype = dtype
+        self.split = split
 
-    def __call__(self, task: _LineTask) -> _LineResult:
-        path, line_no, raw = task
-        arrays = []
-        for text in parse_jsonl_line(raw, path, line_no, self.json_keys):
-            ids = self.tokenizer.encode(text)
-            if self.append_eod:
-                ids.append(self.tokenizer.eod)
-            arrays.append(np.asarray(ids, dtype=self.dtype))
-        return arrays, len(raw)
+    def __call__(self, chunk: _Chunk) -> _ChunkResult:
+        path, first_line, lines = chunk
+        documents: list[list[list[str]]] = [[] for _ in self.json_keys]  # [key][document] -> sentences
+        n_docs = n_bytes = 0
+        for offset, raw in enumerate(lines):
+            n_bytes += len(raw)
+            if not raw.strip():
+                continue
+            values = parse_jsonl_line(raw, path, first_line + offset, self.json_keys, allow_lists=True)
+            n_docs += 1
+            for per_key, value in zip(documents, values, strict=True):
+                if isinstance(value, list):
+                    per_key.append(value)
+                else:
+                    per_key.append(split_sentences(value) if self.split else [value])
+        return [self._pack(per_key) for per_key in documents], n_docs, n_bytes
+
+    def _pack(self, documents: list[list[str]]) -> _Packed:
+        ids = self.tokenizer.encode_batch([sentence for sentences in documents for sentence in sentences])
+        eod = self.tokenizer.eod
+        tokens: list[int] = []
+        lengths: list[int] = []
+        per_document: list[int] = []
+        k = 0
+        for sentences in documents:
+            n_sequences = 0
+            for sentence_ids in ids[k:k + len(sentences)]:
+                if sentence_ids:  # Megatron leaves out sentences without tokens
+                    tokens.extend(sentence_ids)
+                    lengths.append(len(sentence_ids))
+                    n_sequences += 1
+            k += len(sentences)
+            if n_sequences and self.append_eod:
+                tokens.append(eod)
+                lengths[-1] += 1
+            per_document.append(n_sequences)
+        return (np.array(tokens, dtype=self.dtype), np.array(lengths, dtype=np.int32),
+                np.array(per_document, dtype=np.int64))
 
 
 _worker_encoder: _Encoder | None = None
@@ -63,27 +124,64 @@ def _init_worker(encoder: _Encoder) -> None:
     _worker_encoder = encoder
 
 
-def _encode_in_worker(task: _LineTask) -> _LineResult:
+def _encode_in_worker(chunk: _Chunk) -> _ChunkResult:
     assert _worker_encoder is not None, "worker pool started without an encoder"
-    return _worker_encoder(task)
+    return _worker_encoder(chunk)
+
+
+def read_chunks(paths: Sequence[Path], chunk_bytes: int = 1 << 16, max_lines: int = 1024) -> Iterator[_Chunk]:
+    """Whole lines of JSONL files (plain or ``.gz``) in chunks of about ``chunk_bytes`` bytes."""
+    for path in paths:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        try:
+            with opener(path, "rb") as f:
+                lines: list[bytes] = []
+                size, first = 0, 1
+                for line_no, raw in enumerate(f, start=1):
+                    lines.append(raw)
+                    size += len(raw)
+                    if size >= chunk_bytes or len(lines) >= max_lines:
+                        yield str(path), first, lines
+                        lines, size, first = [], 0, line_no + 1
+                if lines:
+                    yield str(path), first, lines
+        except (gzip.BadGzipFile, EOFError) as e:
+            raise DataError(f"{path}: not a readable gzip file ({e})") from None
+
+
+def _ordered(pool: Any, chunks: Iterable[_Chunk], in_flight: int) -> Iterator[_ChunkResult]:
+    """Results of the pool in input order, with at most ``in_flight`` chunks submitted ahead."""
+    pending: deque[Any] = deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def preprocess_jsonl(input_paths: Sequence[str | Path], output_prefix: str | Path, tokenizer: Tokenizer,
                      json_keys: Sequence[str] = ("text",), append_eod: bool = True, workers: int = 1,
-                     *, chunk_size: int = 16) -> dict[str, Any]:
-    """Tokenize JSONL files (plain or ``.gz``) into ``{output_prefix}_{key}_document.bin/.idx``.
+                     *, split_sentences: bool = False, chunk_bytes: int = 1 << 16,
+                     log_interval: int = 1000) -> dict[str, Any]:
+    """Tokenize JSONL files (plain or ``.gz``) into ``{output_prefix}_{key}_{document|sentence}.bin/.idx``.
 
     Returns stats: ``docs``, ``tokens`` (all keys, EODs included), ``bytes`` (input read),
     ``seconds`` and ``outputs`` (the dataset prefixes written).
     """
-    prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    level = "sentence" if split_sentences else "document"
+    prefixes = {key: output_prefix_for(output_prefix, key, level) for key in json_keys}
     return tokenize_jsonl_to(input_paths, prefixes, tokenizer, append_eod=append_eod, workers=workers,
-                             chunk_size=chunk_size)
+                             split_sentences=split_sentences, chunk_bytes=chunk_bytes, log_interval=log_interval)
 
 
 def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str | Path], tokenizer: Tokenizer,
-                      *, append_eod: bool = True, workers: int = 1, chunk_size: int = 16) -> dict[str, Any]:
-    """Like ``preprocess_jsonl`` with an explicit dataset prefix per JSON key (``{key: prefix}``)."""
+                      *, append_eod: bool = True, workers: int = 1, split_sentences: bool = False,
+                      chunk_bytes: int = 1 << 16, log_interval: int = 1000) -> dict[str, Any]:
+    """Like ``preprocess_jsonl`` with an explicit dataset prefix per JSON key (``{key: prefix}``).
+
+    An input without documents raises ``DataError`` and writes nothing.
+    """
     if not prefixes:
         raise ValueError("no JSON keys to tokenize")
     if workers < 1:
@@ -91,27 +189,34 @@ def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str
     paths = [Path(p) for p in input_paths]
     check_input_files(paths, next(iter(prefixes)))  # fail before starting workers or creating outputs
     dtype = best_dtype(tokenizer.vocab_size)
-    encoder = _Encoder(tokenizer, list(prefixes), append_eod, dtype)
-    tasks: Iterable[_LineTask] = ((str(path), line_no, raw) for path, line_no, raw in iter_jsonl_lines(paths))
+    encoder = _Encoder(tokenizer, list(prefixes), append_eod, dtype, split_sentences)
+    chunks = read_chunks(paths, chunk_bytes)
     start = time.perf_counter()
     docs = tokens = read = 0
+    next_log = log_interval
     with contextlib.ExitStack() as stack:
         writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype)) for prefix in prefixes.values()]
         if workers == 1:
-            results: Iterable[_LineResult] = map(encoder, tasks)
+            results: Iterable[_ChunkResult] = map(encoder, chunks)
         else:
             pool = stack.enter_context(multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,)))
-            results = pool.imap(_encode_in_worker, tasks, chunksize=chunk_size)
-        for arrays, n_bytes in results:
-            for writer, array in zip(writers, arrays, strict=True):
-                writer.add_document(array)
-                tokens += int(array.size)
-            docs += 1
+            results = _ordered(pool, chunks, 2 * workers)
+        for packed, n_docs, n_bytes in results:
+            for writer, (chunk_tokens, lengths, per_document) in zip(writers, packed, strict=True):
+                writer.add_packed(chunk_tokens, lengths, per_document)
+                tokens += int(chunk_tokens.size)
+            docs += n_docs
             read += n_bytes
+            if log_interval and docs >= next_log:
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                log.info("processed %d documents (%.1f docs/s, %.2f MB/s)", docs, docs / elapsed,
+                         read / 1e6 / elapsed)
+                next_log = (docs // log_interval + 1) * log_interval
+        if docs == 0:
+            raise DataError(f"no documents in {', '.join(map(str, paths))} (every line is blank); nothing was "
+                            f"written: give a JSONL corpus with one JSON object per line")
     seconds = time.perf_counter() - start
     outputs = [str(p) for p in prefixes.values()]
-    if docs == 0:
-        log.warning("no documents in %s: the datasets written are empty", ", ".join(map(str, paths)))
     log.info("tokenized %d documents, %d tokens (%.2f MB) into %s in %.1f s", docs, tokens, read / 1e6,
              ", ".join(outputs), seconds)
     return {"docs": docs, "tokens": tokens, "bytes": read, "seconds": seconds, "outputs": outputs}

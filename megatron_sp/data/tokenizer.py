@@ -1,8 +1,14 @@
-"""Tokenizers: SentencePiece (trained here for source code) and raw UTF-8 bytes.
+"""Tokenizers: SentencePiece (the default; trained here for source code), a Hugging Face ``tokenizers``
+``tokenizer.json``, and raw UTF-8 bytes.
 
 Every tokenizer has ``name``, ``vocab_size`` (number of ids), ``eod`` (end-of-document id), ``pad``,
-``encode(text) -> list[int]`` and ``decode(ids) -> str``, and ``decode(encode(text)) == text`` for
-any text.
+``encode(text) -> list[int]``, ``encode_batch(texts)`` and ``decode(ids) -> str``. The special ids
+are explicit: ``tokenizer.eod_token`` / ``tokenizer.pad_token`` name their tokens, or each type has
+a documented default (SentencePiece: its eos and pad pieces; HF: the first of ``EOD_TOKENS`` /
+``PAD_TOKENS`` in its vocabulary; bytes: 256 and 257). The embedding is padded for TP elsewhere
+(``config.set_vocab``: a multiple of ``model.make_vocab_size_divisible_by × parallel.tp``).
+SentencePiece and bytes round-trip exactly, ``decode(encode(text)) == text``; an HF tokenizer does
+when it is byte-level (GPT-2/NeoX style) and has no normalizer.
 
 ``train_sentencepiece`` trains a BPE model whose round trip is exact on source code:
 
@@ -72,6 +78,10 @@ class Tokenizer(abc.ABC):
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no EOD appended)."""
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``; subclasses may do it in one native call."""
+        return [self.encode(text) for text in texts]
+
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; special ids (EOD, pad) decode to nothing."""
@@ -108,12 +118,14 @@ class ByteTokenizer(Tokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece model; EOD is its eos piece, pad its pad piece (or EOD when it has none)."""
+    """A SentencePiece model; EOD is ``eod_token`` (default: its eos piece), pad is ``pad_token``
+    (default: its pad piece, else EOD)."""
 
     name = "sentencepiece"
 
-    def __init__(self, model_path: str | Path) -> None:
+    def __init__(self, model_path: str | Path, eod_token: str | None = None, pad_token: str | None = None) -> None:
         self.model_path = Path(model_path)
+        self.eod_token, self.pad_token = eod_token, pad_token
         if not self.model_path.is_file():
             raise DataError(f"tokenizer model {self.model_path} not found; create it with `python "
                             f"tools/train_tokenizer.py --input CORPUS.jsonl --model-prefix "
@@ -127,12 +139,48 @@ class SentencePieceTokenizer(Tokenizer):
         except RuntimeError as e:
             raise DataError(f"tokenizer model {self.model_path} is not a valid SentencePiece model ({e}); "
                             f"retrain it with tools/train_tokenizer.py") from None
-        if self._sp.eos_id() < 0:
+        self._eod = self._special(self.eod_token, "eod_token") if self.eod_token else int(self._sp.eos_id())
+        if self._eod < 0:
             raise DataError(f"tokenizer model {self.model_path} has no eos piece, which serves as end-of-document; "
-                            f"retrain it with tools/train_tokenizer.py")
+                            f"set tokenizer.eod_token to one of its pieces or retrain it with tools/train_tokenizer.py")
+        default_pad = int(self._sp.pad_id())
+        self._pad = (self._special(self.pad_token, "pad_token") if self.pad_token
+                     else default_pad if default_pad >= 0 else self._eod)
         self._space_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in SPACE_SYMBOL.encode("utf-8")]
         self._has_bytes = all(self._sp.id_to_piece(i) == f"<0x{b:02X}>"
                               for i, b in zip(self._space_bytes, SPACE_SYMBOL.encode("utf-8"), strict=True))
+        self._newline_ids = self._newline_separable()
+
+    def _newline_separable(self) -> list[int] | None:
+        """The ids of "\\n" when encoding line by line, joined by them, gives exactly the ids of the whole text.
+
+        True for a model whose normalizer leaves text alone (identity, no dummy prefix, no whitespace
+        collapsing), whose pieces never contain a newline with other characters, and that encodes a
+        newline without ``<unk>`` (unknown runs would merge): then no piece spans a newline and the
+        segmentation decomposes at every newline. ``train_sentencepiece`` models are such models, and
+        BPE over short lines is about 30 % faster than over whole documents. Read from the model proto
+        (needs ``protobuf``; without it, None: whole texts are encoded).
+        """
+        try:
+            from sentencepiece import sentencepiece_model_pb2
+            model = sentencepiece_model_pb2.ModelProto.FromString(self._proto)
+        except Exception:  # protobuf missing or too old for this proto: keep whole-text encoding
+            return None
+        spec = model.normalizer_spec
+        if (spec.name != "identity" or spec.add_dummy_prefix or spec.remove_extra_whitespaces
+                or any("\n" in p.piece and p.piece != "\n" for p in model.pieces)):
+            return None
+        ids = [int(i) for i in self._sp.encode("\n")]
+        if not ids or self._sp.unk_id() in ids:
+            return None
+        return ids
+
+    def _special(self, piece: str, key: str) -> int:
+        i = int(self._sp.piece_to_id(piece))
+        if self._sp.id_to_piece(i) != piece:  # an unknown piece maps to <unk>
+            raise ConfigError(f"tokenizer.{key}: '{piece}' is not a piece of {self.model_path}; give one of its "
+                              f"pieces, e.g. '{self._sp.id_to_piece(max(self._sp.eos_id(), 0))}'")
+        return i
 
     @property
     def vocab_size(self) -> int:
@@ -140,12 +188,11 @@ class SentencePieceTokenizer(Tokenizer):
 
     @property
     def eod(self) -> int:
-        return int(self._sp.eos_id())
+        return self._eod
 
     @property
     def pad(self) -> int:
-        pad = int(self._sp.pad_id())
-        return pad if pad >= 0 else self.eod
+        return self._pad
 
     def encode(self, text: str) -> list[int]:
         if SPACE_SYMBOL not in text or not self._has_bytes:
@@ -158,6 +205,30 @@ class SentencePieceTokenizer(Tokenizer):
                 ids.extend(self._sp.encode(part))
         return ids
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]`` in one native call for the texts without a literal "▁" (on one
+        thread: preprocessing workers are processes), line by line when that is exact (``_newline_separable``)."""
+        texts = list(texts)
+        plain = [k for k, text in enumerate(texts) if SPACE_SYMBOL not in text or not self._has_bytes]
+        out: list[list[int]] = [[] for _ in texts]
+        if plain and self._newline_ids is not None:
+            lines = [text.split("\n") for text in (texts[k] for k in plain)]
+            encoded = iter(self._sp.encode([line for parts in lines for line in parts], num_threads=1))
+            newline = self._newline_ids
+            for k, parts in zip(plain, lines, strict=True):
+                ids = list(next(encoded))
+                for _ in range(len(parts) - 1):
+                    ids.extend(newline)
+                    ids.extend(next(encoded))
+                out[k] = ids
+        elif plain:
+            for k, ids in zip(plain, self._sp.encode([texts[k] for k in plain], num_threads=1), strict=True):
+                out[k] = ids
+        if len(plain) != len(texts):
+            for k in set(range(len(texts))).difference(plain):
+                out[k] = self.encode(texts[k])
+        return out
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
@@ -166,24 +237,123 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.id_to_piece(int(i))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"model_path": str(self.model_path), "proto": self._proto}
+        return {"model_path": str(self.model_path), "proto": self._proto, "eod_token": self.eod_token,
+                "pad_token": self.pad_token}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.model_path = Path(state["model_path"])
+        self.eod_token, self.pad_token = state.get("eod_token"), state.get("pad_token")
         self._load(state["proto"])
 
 
+EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]")
+"""End-of-document candidates looked up, in order, in an HF tokenizer without ``tokenizer.eod_token``."""
+
+PAD_TOKENS = ("<pad>", "<|padding|>", "[PAD]", "<|pad|>")
+"""Padding candidates looked up, in order, without ``tokenizer.pad_token`` (none found: pad = EOD)."""
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` model from a ``tokenizer.json`` (or a directory holding one).
+
+    Needs the ``tokenizers`` package (``pip install -e '.[hf]'``); no ``transformers``, no download.
+    Text is encoded without the tokenizer's own special tokens (BOS and the like); EOD is appended by
+    preprocessing. ``vocab_size`` is one more than the largest id, added tokens included.
+    """
+
+    name = "hf"
+
+    def __init__(self, path: str | Path, eod_token: str | None = None, pad_token: str | None = None) -> None:
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            raise ConfigError("tokenizer.type=hf needs the 'tokenizers' package: pip install -e '.[hf]'") from None
+        given = Path(path)
+        self.path = given / "tokenizer.json" if given.is_dir() else given
+        if not self.path.is_file():
+            raise DataError(f"tokenizer file {self.path} not found; give a Hugging Face tokenizer.json (or the "
+                            f"directory holding it) as tokenizer.model")
+        self.eod_token, self.pad_token = eod_token, pad_token
+        self._load(self.path.read_text(encoding="utf-8"))
+
+    def _load(self, json_text: str) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self._json = json_text
+        try:
+            self._tok = RustTokenizer.from_str(json_text)
+        except Exception as e:  # the Rust side raises plain Exceptions for malformed files
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"{self.path} is not a valid Hugging Face tokenizer.json ({first})") from None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self._eod = self._find(self.eod_token, EOD_TOKENS, "eod_token", vocab)
+        self._pad = self._find(self.pad_token, PAD_TOKENS, "pad_token", vocab, default=self._eod)
+
+    def _find(self, token: str | None, candidates: tuple[str, ...], key: str, vocab: dict[str, int],
+              default: int | None = None) -> int:
+        if token is not None:
+            if token not in vocab:
+                raise ConfigError(f"tokenizer.{key}: '{token}' is not in the vocabulary of {self.path}; give one of "
+                                  f"its tokens")
+            return vocab[token]
+        for candidate in candidates:
+            if candidate in vocab:
+                return vocab[candidate]
+        if default is None:
+            raise ConfigError(f"tokenizer.eod_token: {self.path} has none of {', '.join(candidates)}; set "
+                              f"tokenizer.eod_token (or --eod-token) to its end-of-document token")
+        return default
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": str(self.path), "json": self._json, "eod_token": self.eod_token, "pad_token": self.pad_token}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = Path(state["path"])
+        self.eod_token, self.pad_token = state["eod_token"], state["pad_token"]
+        self._load(state["json"])
+
+
+TOKENIZER_TYPES = ("sentencepiece", "hf", "byte")
+"""The values of ``tokenizer.type``."""
+
+
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
-    """The tokenizer ``cfg`` describes: ``sentencepiece`` (loads ``cfg.model``) or ``byte``."""
+    """The tokenizer ``cfg`` describes: ``sentencepiece`` (loads ``cfg.model``), ``hf`` (a tokenizer.json) or ``byte``."""
     kind = cfg.type.lower()
     if kind in ("sentencepiece", "sentencepiecetokenizer"):
         if not cfg.model:
             raise ConfigError("tokenizer.model is not set; give the SentencePiece .model path, or set "
                               "tokenizer.type=byte")
-        return SentencePieceTokenizer(cfg.model)
+        return SentencePieceTokenizer(cfg.model, cfg.eod_token, cfg.pad_token)
+    if kind in ("hf", "huggingfacetokenizer"):
+        if not cfg.model:
+            raise ConfigError("tokenizer.model is not set; give the path of the Hugging Face tokenizer.json")
+        return HFTokenizer(cfg.model, cfg.eod_token, cfg.pad_token)
     if kind in ("byte", "bytetokenizer"):
+        if cfg.eod_token is not None or cfg.pad_token is not None:
+            raise ConfigError("tokenizer.eod_token / tokenizer.pad_token: the byte tokenizer's special ids are fixed "
+                              "(EOD 256, pad 257); drop these keys")
         return ByteTokenizer()
-    raise ConfigError(f"tokenizer.type: unknown tokenizer '{cfg.type}'; choose sentencepiece or byte")
+    raise ConfigError(f"tokenizer.type: unknown tokenizer '{cfg.type}'; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def _strip_model_suffix(path: Path) -> str:

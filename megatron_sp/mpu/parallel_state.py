@@ -202,7 +202,18 @@ def init_default_group(backend: str, timeout_s: float = 600.0) -> None:
     if missing:
         raise RuntimeError(f"torch.distributed environment variables missing: {missing}; launch with torchrun "
                            "or train.py")
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        return
+    # Under torchrun the ranks share the agent's store, and it is the same store after a restart
+    # (--max-restarts): without a per-attempt prefix a restarted rank can read a dead rank's gloo
+    # address left by the previous attempt ("connectFullMesh failed ... Connection refused").
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), rank=rank, world_size=world,
+                            store=dist.PrefixStore(f"megatron_sp/attempt_{restart}", store))
 
 
 def initialize(dims: ParallelDims, timeout_s: float = 600.0) -> ParallelState:

@@ -84,3 +84,42 @@ def test_data_config_packing_fields() -> None:
     apply_override(cfg, "data.reset_position_ids=true")
     apply_override(cfg, "data.reset_attention_mask=true")
     assert cfg.data.reset_position_ids is True and cfg.data.reset_attention_mask is True
+
+
+def test_packing_metadata_at_document_edges_of_dataset_samples(tmp_path) -> None:
+    """Through the GPT dataset: a document that starts inside a sample gets positions 0, 1, ... (its own
+    token offsets) and its own document id; edges at the first and last token of a sample included."""
+    from megatron_sp.data.gpt_dataset import GPTDataset
+    from megatron_sp.data.indexed import IndexedDataset, IndexedDatasetWriter
+
+    rng = np.random.default_rng(1)
+    with IndexedDatasetWriter(tmp_path / "docs", np.int32) as writer:
+        for d in range(1, 30):  # document d: d*100 + 1, d*100 + 2, ... then EOD
+            n = int(rng.integers(1, 12))
+            tokens = np.concatenate([d * 100 + 1 + np.arange(n), [EOD]])
+            lengths = [1, n] if n > 1 and d % 3 == 0 else None  # some documents of two sequences
+            writer.add_document(tokens, lengths)
+        writer.add_document([])  # a document without tokens: no EOD, no edge
+    ds = GPTDataset(IndexedDataset(tmp_path / "docs"), np.arange(30), 8, 120, seed=2, cache_dir=None, name="train")
+    samples = [ds[i] for i in range(len(ds))]
+    batch = collate(samples, eod=EOD, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+    edges = {"starts with eod": 0, "eod last input": 0, "doc starts at 0": 0}
+    for row, sample in enumerate(samples):
+        tokens = sample[:-1]
+        positions, documents = batch["position_ids"][row].tolist(), batch["document_ids"][row].tolist()
+        first_doc = -1 if tokens[0] == EOD else (int(tokens[0]) - 1) // 100  # the document at token 0, if any
+        for p, token in enumerate(tokens.tolist()):
+            if token == EOD:
+                continue
+            doc, offset = divmod(token - 1, 100)
+            if doc != first_doc or (p == offset == 0):  # a document that starts inside the sample
+                assert positions[p] == offset, (row, p)
+            else:  # the partial first document counts from the sample's start
+                assert positions[p] == p
+            # same source document <=> same id (the eod belongs to the document it ends)
+            assert documents[p] == sum(1 for t in tokens[:p] if t == EOD)
+        assert batch["loss_mask"][row].tolist() == [0.0 if t == EOD else 1.0 for t in sample[1:]]
+        edges["starts with eod"] += int(tokens[0] == EOD)
+        edges["eod last input"] += int(tokens[-1] == EOD)
+        edges["doc starts at 0"] += int(tokens[0] % 100 == 1)
+    assert all(edges.values()), edges  # every edge case occurred in these samples

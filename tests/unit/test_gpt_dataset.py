@@ -191,9 +191,9 @@ def test_build_datasets(tmp_path: Path) -> None:
     train2, _ = build_datasets(cfg, ByteTokenizer(), 30, 0)
     assert train2.cache_dir == tmp_path / "elsewhere" and not train2.loaded_from_cache
 
-    cfg.data.paths = [str(prefix), str(prefix)]
-    with pytest.raises(ConfigError, match="blending"):
-        build_datasets(cfg, ByteTokenizer(), 30, 0)
+    cfg.data.paths = [str(prefix), str(prefix)]  # several prefixes without weights: blended by their tokens
+    blend, _ = build_datasets(cfg, ByteTokenizer(), 30, 0)
+    assert isinstance(blend, data.BlendedDataset) and len(blend) >= 30 and blend.weights == [0.5, 0.5]
 
 
 def test_build_datasets_detects_tokenizer_mismatch(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Tokenizers: byte tokenizer, SentencePiece training (exact round trip on code, determinism), errors."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 import re
@@ -142,3 +143,18 @@ def test_training_errors(corpus: Path, tmp_path: Path) -> None:
     with pytest.raises(DataError, match=re.escape(f"{bad}:2")):
         train_sentencepiece([bad], tmp_path / "b", vocab_size=512)
     assert not list(tmp_path.glob("*.model"))
+
+
+def test_sentencepiece_special_tokens_and_batches(sp_model: Path) -> None:
+    default = build_tokenizer(TokenizerConfig(type="sentencepiece", model=str(sp_model)))
+    assert (default.eod, default.pad) == (2, 3)  # </s> and <pad> of train_sentencepiece
+    explicit = build_tokenizer(TokenizerConfig(type="sentencepiece", model=str(sp_model), eod_token="<pad>",
+                                               pad_token="<s>"))
+    assert (explicit.eod, explicit.pad) == (3, 1)
+    assert pickle.loads(pickle.dumps(explicit)).eod == 3
+    with pytest.raises(ConfigError, match="tokenizer.pad_token: '<nope>' is not a piece"):
+        build_tokenizer(TokenizerConfig(type="sentencepiece", model=str(sp_model), pad_token="<nope>"))
+    texts = [CODE, "", "\n", "\n\nx\n", " a \n  b ", "plain text", "a \u2581 b\nc"]  # with and without "\u2581"
+    if importlib.util.find_spec("google.protobuf") is not None:
+        assert default._newline_ids is not None  # batches are encoded line by line: must equal whole texts
+    assert default.encode_batch(texts) == [default.encode(t) for t in texts]

@@ -1,0 +1,78 @@
+"""Faults during training: preemption by SIGTERM, and collectives whose peer died or hung.
+
+* ``Preemption``: SIGTERM (``scancel``, a preempting scheduler, torchrun stopping its workers)
+  sets a flag; after each step the ranks agree on it with a one-element all-reduce (MAX), so all
+  of them save the same step, whichever got the signal; then the run exits 0. Installed only when
+  ``checkpoint.save`` is set.
+* ``peer_failure``: when a collective raises (gloo: "Connection reset/closed by peer" at once for
+  a dead peer, "Timed out ..." after ``parallel.timeout_s`` for a hung one), every surviving rank
+  records itself in the job's rendezvous store and, for a few seconds, watches who else does;
+  the ranks that never do are the ones that stopped answering, and the one-line error names them.
+  The store lives in the torchrun agent, so it outlives the workers.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import TrainingError
+
+_PEER_ERRORS = ("timed out", "timeout", "connection reset", "connection closed", "connection refused",
+                "broken pipe", "end of file", "nccl", "socket")
+
+
+class Preemption:
+    """SIGTERM → ``agreed()`` turns True on every rank after the step in which any rank got it."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.requested = False
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def agreed(self, dev: torch.device) -> bool:
+        """Collective (every rank, once per step): did any rank get SIGTERM?"""
+        if not self.enabled:
+            return False
+        flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=dev)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def peer_failure(exc: BaseException, timeout_s: float, listen_s: float = 5.0) -> TrainingError | None:
+    """The one-line error for a collective that failed because of another rank, or None (not such a failure)."""
+    text = str(exc).strip()
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not any(k in text.lower() for k in _PEER_ERRORS):
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    first = first.split("] ", 1)[-1] if first.startswith("[") else first  # drop gloo's source-file prefix
+    silent = _silent_ranks(rank, world, listen_s)
+    who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering (dead or hung)"
+           if silent else "another rank failed")
+    return TrainingError(f"[rank {rank}] a collective failed: {who}; {first[:160]} (parallel.timeout_s = "
+                         f"{timeout_s:g} s)")
+
+
+def _silent_ranks(rank: int, world: int, listen_s: float) -> list[int]:
+    """Ranks that did not check in as survivors within ``listen_s`` ([] if the store is unreachable)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"megatron_sp/alive/{rank}", "1")
+        deadline = time.monotonic() + listen_s
+        while True:
+            silent = [r for r in range(world) if not store.check([f"megatron_sp/alive/{r}"])]
+            if not silent or time.monotonic() > deadline:
+                return silent
+            time.sleep(0.1)
+    except Exception:  # the store's host is gone too: no names, the plain message stays
+        return []

@@ -1,0 +1,119 @@
+"""Faults end to end: preemption by SIGTERM, auto-resume after torchrun restarts, a dead and a hung rank."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_sp import checkpointing
+
+from .runs import BASE, ROOT, metrics, train
+
+DP2 = ["parallel.dp=2"]
+STEPS = 20
+
+
+def _start(run_dir: Path, data: str, *overrides: str, torchrun: list[str] | None = None) -> subprocess.Popen:
+    prefix = [sys.executable, *(["-m", "torch.distributed.run", *torchrun] if torchrun else []), "train.py"]
+    args = [*prefix, *BASE, f"data.paths=[{data}]", f"logging.dir={run_dir}/log",
+            f"data.cache_dir={Path(data).parent}/cache", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+
+
+def _wait_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 120) -> None:
+    path = run_dir / "log" / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and len(path.read_text().splitlines()) >= n):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{n} steps not logged in {timeout} s"
+        time.sleep(0.05)
+
+
+def _rank_pid(run_dir: Path, rank: int) -> int:
+    """The pid of the worker process of ``rank`` of the run logging into ``run_dir``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and str(run_dir).encode() in cmd and b"LOCAL_RANK" in b"".join(env):
+            return int(entry)
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
+def _same_trajectory(got: dict, ref: dict, steps: range) -> None:
+    assert sorted(got) == list(steps), sorted(got)
+    for s in steps:  # same layout: bitwise
+        assert got[s]["loss"] == ref[s]["loss"] and got[s]["grad_norm"] == ref[s]["grad_norm"], s
+
+
+def test_sigterm_saves_then_auto_resume_and_torchrun_restarts_continue(tmp_path, byte_data):
+    reference = tmp_path / "reference"
+    train(reference, byte_data, f"train.iters={STEPS}", *DP2)
+    ref = metrics(reference)
+
+    # SIGTERM to train.py (the local launcher passes it on): every rank saves the same step, exit 0
+    pre = tmp_path / "preempted"
+    proc = _start(pre, byte_data, "train.iters=400", f"checkpoint.save={pre}/ckpt", *DP2)
+    _wait_steps(proc, pre, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    ckpt = checkpointing.resolve(pre / "ckpt")
+    k = checkpointing.read_meta(ckpt)["step"]
+    assert 3 <= k < STEPS - 2 and "SIGTERM: saving a checkpoint" in out
+    # auto_resume picks checkpoint.save's latest and continues on the uninterrupted trajectory
+    train(pre, byte_data, f"train.iters={STEPS}", f"checkpoint.save={pre}/ckpt", "checkpoint.auto_resume=true", *DP2)
+    _same_trajectory(metrics(pre), ref, range(1, STEPS + 1))
+
+    # torchrun --max-restarts 1: rank 1 is killed after a checkpoint, the restarted ranks auto-resume
+    res = tmp_path / "restarted"
+    proc = _start(res, byte_data, f"train.iters={STEPS}", f"checkpoint.save={res}/ckpt", "checkpoint.interval=2",
+                  "checkpoint.auto_resume=true", *DP2,
+                  torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"])
+    _wait_steps(proc, res, 5)
+    os.kill(_rank_pid(res, 1), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "checkpoint.auto_resume: resuming from" in out
+    _same_trajectory(metrics(res), ref, range(1, STEPS + 1))
+
+
+def test_dead_and_hung_ranks_end_the_run_with_one_line_naming_them(tmp_path, byte_data):
+    # SIGKILL: the launcher sees the death and stops the others at once
+    dead = tmp_path / "dead"
+    proc = _start(dead, byte_data, "train.iters=400", "parallel.timeout_s=5", *DP2)
+    _wait_steps(proc, dead, 2)
+    os.kill(_rank_pid(dead, 1), signal.SIGKILL)
+    t = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and time.monotonic() - t < 5
+    assert err.strip().splitlines()[-1] == "error: rank 1 of 2 was killed by signal SIGKILL; the other ranks were stopped"
+    assert "Traceback" not in err
+
+    # SIGSTOP (hung): rank 0's collective times out after parallel.timeout_s and names rank 1
+    hung = tmp_path / "hung"
+    proc = _start(hung, byte_data, "train.iters=400", "parallel.timeout_s=5", *DP2)
+    _wait_steps(proc, hung, 2)
+    pid = _rank_pid(hung, 1)
+    os.kill(pid, signal.SIGSTOP)
+    t = time.monotonic()
+    try:
+        line = ""
+        while "stopped answering" not in line:
+            line = proc.stderr.readline()
+            assert line, "stderr closed without naming the hung rank"
+        assert time.monotonic() - t < 5 + 5 + 5  # timeout + listening for survivors + slack
+        assert line.startswith("error: [rank 0] a collective failed: rank 1 stopped answering (dead or hung)")
+    finally:
+        os.kill(pid, signal.SIGKILL)  # the launcher would wait 30 s before killing a stopped process
+        proc.communicate(timeout=60)
+    assert proc.returncode != 0

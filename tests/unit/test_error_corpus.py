@@ -1,0 +1,247 @@
+"""The error corpus: malformed configs and inputs through train.py's entry point.
+
+Every case must end with a non-zero exit code and exactly one stderr line ``error: ...`` that names
+the offending key or file, with no traceback, before any rank starts or any step runs. The cases go
+through ``megatron_sp.training.main(argv)`` in this process (the config and the input files are
+checked before ``train.py`` launches ranks, so nothing else runs); a few also go through a real
+``python train.py`` to show the process behaves the same. Data-file corruption and hostfile cases
+live with their own modules' tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from megatron_sp import training
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Case:
+    """``args`` after ``--conf {base}``, unless ``conf`` is False; ``{dir}`` is the corpus folder.
+    ``needles`` must all appear in the error line; ``exit_code`` 2 for config errors, 1 for data."""
+
+    name: str
+    args: tuple[str, ...]
+    needles: tuple[str, ...]
+    exit_code: int = 2
+    conf: bool = True
+    hide: str | None = None  # a package to make unimportable for this case
+    absent: tuple[str, ...] = ()  # must not appear in the line
+
+
+def case(name: str, *args: str, needles: str | tuple[str, ...], **kw) -> Case:
+    return Case(name, args, (needles,) if isinstance(needles, str) else needles, **kw)
+
+
+# A valid small config: every case breaks one thing. Its dataset is missing on purpose, so a case
+# whose own check did not fire ends with the dataset's error, which the needles reject.
+BASE_YML = """\
+model: {num_layers: 2, hidden_size: 64, num_heads: 4, seq_length: 64}
+train: {iters: 2, micro_batch_size: 1}
+tokenizer: {type: byte}
+data: {paths: ["{dir}/no_data/corpus_text_document"]}
+logging: {dir: "{dir}/run", interval: 1}
+"""
+
+FILES = {
+    "unknown_key.yml": "model:\n  hidden_szie: 64\n",
+    "unknown_section.yml": "trian:\n  iters: 3\n",
+    "list_for_int.yml": "model:\n  num_layers: [1, 2]\n",
+    "null_value.yml": "model:\n  num_layers: null\n",
+    "float_for_int.yml": "model:\n  hidden_size: 64.5\n",
+    "scalar_section.yml": "model: 3\n",
+    "paths_not_list.yml": "data:\n  paths: {a: 1}\n",
+    "bad_yaml.yml": "model: [unclosed\n",
+    "bad_indent.yml": "model:\n  num_layers: 2\n hidden_size: 64\n",
+    "tab_indent.yml": "model:\n\tnum_layers: 2\n",
+    "top_level_list.yml": "- model\n- train\n",
+    "bad_json.json": '{"model": {"num_layers": }}',
+    "string_for_bool.json": json.dumps({"model": {"tie_embeddings": "sometimes"}}),
+}
+
+CASES = [
+    # --- unknown keys ---
+    case("unknown override key", "train.itres=5", needles=("train.itres", "did you mean 'train.iters'")),
+    case("unknown override section", "modle.arch=neox", needles=("modle", "did you mean 'model'")),
+    case("unknown key in a file", "--conf", "{dir}/unknown_key.yml",
+         needles=("unknown_key.yml", "model.hidden_szie", "model.hidden_size")),
+    case("unknown section in a file", "--conf", "{dir}/unknown_section.yml", needles=("unknown_section.yml", "trian")),
+    # --- wrong types ---
+    case("text for an int", "train.iters=abc", needles=("train.iters", "abc")),
+    case("text for a float", "train.lr=fast", needles=("train.lr", "fast")),
+    case("text for a bool", "model.tie_embeddings=maybe", needles="model.tie_embeddings"),
+    case("list for an int", "--conf", "{dir}/list_for_int.yml", needles="model.num_layers"),
+    case("null for an int", "--conf", "{dir}/null_value.yml", needles=("model.num_layers", "null")),
+    case("fraction for an int", "--conf", "{dir}/float_for_int.yml", needles=("model.hidden_size", "64.5")),
+    case("section not a mapping", "--conf", "{dir}/scalar_section.yml", needles=("scalar_section.yml", "'model'")),
+    case("mapping for a list", "--conf", "{dir}/paths_not_list.yml", needles="data.paths"),
+    case("string for a bool in JSON", "--conf", "{dir}/string_for_bool.json", needles="model.tie_embeddings"),
+    case("unknown choice", "model.arch=gpt5", needles=("model.arch", "'gpt5' is not one of neox, llama"),
+         absent=("known keys",)),
+    case("unknown precision", "train.precision=fp8", needles="train.precision"),
+    case("unknown schedule", "parallel.pp_schedule=gpipe", needles="parallel.pp_schedule"),
+    case("unknown log level", "logging.level=loud", needles="logging.level"),
+    # --- sizes that do not divide ---
+    case("heads do not divide hidden", "model.num_heads=3", needles=("model.hidden_size", "model.num_heads")),
+    case("tp does not divide heads", "parallel.tp=3", needles=("model.num_heads", "parallel.tp")),
+    case("global batch not a multiple", "train.micro_batch_size=4", "train.global_batch_size=10",
+         needles="train.global_batch_size"),
+    case("layers do not split over pp", "parallel.pp=2", "model.num_layers=3", "train.global_batch_size=4",
+         needles="model.num_layers"),
+    case("seq not divisible under SP", "parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_length=65",
+         needles=("model.seq_length", "parallel.tp")),
+    case("seq not divisible under zigzag CP", "parallel.cp=2", "parallel.cp_algo=zigzag", "model.seq_length=62",
+         needles=("model.seq_length", "parallel.cp")),
+    case("kv heads do not divide heads", "model.arch=llama", "model.num_kv_heads=3", "model.ffn_multiple_of=64",
+         needles="model.num_kv_heads"),
+    case("pipeline without micro-batches", "parallel.pp=2", needles="parallel.pp"),
+    # --- conflicting options ---
+    case("SP without TP", "parallel.sequence_parallel=true", needles="parallel.sequence_parallel"),
+    case("nccl on cpu", "parallel.device=cpu", "parallel.backend=nccl", needles="parallel.backend"),
+    case("min_lr above lr", "train.lr=1e-4", "train.min_lr=1e-3", needles=("train.min_lr", "train.lr")),
+    case("warm-up past the decay", "train.lr_warmup_iters=10", "train.lr_decay_iters=5",
+         needles="train.lr_warmup_iters"),
+    case("checkpoint interval without save", "checkpoint.interval=5", needles=("checkpoint.interval", "checkpoint.save")),
+    case("virtual stages without interleaving", "parallel.virtual_stages=2", needles="parallel.virtual_stages"),
+    case("world size disagrees", "parallel.world_size=3", needles="parallel.world_size"),
+    case("grad accumulation disagrees", "train.grad_accum_steps=3", "train.global_batch_size=2", needles="train.grad_accum_steps"),
+    case("GQA on neox", "model.num_kv_heads=2", needles=("model.num_kv_heads", "llama")),
+    case("ulysses degree without usp", "parallel.cp=2", "parallel.cp_ulysses=2", needles="parallel.cp_ulysses"),
+    case("zero stage 2", "parallel.zero=2", needles="parallel.zero"),
+    case("vocab size against the tokenizer", "model.vocab_size=1000", needles="model.vocab_size"),
+    case("wandb not installed", "logging.wandb=true", needles=("logging.wandb", "pip install"), hide="wandb"),
+    case("tensorboard not installed", "logging.tensorboard=true", needles=("logging.tensorboard", "pip install"),
+         hide="tensorboard"),
+    # --- negative and zero sizes ---
+    case("negative iters", "train.iters=-5", needles=("train.iters", "-5")),
+    case("negative hidden size", "model.hidden_size=-64", needles="model.hidden_size"),
+    case("zero micro-batch", "train.micro_batch_size=0", needles="train.micro_batch_size"),
+    case("negative lr", "train.lr=-1", needles="train.lr"),
+    case("dropout of 1.5", "model.hidden_dropout=1.5", needles="model.hidden_dropout"),
+    case("zero rotary", "model.rotary_pct=0", needles="model.rotary_pct"),
+    case("negative split", "data.split=-1,2,0", needles="data.split"),
+    case("split not numbers", "data.split=a,b", needles="data.split"),
+    # --- missing or unreadable files ---
+    case("missing config file", "--conf", "{dir}/missing.yml", needles="missing.yml"),
+    case("missing config file alone", "--conf", "{dir}/nowhere/demo.yml", needles="nowhere/demo.yml", conf=False),
+    case("missing dataset prefix", needles=("no_data/corpus_text_document", "not found"), exit_code=1),
+    case("missing tokenizer model", "tokenizer.type=sentencepiece", "tokenizer.model={dir}/absent.model",
+         needles=("absent.model", "not found"), exit_code=1),
+    case("sentencepiece without a model", "tokenizer.type=sentencepiece", needles="tokenizer.model"),
+    case("no dataset at all", "data.paths=[]", needles="data.paths"),
+    # --- malformed files ---
+    case("bad YAML", "--conf", "{dir}/bad_yaml.yml", needles=("bad_yaml.yml", "not valid YAML: line 2, column 1")),
+    case("bad YAML indentation", "--conf", "{dir}/bad_indent.yml",
+         needles=("bad_indent.yml", "not valid YAML: line 3, column 2")),
+    case("tab in YAML", "--conf", "{dir}/tab_indent.yml", needles=("tab_indent.yml", "line 2, column 1", "'\\t'")),
+    case("YAML list at the top", "--conf", "{dir}/top_level_list.yml", needles=("top_level_list.yml", "mapping")),
+    case("bad JSON", "--conf", "{dir}/bad_json.json", needles=("bad_json.json", "not valid JSON")),
+    # --- bad override syntax and command line ---
+    case("override without =", "noequals", needles=("noequals", "section.key=value")),
+    case("override without a section", "iters=5", needles=("iters=5", "section.key")),
+    case("override three levels deep", "model.arch.name=neox", needles=("model.arch.name", "section.key")),
+    case("override with an empty section", ".iters=5", needles=(".iters=5", "section.key")),
+    case("misspelt option", "--confg", "{dir}/base.yml", needles="--confg"),
+    case("option without its value", "--conf", needles="--conf"),
+]
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("error_corpus")
+    (d / "base.yml").write_text(BASE_YML.replace("{dir}", str(d)))
+    for name, text in FILES.items():
+        (d / name).write_text(text)
+    return d
+
+
+def argv_of(c: Case, d: Path) -> list[str]:
+    args = [a.replace("{dir}", str(d)) for a in c.args]
+    return (["--conf", str(d / "base.yml")] if c.conf else []) + args
+
+
+def check_line(c: Case, code: int, stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code != 0, f"{c.name}: exit code 0"
+    assert "Traceback" not in stderr, f"{c.name}:\n{stderr}"
+    assert len(lines) == 1, f"{c.name}: expected one stderr line, got:\n{stderr}"
+    line = lines[0]
+    assert line.startswith("error: "), f"{c.name}: {line}"
+    for needle in c.needles:
+        assert needle in line, f"{c.name}: {needle!r} not in {line!r}"
+    for word in c.absent:
+        assert word not in line, f"{c.name}: {word!r} in {line!r}"
+    assert code == c.exit_code, f"{c.name}: exit code {code}, expected {c.exit_code}: {line}"
+    return line
+
+
+def run_in_process(c: Case, d: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """``training.main`` with train.py's argv; any launch or training would fail the case."""
+    def must_not_train(*_: object, **__: object) -> None:
+        raise AssertionError(f"{c.name}: passed the checks and would train")
+
+    with monkeypatch.context() as m:
+        for var in TORCHRUN_ENV:
+            m.delenv(var, raising=False)
+        m.setattr(training.log, "handlers", [])  # main() points the logger at this test's stdout: undo after
+        m.setattr(training.log, "propagate", training.log.propagate)
+        m.setattr(training.log, "level", training.log.level)
+        m.setattr(training, "run", must_not_train)
+        m.setattr(training, "_launch_local", must_not_train)
+        if c.hide:
+            m.setitem(sys.modules, c.hide, None)  # as if not installed
+        try:
+            code = training.main(argv_of(c, d))
+        except SystemExit as exc:  # argparse usage errors exit from parse_args
+            code = exc.code if isinstance(exc.code, int) else 1
+    return code, capsys.readouterr().err
+
+
+def test_corpus_is_large_and_distinct():
+    assert len(CASES) >= 30
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c.name for c in CASES])
+def test_error_is_one_line_naming_the_culprit(c: Case, corpus_dir, monkeypatch, capsys):
+    code, err = run_in_process(c, corpus_dir, monkeypatch, capsys)
+    check_line(c, code, err)
+
+
+# The real entry point, for a few cases: same line, same exit code, and a multi-rank layout with a
+# missing dataset stops before it starts any rank. The processes run side by side (each mostly imports torch).
+SUBPROCESS_CASES = {"bad YAML": [], "missing dataset prefix": ["parallel.dp=2", "train.global_batch_size=2"]}
+
+
+@pytest.fixture(scope="module")
+def train_py_results(corpus_dir) -> dict[str, tuple[int, str, str]]:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    procs = {}
+    for name, extra in SUBPROCESS_CASES.items():
+        c = next(x for x in CASES if x.name == name)
+        procs[name] = subprocess.Popen([sys.executable, "train.py", *argv_of(c, corpus_dir), *extra], cwd=ROOT,
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        results[name] = (proc.returncode, out, err)
+    return results
+
+
+@pytest.mark.parametrize("name", SUBPROCESS_CASES)
+def test_train_py_prints_the_same_line(name, train_py_results, corpus_dir, monkeypatch, capsys):
+    c = next(x for x in CASES if x.name == name)
+    returncode, stdout, stderr = train_py_results[name]
+    line = check_line(c, returncode, stderr)
+    assert "rank" not in stdout + stderr  # nothing was launched
+    code, err = run_in_process(c, corpus_dir, monkeypatch, capsys)
+    assert (code, err.strip()) == (returncode, line)
