@@ -6,6 +6,9 @@ traceback. Programming errors stay ordinary exceptions and keep their traceback.
 """
 from __future__ import annotations
 
+import argparse
+from typing import NoReturn
+
 
 class UserError(Exception):
     """Base class: an error in the user's input, printed as one line."""
@@ -29,3 +32,11 @@ class TrainingError(UserError):
     """Training cannot go on (a non-finite loss or gradient norm): the message names the step."""
 
     exit_code = 1
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``error:`` line (exit code 2) instead of usage + message,
+    like every other user error of train.py and the tools."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")

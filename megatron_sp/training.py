@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from torch import nn
 
 from . import checkpointing, config as config_mod, device as device_mod, faults, metrics as metrics_mod
 from .config import Config
-from .errors import TrainingError, UserError
+from .errors import OneLineArgumentParser, TrainingError, UserError
 from .mpu import ParallelDims, ParallelState, comm, init_default_group, initialize
 from .mpu.random import get_tracker, init_rng
 from .optim.grad_scaler import DynamicLossScaler
@@ -44,15 +43,9 @@ log = logging.getLogger("megatron_sp")
 
 # ----------------------------------------------------------------------------- command line
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one ``error:`` line (exit code 2) like every other user error."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"error: {message} (see train.py --help)\n")
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _OneLineParser(
+    parser = OneLineArgumentParser(
         prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a GPT. Config keys can be set in --conf files (YAML/JSON, merged in order) "
                     "and as section.key=value overrides; --help-config lists every key.")

@@ -21,7 +21,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,19 +31,13 @@ import torch
 from megatron_sp import checkpointing
 from megatron_sp.config import ModelConfig, TokenizerConfig
 from megatron_sp.data.tokenizer import Tokenizer, build_tokenizer
-from megatron_sp.errors import DataError, UserError
+from megatron_sp.errors import DataError, OneLineArgumentParser, UserError
 from megatron_sp.model.gpt import GPTModel, generate
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one ``error:`` line (exit code 2) instead of usage + message."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see --help)\n")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = _OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, metavar="DIR",
                         help="Checkpoint directory: a checkpoint.save directory (uses 'latest') or an iter_* dir.")
     parser.add_argument("--prompt", help="Text to continue (or --interactive).")

@@ -27,7 +27,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,21 +35,15 @@ if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout witho
 from megatron_sp import config as config_mod
 from megatron_sp import plan
 from megatron_sp.config import Config
-from megatron_sp.errors import UserError
+from megatron_sp.errors import OneLineArgumentParser, UserError
 
 GOAL = 0.10
 """--verify: |measured / predicted − 1| above this is flagged."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one ``error:`` line (exit code 2) instead of usage + message."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see --help)\n")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conf", action="append", default=[], required=True, metavar="FILE",
                    help="config file (YAML/JSON); repeat to merge, later wins")
     p.add_argument("--set", action="append", nargs="+", default=[], metavar="KEY=VALUE",

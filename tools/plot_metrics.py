@@ -21,23 +21,17 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_sp.errors import DataError, UserError
+from megatron_sp.errors import DataError, OneLineArgumentParser, UserError
 
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one ``error:`` line (exit code 2) instead of usage + message."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = _OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("metrics", nargs="+", metavar="METRICS_JSONL",
                         help="metrics.jsonl files (or run directories holding one); one curve each")
     parser.add_argument("--output", "-o", default="curves.png", metavar="FILE",
