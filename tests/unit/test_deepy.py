@@ -429,13 +429,20 @@ def test_ssh_failing_host_stops_the_others(work: Path, fake_ssh: dict[str, str])
     assert time.monotonic() - start < 20  # the good host's command was stopped, not waited for
 
 
+def _default_sigint() -> None:
+    """A shell's background job (CI runners) ignores SIGINT and its children inherit that, so Python
+    would never raise KeyboardInterrupt: give deepy the default disposition, as a terminal would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ssh_interrupt_stops_every_host(work: Path, fake_ssh: dict[str, str]) -> None:
     fake_python = work / "bin" / "fakepython"
     fake_python.write_text('#!/bin/bash\necho $$ > "pid_$FAKE_HOST"\nexec sleep 60\n')
     fake_python.chmod(0o755)
     (work / "hosts4").write_text("h1 slots=1\nh2 slots=1\n")
     proc = subprocess.Popen([sys.executable, str(ROOT / "deepy.py"), "--hostfile", "hosts4", "--python", str(fake_python),
-                             "my dir/w.py"], cwd=work, env=fake_ssh, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "my dir/w.py"], cwd=work, env=fake_ssh, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
     deadline = time.monotonic() + 20
     while not ((work / "pid_h1").exists() and (work / "pid_h2").exists()) and time.monotonic() < deadline:
         time.sleep(0.05)
