@@ -357,7 +357,10 @@ def _free_port() -> int:
 
 
 def _results(stdout: str) -> list[dict]:
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in stdout.splitlines() if "RESULT " in line]
+    # Ranks share the terminal and `python -u` writes a print's text and its newline separately, so
+    # two ranks' lines can meet on one line: decode each JSON object after its marker instead.
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(part)[0] for part in stdout.split("RESULT ")[1:]]
 
 
 def _deepy(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
