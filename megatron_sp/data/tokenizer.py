@@ -64,15 +64,18 @@ class Tokenizer(abc.ABC):
     def vocab_size(self) -> int:
         """Number of token ids (the embedding needs at least this many rows)."""
 
-    @property
-    @abc.abstractmethod
-    def eod(self) -> int:
-        """End-of-document id, appended after each document by preprocessing."""
+    _eod: int  # set by each tokenizer (explicit tokenizer.eod_token / pad_token, or its defaults)
+    _pad: int
 
     @property
-    @abc.abstractmethod
+    def eod(self) -> int:
+        """End-of-document id, appended after each document by preprocessing."""
+        return self._eod
+
+    @property
     def pad(self) -> int:
         """Padding id."""
+        return self._pad
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -99,13 +102,8 @@ class ByteTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return 258
 
-    @property
-    def eod(self) -> int:
-        return 256
-
-    @property
-    def pad(self) -> int:
-        return 257
+    _eod = 256
+    _pad = 257
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -185,14 +183,6 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return int(self._sp.get_piece_size())
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
     def encode(self, text: str) -> list[int]:
         if SPACE_SYMBOL not in text or not self._has_bytes:
@@ -308,14 +298,6 @@ class HFTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
