@@ -17,11 +17,14 @@ setup(
         "torch>=2.4",
         "numpy",
         "sentencepiece",
+        "protobuf",  # reads a SentencePiece model's normalizer: the line-by-line fast path of preprocessing
         "pyyaml",
         "safetensors",  # checkpoint shards
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40", "matplotlib"],
+        # megatron-core: the data-compatibility tests compare against its own functions (wheels for x86_64;
+        # elsewhere those tests skip).
+        "test": ["pytest>=7", "transformers>=4.40", "matplotlib", "megatron-core==0.16.1; platform_machine == 'x86_64'"],
         "logging": ["wandb", "tensorboard", "matplotlib"],  # matplotlib: tools/plot_metrics.py
         # flash-attn builds against the installed CUDA torch; NVIDIA apex is built from source (README).
         "gpu": ["flash-attn>=2.5"],

@@ -1,7 +1,6 @@
 """Tokenizers: byte tokenizer, SentencePiece training (exact round trip on code, determinism), errors."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import pickle
 import re
@@ -155,6 +154,5 @@ def test_sentencepiece_special_tokens_and_batches(sp_model: Path) -> None:
     with pytest.raises(ConfigError, match="tokenizer.pad_token: '<nope>' is not a piece"):
         build_tokenizer(TokenizerConfig(type="sentencepiece", model=str(sp_model), pad_token="<nope>"))
     texts = [CODE, "", "\n", "\n\nx\n", " a \n  b ", "plain text", "a \u2581 b\nc"]  # with and without "\u2581"
-    if importlib.util.find_spec("google.protobuf") is not None:
-        assert default._newline_ids is not None  # batches are encoded line by line: must equal whole texts
+    assert default._newline_ids is not None  # protobuf is a dependency: batches are encoded line by line
     assert default.encode_batch(texts) == [default.encode(t) for t in texts]
