@@ -198,9 +198,12 @@ def collate(samples: list[np.ndarray], eod: int, eod_mask_loss: bool, reset_posi
             reset_attention_mask: bool = False) -> dict[str, torch.Tensor]:
     """Stack samples of ``s + 1`` tokens into a batch of ``[b, s]`` tensors.
 
-    ``tokens`` = sample[:-1], ``labels`` = sample[1:] (int64); ``loss_mask`` (float32) is 1.0,
-    or 0.0 where the label is ``eod`` when ``eod_mask_loss``; ``position_ids`` = 0 … s-1 (int64).
-    Labels are shifted here, on the full sequence, before any context-parallel sharding.
+    ``tokens`` = sample[:-1], ``labels`` = sample[1:] (int64); ``position_ids`` = 0 … s-1 (int64);
+    ``loss_mask`` (float32) is 1.0, or with ``eod_mask_loss`` 0.0 where the *input* token is ``eod``
+    (megatron-core's ``_get_ltor_masks_and_position_ids``): the guess of the next document's first
+    token from the end of the previous one is not trained, while predicting ``eod`` itself is, so the
+    model learns to end a document. Labels are shifted here, on the full sequence, before any
+    context-parallel sharding.
 
     A sample of the GPT dataset spans several documents, each ending with an ``eod`` token (Megatron's
     ``get_ltor_masks_and_position_ids``); the ``eod`` belongs to the document it ends:
@@ -216,12 +219,12 @@ def collate(samples: list[np.ndarray], eod: int, eod_mask_loss: bool, reset_posi
     batch = torch.from_numpy(np.stack([np.asarray(s, dtype=np.int64) for s in samples]))  # [b, s+1]
     tokens = batch[:, :-1].contiguous()  # [b, s]
     labels = batch[:, 1:].contiguous()  # [b, s]
-    loss_mask = torch.ones(labels.shape, dtype=torch.float32)
-    if eod_mask_loss:
-        loss_mask[labels == eod] = 0.0
     b, s = tokens.shape
     arange = torch.arange(s, dtype=torch.int64).unsqueeze(0).expand(b, s)  # [b, s]
     is_eod = tokens == eod  # [b, s]
+    loss_mask = torch.ones(labels.shape, dtype=torch.float32)
+    if eod_mask_loss:
+        loss_mask[is_eod] = 0.0
     if reset_position_ids:
         # index of the first token of each token's document: 1 + index of the last eod before it (else 0)
         starts_here = torch.zeros_like(is_eod)

@@ -57,7 +57,12 @@ def test_collate_defaults_unchanged() -> None:
     assert batch["position_ids"].tolist() == [list(range(9))] * 4
     assert batch["tokens"][0].tolist() == [5, 6, EOD, 7, 8, EOD, 9, 10, 11]
     assert batch["labels"][0].tolist() == [6, EOD, 7, 8, EOD, 9, 10, 11, 12]
-    assert batch["loss_mask"][0].tolist() == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    # Megatron's rule: the positions whose *input* is an eod leave the loss (the guess of the next
+    # document's first token); the positions that predict an eod stay in it (the model learns to end)
+    assert batch["loss_mask"][0].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    assert batch["loss_mask"][1].tolist() == [0.0] + [1.0] * 8  # an eod at position 0
+    assert batch["loss_mask"][2].tolist() == [1.0] * 8 + [0.0]  # an eod as the last input token
+    assert batch["loss_mask"][3].tolist() == [1.0] * 9  # an eod only among the labels is trained
 
 
 def test_collate_matches_a_token_loop_on_random_samples() -> None:
@@ -118,7 +123,7 @@ def test_packing_metadata_at_document_edges_of_dataset_samples(tmp_path) -> None
                 assert positions[p] == p
             # same source document <=> same id (the eod belongs to the document it ends)
             assert documents[p] == sum(1 for t in tokens[:p] if t == EOD)
-        assert batch["loss_mask"][row].tolist() == [0.0 if t == EOD else 1.0 for t in sample[1:]]
+        assert batch["loss_mask"][row].tolist() == [0.0 if t == EOD else 1.0 for t in tokens]  # Megatron: input eods
         edges["starts with eod"] += int(tokens[0] == EOD)
         edges["eod last input"] += int(tokens[-1] == EOD)
         edges["doc starts at 0"] += int(tokens[0] % 100 == 1)

@@ -89,6 +89,34 @@ def test_we_train_on_megatron_core_files(tmp_path: Path) -> None:
     assert batch["tokens"].shape == (4, 8) and batch["document_ids"].shape == (4, 8)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_masks_and_positions_equal_megatron_core(seed: int) -> None:
+    """loss_mask, position_ids and the document mask of ``collate`` equal megatron-core's
+    ``_get_ltor_masks_and_position_ids`` on random token rows with EODs anywhere (first, last, runs)."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    rng = np.random.default_rng(seed)
+    s = 24
+    samples = [rng.integers(EOD - 3, EOD + 1, size=s + 1) for _ in range(6)]  # EOD one id in four
+    samples[0][0] = samples[1][s - 1] = EOD  # at the first and at the last input position
+    samples[2][:] = EOD  # nothing but EODs
+    samples[3][:] = EOD - 1  # none
+    for flags in [(False, False, True), (True, True, True), (True, False, False), (False, True, False)]:
+        reset_pos, reset_attn, eod_mask = flags
+        ours = collate(samples, EOD, eod_mask_loss=eod_mask, reset_position_ids=reset_pos,
+                       reset_attention_mask=reset_attn)
+        for row, sample in enumerate(samples):
+            tokens = torch.from_numpy(sample[:-1].astype(np.int64))
+            masked, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
+                tokens, EOD, reset_pos, reset_attn, eod_mask, create_attention_mask=True)
+            assert torch.equal(ours["loss_mask"][row], loss_mask), (flags, row)
+            assert torch.equal(ours["position_ids"][row], position_ids), (flags, row)
+            if reset_attn:
+                doc = ours["document_ids"][row]
+                visible = (doc[:, None] == doc[None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+                assert torch.equal(visible, ~masked[0]), (flags, row)
+
+
 def test_megatron_core_reads_our_preprocessed_sentences(tmp_path: Path) -> None:
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"text": "One. Two! Three"}\n{"text": "Four."}\n', encoding="utf-8")
