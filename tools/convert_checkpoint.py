@@ -262,9 +262,9 @@ def _tokenizer_files(cfg: Config, tmp: Path) -> str:
     model = Path(cfg.tokenizer.model or "")
     if not model.is_file():
         return f"no tokenizer files ({cfg.tokenizer.model!r} is not found from here)"
-    from megatron_sp.data.tokenizer import SentencePieceTokenizer
+    from megatron_sp.data.tokenizer import build_tokenizer
 
-    ours = SentencePieceTokenizer(model)  # validates the model (an eos piece is required)
+    ours = build_tokenizer(cfg.tokenizer)  # validates the model and applies tokenizer.eod_token / pad_token
     sentencepiece_to_tokenizers(model).save(str(tmp / "tokenizer.json"))
     shutil.copy2(model, tmp / "tokenizer.model")
     sp = ours._sp
@@ -279,30 +279,33 @@ def _tokenizer_files(cfg: Config, tmp: Path) -> str:
     return f"tokenizer.json from {model}"
 
 
+def special_token_ids(cfg: Config) -> dict[str, int]:
+    """``bos/eos/pad_token_id`` of the checkpoint's tokenizer as HF configs spell them ({} when it is not found).
+
+    EOS is our EOD token, pad our pad token; BOS is the tokenizer's own BOS piece when it has one
+    (SentencePiece ``<s>``), else EOD, as GPT-2 and GPT-NeoX tokenizers do.
+    """
+    from megatron_sp.data.tokenizer import SentencePieceTokenizer, build_tokenizer
+
+    if cfg.tokenizer.type != "byte" and not (cfg.tokenizer.model and Path(cfg.tokenizer.model).exists()):
+        return {}
+    tok = build_tokenizer(cfg.tokenizer)
+    bos = int(tok._sp.bos_id()) if isinstance(tok, SentencePieceTokenizer) else -1
+    return {"bos_token_id": bos if bos >= 0 else tok.eod, "eos_token_id": tok.eod, "pad_token_id": tok.pad}
+
+
 def to_hf(src: Path, out: Path, iteration: int | None) -> Path:
     """megatron_sp → a Hugging Face directory loadable by ``AutoModelForCausalLM.from_pretrained``."""
-    from safetensors.torch import save_file
-
     ckpt, _, cfg, weights = read_ours(src, iteration)
     m = cfg.model
     vocab = weights["embedding.weight"].shape[0]  # stored without the layout's padding rows
-    hf_cfg = {**hf_config_dict(m), "vocab_size": vocab, "torch_dtype": "float32"}
-    eod = None
-    if cfg.tokenizer.type == "byte":
-        eod = 256
-    elif cfg.tokenizer.model and Path(cfg.tokenizer.model).is_file():
-        from megatron_sp.data.tokenizer import build_tokenizer
-        eod = build_tokenizer(cfg.tokenizer).eod
-    if eod is not None:
-        hf_cfg.update(eos_token_id=eod, bos_token_id=eod, pad_token_id=eod)
+    special = special_token_ids(cfg)
+    hf_cfg = {**hf_config_dict(m), "vocab_size": vocab, "torch_dtype": "float32", **special}
     state = {name: t.detach().to(torch.float32).contiguous().clone() for name, t in to_hf_state_dict(weights, m).items()}
     with staging(out) as tmp:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        checkpointing.store.save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=1))
-        generation: dict[str, Any] = {"do_sample": False}
-        if eod is not None:
-            generation.update(eos_token_id=eod, bos_token_id=eod, pad_token_id=eod)
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
+        (tmp / "generation_config.json").write_text(json.dumps({"do_sample": False, **special}, indent=1))
         note = _tokenizer_files(cfg, tmp)
     log.info("wrote %s (%s, %d tensors, vocab %d) from %s; %s", out, hf_cfg["architectures"][0], len(state), vocab,
              ckpt, note)

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Generate text from a checkpoint written by train.py.
 
-    python tools/generate.py --load runs/demo/ckpt --prompt "def main(" --max-new-tokens 64 --greedy
-    python tools/generate.py --load runs/demo/ckpt/iter_0000100 --prompt "import " --temperature 0.8 \\
+    python tools/generate.py --load checkpoints/demo --prompt "def main(" --max-new-tokens 64 --greedy
+    python tools/generate.py --load checkpoints/demo/iter_0000150 --prompt "import " --temperature 0.8 \\
         --top-p 0.95 --seed 7 --json
-    python tools/generate.py --load runs/demo/ckpt --interactive < prompts.txt
+    python tools/generate.py --load checkpoints/demo --interactive < prompts.txt
 
 ``--load`` is a ``checkpoint.save`` directory (its ``latest`` checkpoint is used) or one
 ``iter_*`` directory. The checkpoint's files hold full, layout-free tensors, so a checkpoint

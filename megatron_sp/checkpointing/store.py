@@ -124,14 +124,35 @@ def entries_of(boxes: Iterable[Box], file: str) -> list[dict[str, Any]]:
             for b in boxes]
 
 
-def write_file(path: Path, boxes: Sequence[Box], extra: dict[str, torch.Tensor] | None = None) -> None:
-    """One safetensors file holding ``boxes`` (and ``extra`` tensors under their own keys), fsynced."""
+def _umask() -> int:
+    """The process umask, read without changing it (``os.umask`` sets it: racy beside a writer thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` with the permissions of any other file we write.
+
+    safetensors creates its file with mode 0600; a checkpoint or an exported model is then unreadable
+    by the user's group while its config.json beside it is not. Here it gets 0666 less the umask.
+    """
     from safetensors.torch import save_file
 
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def write_file(path: Path, boxes: Sequence[Box], extra: dict[str, torch.Tensor] | None = None) -> None:
+    """One safetensors file holding ``boxes`` (and ``extra`` tensors under their own keys), fsynced."""
     tensors = {b.key: b.data for b in boxes}
     tensors.update(extra or {})
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path))
+    save_safetensors(tensors, path)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 

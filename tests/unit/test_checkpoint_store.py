@@ -59,3 +59,15 @@ def test_writers_that_miss_elements_are_caught_when_indexing():
     box = store.Box("w", (0, 0), torch.zeros(2, 3))
     with pytest.raises(RuntimeError, match="stored 6 of 12 elements of 'w'"):
         store.build_index(store.entries_of([box], "f"), {"w": ((4, 3), "float32")})
+
+
+def test_shard_files_get_the_umask_mode_not_safetensors_0600(tmp_path):
+    import os
+
+    umask = os.umask(0o027)  # a group-readable umask: 0640 expected
+    try:
+        flat = torch.arange(12.0)
+        store.write_file(tmp_path / "rank_00000.safetensors", store.boxes_of_flat("w", flat, 0, (4, 3), (0, 0), (4, 3)))
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "rank_00000.safetensors").stat().st_mode & 0o777 == 0o640

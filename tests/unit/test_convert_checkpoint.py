@@ -56,7 +56,9 @@ def test_export_to_hf_matches_logits_and_greedy_tokens(tmp_path: Path, arch: str
     out = tmp_path / "hf"
     assert run("--input", ckpt, "--output", out, "--to", "hf") == 0
     assert {"config.json", "model.safetensors", "generation_config.json"} <= {p.name for p in out.iterdir()}
-    assert json.loads((out / "config.json").read_text())["vocab_size"] == VOCAB
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config["vocab_size"] == VOCAB
+    assert (hf_config["bos_token_id"], hf_config["eos_token_id"], hf_config["pad_token_id"]) == (256, 256, 257)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert hf.dtype == torch.float32
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -175,7 +177,16 @@ def test_sentencepiece_tokenizer_is_exported_for_autotokenizer(tmp_path: Path) -
         ids = hf_tok.encode(sample, add_special_tokens=False)
         assert ids == ours.encode(sample), sample[:60]
         assert hf_tok.decode(ids) == sample
-    assert json.loads((out / "config.json").read_text())["eos_token_id"] == ours.eod
+    hf_config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    for ids in (hf_config, generation):  # the config's ids are the tokenizer's: bos 1, eos 2, pad 3
+        assert (ids["bos_token_id"], ids["eos_token_id"], ids["pad_token_id"]) == (1, ours.eod, ours.pad) == (1, 2, 3)
+    assert (hf_tok.bos_token_id, hf_tok.pad_token_id) == (1, 3)
+    # every exported file has the mode of any file the user writes (safetensors alone would give 0600)
+    import os
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: 0o666 & ~umask for p in out.iterdir()}
 
 
 def test_help_exits_zero() -> None:
