@@ -2,11 +2,13 @@
 
 A corpus is JSON Lines: one object per line, the document's text under a key (``"text"``).
 The demo corpus needs no download: it is the Python standard library's ``.py`` files, one file
-per document, in sorted order, so the same Python version always produces the same bytes.
+per document, in the order of a hash of their paths (a fixed shuffle), so the same Python version
+always produces the same bytes.
 """
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -32,7 +34,13 @@ _MIN_LINE_BYTES = len(b'{"text": "x"}\n')
 
 
 def demo_source_files(stdlib: Path | None = None) -> list[tuple[str, Path]]:
-    """The stdlib ``.py`` files of the demo corpus as ``(relative posix path, path)``, sorted."""
+    """The stdlib ``.py`` files of the demo corpus as ``(relative posix path, path)``, in a fixed shuffle.
+
+    Ordered by the SHA-256 of the relative path: the same for every Python version and platform, and
+    a file added to the library does not move the others. Sorted paths would put whole packages
+    together, and the validation split (the last documents) would be ``encodings/cp*.py`` code
+    tables: a validation loss 1.6 nats below the training loss in the demo.
+    """
     root = Path(stdlib or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise DataError(f"the Python standard library directory {root} does not exist; the demo corpus is "
@@ -43,16 +51,18 @@ def demo_source_files(stdlib: Path | None = None) -> list[tuple[str, Path]]:
         if SKIP_DIRS.intersection(relative.parts[:-1]) or not path.is_file():
             continue
         files.append((relative.as_posix(), path))
-    files.sort(key=lambda item: item[0])
+    files.sort(key=lambda item: hashlib.sha256(item[0].encode("utf-8")).hexdigest())
     return files
 
 
 def make_demo_corpus(out_path: str | Path, max_bytes: int = 4_000_000) -> Path:
     """Write the demo JSONL corpus (``{"text": source}`` per line) of at most ``max_bytes`` bytes.
 
-    Files are taken in sorted order of their relative paths; empty files and files that do not
-    decode as UTF-8 are skipped, and so is a file whose line would overflow the budget (later, smaller files may
-    still fit). The file is written under a temporary name and renamed. Returns ``out_path``.
+    Files are taken in the order of ``demo_source_files``; empty files and files that do not
+    decode as UTF-8 are skipped, and so is a file whose line would overflow the budget (later, smaller
+    files may still fit). The chosen files are then written in a second fixed shuffle, so the last
+    documents (a validation split) are not biased towards the small files that filled the budget's
+    end. The file is written under a temporary name and renamed. Returns ``out_path``.
     """
     out_path = Path(out_path)
     if max_bytes <= 0:
@@ -60,25 +70,29 @@ def make_demo_corpus(out_path: str | Path, max_bytes: int = 4_000_000) -> Path:
     start = time.perf_counter()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    written = docs = undecodable = 0
+    written = undecodable = 0
+    chosen: list[tuple[str, bytes]] = []
+    for relative, path in demo_source_files():
+        if max_bytes - written < _MIN_LINE_BYTES:
+            break
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            undecodable += 1
+            continue
+        if not text.strip():  # empty __init__.py files and the like
+            continue
+        line = (json.dumps({"text": text}, ensure_ascii=False) + "\n").encode("utf-8")
+        if written + len(line) > max_bytes:
+            continue
+        chosen.append((relative, line))
+        written += len(line)
+    chosen.sort(key=lambda item: hashlib.sha256(b"order:" + item[0].encode("utf-8")).hexdigest())
+    docs = len(chosen)
     try:
         with open(tmp, "wb") as f:
-            for _, path in demo_source_files():
-                if max_bytes - written < _MIN_LINE_BYTES:
-                    break
-                try:
-                    text = path.read_bytes().decode("utf-8")
-                except (UnicodeDecodeError, OSError):
-                    undecodable += 1
-                    continue
-                if not text.strip():  # empty __init__.py files and the like
-                    continue
-                line = (json.dumps({"text": text}, ensure_ascii=False) + "\n").encode("utf-8")
-                if written + len(line) > max_bytes:
-                    continue
+            for _, line in chosen:
                 f.write(line)
-                written += len(line)
-                docs += 1
         if docs == 0:
             raise DataError(f"no standard-library file fits in {max_bytes} bytes for {out_path}; raise --max-bytes")
         os.replace(tmp, out_path)
