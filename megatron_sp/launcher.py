@@ -53,6 +53,7 @@ ENV_FILE = ".deepy_env"
 AUTO_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "WANDB_")
 AUTO_ENV_NAMES = ("PYTHONPATH",)
 STOP_GRACE_S = 30.0  # after SIGTERM, how long a launched process may take to stop before SIGKILL
+MAX_SLOTS = 1024  # processes on one host: far above any node's devices (a typo like slots=1e20 is refused)
 
 _HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -181,11 +182,28 @@ class Host:
 
 
 def check_hostname(name: str, where: str) -> str:
-    """``name`` if it is a plain host name or IPv4 address; a LaunchError naming ``where`` otherwise."""
+    """``name`` normalised (lower case, no trailing '.': DNS names are case-insensitive and ``node1.`` is
+    ``node1``) if it is a plain host name or IPv4 address; a LaunchError naming ``where`` otherwise."""
     if not _HOST_RE.fullmatch(name) or name.startswith("-"):
         raise LaunchError(f"{where}: host name {name!r} is not allowed: use only letters, digits, '.', '_' and '-' "
                           "and do not start with '-' (for user@host, ports or IPv6 use an alias in ~/.ssh/config)")
-    return name
+    normal = name.rstrip(".").lower()
+    if not normal:
+        raise LaunchError(f"{where}: host name {name!r} is not allowed: it has no letters or digits")
+    return normal
+
+
+def read_text_lines(path: Path, what: str) -> list[str]:
+    """The lines of a UTF-8 text file; a LaunchError naming the file (and line) when it is not text."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise LaunchError(f"{what} {path}: cannot be read ({exc.strerror})") from None
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise LaunchError(f"{what} {path}:{line}: not UTF-8 text (byte {exc.start}); is this the right file?") from None
 
 
 def parse_hostfile(path: str | Path) -> dict[str, int]:
@@ -194,7 +212,7 @@ def parse_hostfile(path: str | Path) -> dict[str, int]:
     if not p.is_file():
         raise LaunchError(f"--hostfile {p}: file not found; write one 'host slots=N' line per host")
     hosts: dict[str, int] = {}
-    for lineno, raw in enumerate(p.read_text().splitlines(), start=1):
+    for lineno, raw in enumerate(read_text_lines(p, "--hostfile"), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -210,8 +228,12 @@ def parse_hostfile(path: str | Path) -> dict[str, int]:
             raise LaunchError(f"{where}: slots={m.group(1)!r} is not an integer; write e.g. '{name} slots=8'") from None
         if slots < 1:
             raise LaunchError(f"{where}: slots={slots} for {name}; a host needs at least 1 slot (or delete the line)")
+        if slots > MAX_SLOTS:
+            raise LaunchError(f"{where}: slots={slots} for {name} is more than {MAX_SLOTS} processes on one host; "
+                              "write the number of devices (GPUs) of that host")
         if name in hosts:
-            raise LaunchError(f"{where}: host {name} is listed twice; keep one line per host")
+            raise LaunchError(f"{where}: host {name} is listed twice (host names are case-insensitive and a "
+                              "trailing '.' does not count); keep one line per host")
         hosts[name] = slots
     if not hosts:
         raise LaunchError(f"--hostfile {p}: no hosts; write one 'host slots=N' line per host")
@@ -225,8 +247,8 @@ def parse_host_spec(spec: str, flag: str, pool: Mapping[str, int], hostfile: str
         name, sep, slot_text = part.partition(":")
         if not name:
             raise LaunchError(f"{flag} {spec!r}: empty host entry; write host1@host2:0,1")
+        name = check_hostname(name, flag)
         if name not in pool:
-            check_hostname(name, flag)
             raise LaunchError(f"{flag}: host {name} is not in --hostfile {hostfile} (hosts: {', '.join(pool)})")
         if name in out:
             raise LaunchError(f"{flag}: host {name} appears twice in {spec!r}")
@@ -309,7 +331,7 @@ def collect_env(user: list[str], environ: Mapping[str, str], env_file: Path | No
     spec = EnvSpec(auto={k: environ[k] for k in sorted(environ)
                          if k in AUTO_ENV_NAMES or k.startswith(AUTO_ENV_PREFIXES)})
     if env_file is not None and env_file.is_file():
-        for lineno, raw in enumerate(env_file.read_text().splitlines(), start=1):
+        for lineno, raw in enumerate(read_text_lines(env_file, "environment file"), start=1):
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue
@@ -486,8 +508,13 @@ def build_plan(args: argparse.Namespace, command: list[str], environ: Mapping[st
     for flag, count in (("--nproc-per-node", args.nproc_per_node), ("--num-nodes", args.num_nodes)):
         if count is not None and count < 1:
             raise LaunchError(f"{flag} {count}: must be at least 1")
+    if args.nproc_per_node is not None and args.nproc_per_node > MAX_SLOTS:
+        raise LaunchError(f"--nproc-per-node {args.nproc_per_node}: more than {MAX_SLOTS} processes on one host; "
+                          "give the number of devices per host")
+    if args.max_restarts is not None and args.max_restarts > 1000:
+        raise LaunchError(f"--max-restarts {args.max_restarts}: at most 1000")
     if args.master_addr is not None:
-        check_hostname(args.master_addr, "--master-addr")
+        args.master_addr = check_hostname(args.master_addr, "--master-addr")
     launcher = args.launcher or ("ssh" if args.hostfile else "local")
     if args.rdzv_backend == "static" and launcher != "ssh":
         raise LaunchError(f"--rdzv-backend static needs a per-host node rank, which only --launcher ssh passes; "

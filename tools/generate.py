@@ -34,6 +34,7 @@ from megatron_sp.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_sp.errors import DataError, OneLineArgumentParser, UserError
 from megatron_sp.model.gpt import GPTModel, generate
 
+MAX_NEW_TOKENS = 100_000  # per prompt: past the context window every token re-runs the window (minutes, silently)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--greedy cannot be combined with {', '.join(sampling)}")
     if (args.prompt is None) == (not args.interactive):
         parser.error("give exactly one of --prompt TEXT or --interactive")
-    if args.max_new_tokens < 0:
-        parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        parser.error(f"--max-new-tokens must be in 0..{MAX_NEW_TOKENS} (tokens per prompt), got {args.max_new_tokens}")
     if args.temperature is not None and not args.temperature > 0:
         parser.error(f"--temperature must be > 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 0:

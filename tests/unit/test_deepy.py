@@ -133,13 +133,23 @@ def test_hostfile_parsing(work: Path) -> None:
     ("`touch_pwned` slots=1\n", 1, "not allowed"),
     ("-oProxyCommand=touch_pwned slots=1\n", 1, "not allowed"),
     ("user@node1 slots=1\n", 1, "not allowed"),
+    ("node1 slots=100000000000000000000\n", 1, "more than 1024 processes on one host"),  # ate 23.5 GB before
+    ("NODE1 slots=2\nnode1 slots=2\n", 2, "listed twice"),  # DNS names are case-insensitive
+    ("node1 slots=2\nnode1. slots=2\n", 2, "listed twice"),  # a trailing '.' is the same host
+    ("node1 slots=2\n\xff\xfe slots=1\n", 2, "not UTF-8 text"),
 ])
 def test_hostfile_errors_name_the_line(tmp_path: Path, text: str, line: int, words: str) -> None:
     path = tmp_path / "hosts"
-    path.write_text(text)
+    path.write_bytes(text.encode("latin-1"))  # "\xff" stays one byte: not UTF-8
     with pytest.raises(LaunchError, match=words) as info:
         parse_hostfile(path)
     assert f"{path}:{line}:" in str(info.value)
+
+
+def test_hostfile_names_are_normalised(tmp_path: Path) -> None:
+    (tmp_path / "hosts").write_text("Node1.Example.COM. slots=2\nNODE2 slots=1\n")
+    assert parse_hostfile(tmp_path / "hosts") == {"node1.example.com": 2, "node2": 1}
+    assert [h.name for h in select_hosts({"node1": 2, "node2": 1}, "hosts", include="NODE2.")] == ["node2"]
 
 
 def test_hostfile_missing_or_empty(tmp_path: Path) -> None:
@@ -304,6 +314,8 @@ def test_dry_run_local(work: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (["--master-port", "x", "train.py"], "invalid int value"),
     (["--master-port", "70000", "--nproc-per-node", "1", "train.py"], "--master-port 70000: must be in 1..65535"),
     (["--num-nodes", "0", "train.py"], "--num-nodes 0: must be at least 1"),
+    (["--nproc-per-node", "1000000000000", "train.py"], "more than 1024 processes on one host"),
+    (["--nproc-per-node", "1", "--max-restarts", "100000000000", "train.py"], "--max-restarts 100000000000: at most 1000"),
     ([], "no script to launch"),
     (["--", "-x.py"], "starts with '-'"),
     (["missing.py", "--nproc-per-node", "1"], "script 'missing.py' not found"),
@@ -325,6 +337,8 @@ def test_deepy_env_file(work: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert remote_argv(argv[-1], work)[0] == {"NCCL_IB_HCA": "mlx5_0", "K": "override"}
     (work / ".deepy_env").write_text("GOOD=1\nno equals sign\n")
     assert f"{work / '.deepy_env'}:2: expected KEY=VALUE" in fails(["--nproc-per-node", "1", "train.py"], capsys)
+    (work / ".deepy_env").write_bytes(b"GOOD=1\nBAD=\x80\x81\n")
+    assert f"{work / '.deepy_env'}:2: not UTF-8 text" in fails(["--nproc-per-node", "1", "train.py"], capsys)
 
 
 def test_hostile_values_survive_the_remote_shell(work: Path, capsys: pytest.CaptureFixture[str]) -> None:

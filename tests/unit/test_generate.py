@@ -223,6 +223,8 @@ def test_cli_interactive_sampling_and_no_cache(checkpoint_dir: Path, capsys: pyt
     (["--load", "CKPT", "--prompt", "x", "--top-p", "1.5"], "--top-p"),
     (["--load", "CKPT", "--prompt", "x", "--greedy", "--temperature", "0.5"], "--greedy"),
     (["--load", "CKPT"], "--prompt"),
+    (["--load", "CKPT", "--prompt", "x", "--max-new-tokens", "1000000000"], "--max-new-tokens must be in 0..100000"),
+    (["--load", "CKPT", "--prompt", "x", "--max-new-tokens", "1e9"], "--max-new-tokens"),
 ])
 def test_cli_bad_input_is_one_line(checkpoint_dir: Path, args: list[str], needle: str) -> None:
     proc = run_tool(*[str(checkpoint_dir) if a == "CKPT" else a for a in args])
