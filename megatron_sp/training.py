@@ -80,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
     try:
         world = int(os.environ["WORLD_SIZE"]) if torchrun else None
-        cfg = config_mod.load(args.conf, args.overrides, world_size=world)
+        try:
+            cfg = config_mod.load(args.conf, args.overrides, world_size=world)
+        except UserError as exc:
+            if rank == 0:  # every rank reads the same config and fails alike: one line, not one per rank
+                print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
         setup_logging(cfg.logging.level, rank)
         metrics_mod.check_sinks(cfg)  # a missing wandb/tensorboard: one line now, not a rank failing later
         if not torchrun:
@@ -212,7 +217,8 @@ def setup(cfg: Config) -> Runtime:
                         cp_algo=p.cp_algo, cp_heads_k_stride=p.cp_heads_k_stride,
                         cp_ulysses_group=state.groups.get("cp_ulysses"), cp_ring_group=state.groups.get("cp_ring"))
     model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, tp, virtual_stages=cfg.parallel.virtual_stages,
-                                   partition=cfg.parallel.pp_partition).to(dev)  # the whole model when pp == 1
+                                   partition=cfg.parallel.pp_partition, label_smoothing=cfg.train.label_smoothing,
+                                   z_loss=cfg.train.z_loss).to(dev)  # the whole model when pp == 1
     if state.pp_size > 1:
         from .pipeline import stage_chunks
         stages = "; ".join(f"stage {r}: " + ", ".join(f"{c.start}-{c.stop - 1}" for c in stage_chunks(

@@ -23,6 +23,59 @@ from .schema import SECTIONS, Config
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
+MAX_INT = 2**53  # every integer key below this (exact in a float and in JSON); 1e21 iterations is a typo
+MAX_NODES = 100_000  # values a config file may expand to (YAML aliases share, a printed or walked tree does not)
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """``value`` for an error line: its text, cut to ``limit`` characters."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (the last would win silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *defaults' merges; its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise ConfigError(f"{self.name}: key '{_show(key)}' appears twice (lines {first} and "
+                                  f"{key_node.start_mark.line + 1}); keep one (the last would win silently)")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _json_pairs(source: str) -> Any:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"{source}: key '{_show(key)}' appears twice in one object; keep one "
+                                  "(the last would win silently)")
+            out[key] = value
+        return out
+    return hook
+
+
+def _count_nodes(data: Any, limit: int) -> int:
+    """Values in ``data`` counting shared (aliased) parts every time they appear; stops past ``limit``."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
 
 
 def _did_you_mean(name: str, options: list[str]) -> str:
@@ -52,36 +105,46 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return value.lower() in _TRUE
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
-        raise ConfigError(f"{key}: '{value}' is not a boolean; use true or false")
+        raise ConfigError(f"{key}: '{_show(value)}' is not a boolean; use true or false")
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: '{value}' is not an integer")
+        number: int | None = None
         if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
+            number = value
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        elif isinstance(value, str):
             try:
-                return int(value.replace("_", ""))
+                number = int(value.replace("_", ""))
             except ValueError:
                 try:
                     f = float(value)
                 except ValueError:
                     f = math.nan
                 if math.isfinite(f) and f.is_integer():
-                    return int(f)
-        raise ConfigError(f"{key}: '{value}' is not an integer; give a whole number like 8")
+                    number = int(f)
+        if number is None:
+            raise ConfigError(f"{key}: '{_show(value)}' is not an integer; give a whole number like 8")
+        if abs(number) >= MAX_INT:
+            raise ConfigError(f"{key}: {_show(value)} is too large (at most 2^53); give a meaningful count")
+        return number
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: '{value}' is not a number")
+        number_f: float | None = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number_f = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number_f = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: '{value}' is not a number; give e.g. 3e-4")
+        if number_f is None:
+            raise ConfigError(f"{key}: '{_show(value)}' is not a number; give e.g. 3e-4")
+        if not math.isfinite(number_f):
+            raise ConfigError(f"{key}: {_show(value)} is not a finite number; give e.g. 3e-4")
+        return number_f
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {type(value).__name__}")
@@ -91,44 +154,62 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             parsed = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
             value = parsed
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got '{value}'; write [a, b] in YAML or a,b on the command line")
+            raise ConfigError(f"{key}: expected a list, got '{_show(value)}'; write [a, b] in YAML or a,b on the command line")
         return list(value)
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
 def _apply_section(cfg: Config, section: str, values: Any, source: str) -> None:
     if section not in SECTIONS:
-        raise ConfigError(f"{source}: unknown section '{section}'{_did_you_mean(section, list(SECTIONS))}")
+        raise ConfigError(f"{source}: unknown section '{_show(section)}'{_did_you_mean(section, list(SECTIONS))}")
     if not isinstance(values, dict):
-        raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got '{values}'")
+        raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got '{_show(values)}'")
     target = getattr(cfg, section)
     types_ = _field_types(type(target))
     for key, value in values.items():
         if key not in types_:
             known = [f"{section}.{k}" for k in types_]
-            raise ConfigError(f"{source}: unknown key '{section}.{key}'{_did_you_mean(f'{section}.{key}', known)}")
+            raise ConfigError(f"{source}: unknown key '{section}.{_show(key)}'{_did_you_mean(f'{section}.{key}', known)}")
         setattr(target, key, _coerce(f"{section}.{key}", value, types_[key]))
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
-    """Read one YAML or JSON config file into a dict of sections."""
+    """Read one YAML or JSON config file into a dict of sections (duplicate keys and alias bombs refused)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file '{p}' not found; pass an existing file to --conf (see configs/)")
-    text = p.read_text()
+    raw = p.read_bytes()
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"config file '{p}' is not UTF-8 text (line {line}, byte {exc.start}); pass a YAML or JSON "
+                          "config to --conf") from None
+    kind = "JSON" if p.suffix == ".json" else "YAML"
+    try:
+        if kind == "JSON":
+            data = json.loads(text, object_pairs_hook=_json_pairs(f"config file '{p}'"))
+        else:
+            loader = _StrictLoader(text)
+            loader.name = f"config file '{p}'"
+            try:
+                data = loader.get_single_data()
+            finally:
+                loader.dispose()
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
         if mark is not None and problem:  # YAML: where, what, and in what (its first line is only the context)
             context = getattr(exc, "context", None)
             first = f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
-        raise ConfigError(f"config file '{p}' is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {first}") from None
+        raise ConfigError(f"config file '{p}' is not valid {kind}: {_show(first, 300)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, parallel:, ...)")
+    if _count_nodes(data, MAX_NODES) > MAX_NODES:
+        raise ConfigError(f"config file '{p}' expands to more than {MAX_NODES} values (nested YAML aliases?); "
+                          "a config is a few dozen keys")
     return data
 
 
@@ -203,6 +284,10 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     for key in ("hidden_dropout", "attention_dropout"):
         if getattr(m, key) >= 1.0:
             raise ConfigError(f"model.{key}: {getattr(m, key)} must be below 1")
+    if not 0.0 <= t.label_smoothing < 1.0:  # also refuses nan
+        raise ConfigError(f"train.label_smoothing: {t.label_smoothing} must be in [0, 1) (0 disables it)")
+    if not (math.isfinite(t.z_loss) and t.z_loss >= 0.0):
+        raise ConfigError(f"train.z_loss: {t.z_loss} must be a finite number >= 0 (0 disables it; PaLM used 1e-4)")
 
     # --- model shape ---
     if m.hidden_size % m.num_heads:
@@ -224,7 +309,11 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     head_dim = m.hidden_size // m.num_heads
     if not 0.0 < m.rotary_pct <= 1.0:
         raise ConfigError(f"model.rotary_pct: {m.rotary_pct} must be in (0, 1]")
-    if int(head_dim * m.rotary_pct) % 2:
+    rotary_dims = int(head_dim * m.rotary_pct)
+    if rotary_dims == 0:
+        raise ConfigError(f"model.rotary_pct: {m.rotary_pct} × head dim {head_dim} (hidden_size {m.hidden_size} / "
+                          f"num_heads {m.num_heads}) gives no rotary dims; use fewer heads or a larger rotary_pct")
+    if rotary_dims % 2:
         raise ConfigError(f"model.rotary_pct: {m.rotary_pct} × head dim {head_dim} must give an even number of rotary dims")
 
     # --- layout ---

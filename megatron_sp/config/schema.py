@@ -113,6 +113,12 @@ class TrainConfig:
     adam_beta2: float = doc(0.95, "AdamW beta2.")
     adam_eps: float = doc(1e-8, "AdamW epsilon.")
     clip_grad: float = doc(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    label_smoothing: float = doc(0.0, "ε of the cross entropy, spread over the full (unpadded) vocabulary "
+                                      "(Megatron --label-smoothing); in [0, 1). The logged loss and val_loss "
+                                      "are the smoothed loss.")
+    z_loss: float = doc(0.0, "PaLM's z-loss coefficient, e.g. 1e-4 (0: off): adds z_loss·log²Z per token (log Z the "
+                             "logsumexp of the token's logits), masked and averaged like the cross entropy; the "
+                             "logged loss and val_loss include it.")
     eval_interval: int = doc(0, "Run validation every this many steps (0: never).")
     eval_iters: int = doc(4, "Global batches per validation run.")
     sample_prompt: str | None = doc(None, "If set, print a greedy sample continuing this prompt at the end.")
@@ -128,7 +134,8 @@ class DataConfig:
                           "dataset gives its share of every split's samples). Several prefixes without weights are "
                           "blended in proportion to their tokens.")
     split: str = doc("98,2,0", "train,valid,test ratios over the documents of each dataset, Megatron style.")
-    eod_mask_loss: bool = doc(False, "Exclude end-of-document targets from the loss.")
+    eod_mask_loss: bool = doc(False, "Leave out of the loss the positions whose input token is EOD (Megatron's "
+                                        "rule: predicting EOD is trained, guessing the next document's start is not).")
     reset_position_ids: bool = doc(False, "Rotary positions restart at 0 after each end-of-document token inside a sample.")
     reset_attention_mask: bool = doc(False, "Packed documents: a token attends only to earlier tokens of its own document "
                                             "(document ids from end-of-document tokens).")

@@ -132,11 +132,15 @@ class GPTModel(nn.Module):
         post_process: hold the final norm and output layer (last stage).
         tp: the tensor-parallel split (default: none). Parameters are this rank's shards of the
             full tensors; ``reset_parameters`` draws each full tensor and keeps the shard.
+        label_smoothing: ε of the per-token cross entropy (``train.label_smoothing``), spread over
+            the real vocabulary.
+        z_loss: PaLM's z-loss coefficient (``train.z_loss``): each token's loss gains ``z·log²Z``.
     """
 
     def __init__(self, cfg: ModelConfig, seed: int, layer_range: range | None = None,
                  pre_process: bool = True, post_process: bool = True, tp: TensorParallel | None = None, *,
-                 layer_chunks: Sequence[range] | None = None) -> None:
+                 layer_chunks: Sequence[range] | None = None, label_smoothing: float = 0.0,
+                 z_loss: float = 0.0) -> None:
         super().__init__()
         check_model_config(cfg)
         tp = tp or TensorParallel()
@@ -148,6 +152,8 @@ class GPTModel(nn.Module):
         self.post_process = post_process
         self.padded_vocab_size = cfg.padded_vocab_size
         self.vocab_size = cfg.vocab_size or cfg.padded_vocab_size
+        self.label_smoothing = label_smoothing  # the loss options of the last stage (see vocab_parallel_cross_entropy)
+        self.z_loss = z_loss
         if layer_chunks is not None and layer_range is not None:
             raise ValueError("give layer_range or layer_chunks, not both")
         if layer_chunks is None:
@@ -221,7 +227,8 @@ class GPTModel(nn.Module):
 
         Returns:
             last stage: logits ``[b, s, padded_vocab]`` when ``labels`` is None, else per-token
-            cross-entropy ``[b, s]`` in fp32 (no reduction); other stages: hidden ``[s, b, h]``.
+            cross-entropy ``[b, s]`` in fp32 (no reduction; with ``label_smoothing`` and ``z_loss``
+            applied); other stages: hidden ``[s, b, h]``.
         """
         if not 0 <= chunk < len(self.layer_chunks):
             raise ValueError(f"chunk {chunk} outside 0..{len(self.layer_chunks) - 1}")
@@ -276,7 +283,8 @@ class GPTModel(nn.Module):
         if labels is None:
             return gather_from_tp(logits, self.tp.group).transpose(0, 1)  # [b, s, V]
         # Padded vocab rows (ids >= vocab_size) are outside the softmax: the loss is the same for any padding.
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, vocab_size=self.vocab_size).t()  # [b, s]
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, label_smoothing=self.label_smoothing,
+                                            vocab_size=self.vocab_size, z_loss=self.z_loss).t()  # [b, s]
 
     def kv_cache_unsupported(self) -> str | None:
         """Why this model cannot decode with a ``KVCache`` (None when it can)."""

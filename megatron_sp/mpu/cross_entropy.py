@@ -6,9 +6,13 @@ column-parallel linear over the vocab, sliced like ``VocabParallelEmbedding``). 
 1. local max over the slice → all-reduce MAX → subtract (for a stable exp);
 2. the target's logit where the target falls in this slice (0 elsewhere), Σ exp over the slice
    (and Σ logits, for label smoothing) → one all-reduce SUM of the stacked per-token values;
-3. ``loss = log Σexp − target logit``.
+3. ``loss = log Σexp − target logit``; with label smoothing ε, ``(1−ε)·loss + ε·(log Σexp − mean
+   logit)``, the mean over the full real vocabulary ``V`` (not ``V/t``: Megatron #737); with PaLM's
+   z-loss (PaLM §5, "Training instability"), ``+ z·log²Z`` where ``log Z = max + log Σexp`` is the
+   logsumexp of the unshifted logits (both from the values already reduced: no extra collective).
 
-Backward is ``softmax − one-hot`` scaled by the incoming grad, with no communication.
+Backward is ``(1 + 2z·log Z)·softmax − (1−ε)·one-hot − ε/V`` scaled by the incoming grad, with no
+communication.
 
 Padded vocabulary rows (ids ≥ ``vocab_size``, added so the vocab divides by ``t ×
 make_vocab_size_divisible_by``) are excluded from the softmax: their logits count as −inf. So the
@@ -16,6 +20,7 @@ loss does not depend on how much padding a layout needs, and padded rows get no 
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -29,7 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any,
-                label_smoothing: float, vocab_size: int | None) -> torch.Tensor:
+                label_smoothing: float, vocab_size: int | None, z_loss: float) -> torch.Tensor:
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         x = logits.to(compute_dtype)  # [.., V/t]
         v_local = x.shape[-1]
@@ -60,32 +65,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if label_smoothing > 0:
             # (1−ε)·(−log p_target) + ε·mean over the FULL vocab of (−log p_j)  (not V/t: Megatron #737)
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - totals[2] / v_full)
+        log_z_full = None
+        if z_loss > 0:
+            log_z_full = log_z + logits_max  # [..] logsumexp of the real (unpadded) logits
+            loss = loss + z_loss * log_z_full.square()
         loss = loss.masked_fill_(ignored, 0.0)
         probs = exp.div_(totals[1].unsqueeze(-1))  # [.., V/t] softmax slice
 
-        ctx.save_for_backward(probs, local_target, local, ignored)
-        ctx.label_smoothing, ctx.v_full, ctx.in_dtype = label_smoothing, v_full, logits.dtype
+        ctx.save_for_backward(probs, local_target, local, ignored, log_z_full)
+        ctx.label_smoothing, ctx.v_full, ctx.in_dtype, ctx.z_loss = label_smoothing, v_full, logits.dtype, z_loss
         ctx.padded_from = padded_from
         return loss
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        probs, local_target, local, ignored = ctx.saved_tensors
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+        probs, local_target, local, ignored, log_z_full = ctx.saved_tensors
         eps = ctx.label_smoothing
         g = grad_loss.to(probs.dtype).masked_fill(ignored, 0.0)  # [..]
-        grad = probs * g.unsqueeze(-1)  # [.., V/t]
+        # d(z·log²Z)/d logit_j = 2z·log Z·softmax_j: it only rescales the softmax term
+        g_softmax = g if log_z_full is None else g * (1.0 + 2.0 * ctx.z_loss * log_z_full)  # [..]
+        grad = probs * g_softmax.unsqueeze(-1)  # [.., V/t]
         on_target = ((1.0 - eps) * g).masked_fill_(~local, 0.0)  # [..]
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -on_target.unsqueeze(-1))
         if eps > 0:
             grad.sub_((eps / ctx.v_full) * g.unsqueeze(-1))
         if eps > 0 and ctx.padded_from < grad.shape[-1]:
             grad[..., ctx.padded_from:] = 0.0
-        return grad.to(ctx.in_dtype), None, None, None, None
+        return grad.to(ctx.in_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any,
-                                 label_smoothing: float = 0.0, vocab_size: int | None = None) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, vocab_size: int | None = None,
+                                 z_loss: float = 0.0) -> torch.Tensor:
     """Per-token cross entropy ``[..]`` of vocab-sharded logits ``[.., V/t]`` without gathering them.
 
     Args:
@@ -94,14 +106,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         group: the TP group the vocabulary is split over.
         label_smoothing: ε of ``F.cross_entropy``, spread over the full vocabulary ``V``.
         vocab_size: the real vocabulary size; logits of ids at or beyond it (padding) are excluded.
+        z_loss: PaLM's z-loss coefficient ``z``: adds ``z·log²Z`` per token, ``log Z`` the logsumexp
+            of the token's (real) logits; it pulls ``log Z`` towards 0 to keep the softmax stable.
 
     Returns:
         the unreduced loss, computed in fp32 whatever the logits' dtype (fp64 logits stay fp64);
-        equals ``F.cross_entropy(full_logits, target, reduction="none", label_smoothing=ε)`` with
-        ignored targets at 0.
+        equals ``F.cross_entropy(full_logits, target, reduction="none", label_smoothing=ε)
+        + z·logsumexp(full_logits)²`` with ignored targets at 0.
     """
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"target {tuple(target.shape)} does not match logits {tuple(logits.shape)} minus the vocab dim")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing = {label_smoothing} must be in [0, 1]")
-    return _VocabParallelCrossEntropy.apply(logits, target, group, float(label_smoothing), vocab_size)
+    if not (math.isfinite(z_loss) and z_loss >= 0.0):
+        raise ValueError(f"z_loss = {z_loss} must be a finite number >= 0")
+    return _VocabParallelCrossEntropy.apply(logits, target, group, float(label_smoothing), vocab_size, float(z_loss))

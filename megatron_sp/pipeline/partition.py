@@ -123,11 +123,15 @@ def check_micro_batches(num_micro_batches: int, pp: int, schedule: str = "1f1b")
 
 
 def build_stage(cfg_model: ModelConfig, seed: int, state: ParallelState, tp: TensorParallel | None = None, *,
-                virtual_stages: int = 1, partition: str = "uniform") -> GPTModel:
-    """This rank's pipeline stage: its model chunks, the embedding on the first stage, the head on the last."""
+                virtual_stages: int = 1, partition: str = "uniform", label_smoothing: float = 0.0,
+                z_loss: float = 0.0) -> GPTModel:
+    """This rank's pipeline stage: its model chunks, the embedding on the first stage, the head on the last.
+
+    ``label_smoothing`` and ``z_loss`` (``train.*``) go to the last stage's cross entropy.
+    """
     chunks = stage_chunks(cfg_model, state.pp_size, state.pp_rank, virtual_stages, partition)
     return GPTModel(cfg_model, seed=seed, layer_chunks=chunks, pre_process=state.is_first_stage,
-                    post_process=state.is_last_stage, tp=tp)
+                    post_process=state.is_last_stage, tp=tp, label_smoothing=label_smoothing, z_loss=z_loss)
 
 
 def tied_embedding_params(stage: GPTModel, state: ParallelState) -> list[nn.Parameter]:

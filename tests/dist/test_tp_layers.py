@@ -2,7 +2,9 @@
 
 Every rank builds the same full fp64 tensors from fixed seeds, runs the reference module
 (``nn.Linear``, ``nn.Embedding``, ``F.cross_entropy``) on them, and compares the parallel layer's
-output, input grad, weight grad and bias grad with the slices this rank should hold. Also measured:
+output, input grad, weight grad and bias grad with the slices this rank should hold; the cross
+entropy also with label smoothing and PaLM's z-loss over a padded vocabulary, and a whole GPTModel
+with both loss options under TP + SP against the one-rank model. Also measured:
 bytes saved for backward by the sequence-parallel column-parallel linear (recompute on/off), the
 communication volume of a column+row pair with and without SP, and bf16 autocast. One launch per
 world size; each rank returns ``{check: (error, tolerance)}`` plus facts and measurements.
@@ -15,6 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model import GPTModel
+from megatron_sp.model.transformer import TensorParallel
 from megatron_sp.mpu import (
     ColumnParallelLinear,
     GatherBuffer,
@@ -149,6 +154,75 @@ def _ce_cases(group, t: int, r: int) -> dict[str, tuple[float, float]]:
         out[f"{name} grad dtype"] = (0.0 if x.grad.dtype == logits.dtype else 1.0, 0)
         out[f"{name} ignored loss is 0"] = (loss[ignored].abs().max().item(), 0)
         out[f"{name} ignored grad is 0"] = (x.grad[ignored].abs().max().item(), 0)
+    return out
+
+
+def _ce_option_cases(group, t: int, r: int) -> dict[str, tuple[float, float]]:
+    """Label smoothing + z-loss on a padded vocabulary (the last rank's slice ends in padding columns).
+
+    Oracle: ``F.cross_entropy(real, label_smoothing=ε) + z·logsumexp(real)²`` on the real columns,
+    ignored targets at 0; padded columns get zero gradient.
+    """
+    out: dict[str, tuple[float, float]] = {}
+    real_v = V - 3
+    L, gl = _full((S, B, V), 15), _full((S, B), 16)
+    T = torch.randint(0, real_v, (S, B), generator=torch.Generator().manual_seed(17))
+    T[0, 0], T[2, 1], T[3, 2] = -100, -1, real_v - 1
+    ignored = T < 0
+    cases = [("fp64 smoothing 0.1 z 1e-2", L * 3, 0.1, 1e-2, TOL64, TOL64),
+             ("fp64 z 0.05", L, 0.0, 0.05, TOL64, TOL64),
+             ("fp32 large logits smoothing 0.1 z 1e-4", (L * 4 + 500).float(), 0.1, 1e-4, 1e-6, 1e-6)]
+    for name, logits, eps, z, tol_loss, tol_grad in cases:  # tolerances relative to max(1, max |loss| or |grad|)
+        ref_in = _leaf(logits.double())
+        real = ref_in[..., :real_v]
+        ce = F.cross_entropy(real.flatten(0, 1), T.masked_fill(ignored, -100).flatten(), reduction="none",
+                             label_smoothing=eps).view(S, B)
+        ref = (ce + z * torch.logsumexp(real, -1).square()).masked_fill(ignored, 0.0)
+        ref.backward(gl)
+        x = _leaf(logits.chunk(t, -1)[r])
+        loss = vocab_parallel_cross_entropy(x, T, group, label_smoothing=eps, vocab_size=real_v, z_loss=z)
+        loss.backward(gl.to(loss.dtype))
+        out[f"{name} loss"] = (_err(loss, ref), tol_loss * max(1.0, ref.abs().max().item()))
+        out[f"{name} grad"] = (_err(x.grad, ref_in.grad.chunk(t, -1)[r]), tol_grad * max(1.0, ref_in.grad.abs().max().item()))
+        out[f"{name} ignored grad is 0"] = (x.grad[ignored].abs().max().item(), 0)
+    return out
+
+
+def _gpt_loss_options_case(group, t: int, r: int, arch: str) -> dict[str, tuple[float, float]]:
+    """GPTModel(label_smoothing, z_loss) under TP + SP (fp64) against the one-rank model from the same seed.
+
+    The loss is Σ masked token losses / valid tokens, as in training; after backward the grads of
+    ``sequence_parallel`` parameters are summed over TP (the trainer's finalize step), then every
+    parameter's grad is compared with its slice of the one-rank model's (max|Δ| / max|ref|).
+    """
+    kv = 2 if arch == "llama" and t <= 2 else 4
+    cfg = ModelConfig(arch=arch, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=kv,
+                      ffn_hidden_size=64 if arch == "neox" else 48, rotary_pct=0.25 if arch == "neox" else 1.0,
+                      seq_length=S * 2, vocab_size=50, padded_vocab_size=64, norm_eps=1e-5,
+                      tie_embeddings=arch == "llama")
+    g = torch.Generator().manual_seed(70)
+    tokens = torch.randint(0, 50, (B, S * 2), generator=g)
+    labels = torch.randint(0, 50, (B, S * 2), generator=g)
+    labels[0, :3] = -100
+    mask = (labels >= 0).to(F64)
+    options = {"label_smoothing": 0.1, "z_loss": 1e-2}
+
+    def run(model: GPTModel) -> torch.Tensor:
+        losses = model(tokens, labels=labels)  # [b, s]
+        ((losses * mask).sum() / mask.sum()).backward()
+        return losses.detach()
+
+    ref_model = GPTModel(cfg, seed=5, **options).double()
+    ref_losses = run(ref_model)
+    ref_grads = dict((n, p.grad) for n, p in ref_model.named_parameters())
+    tp = TensorParallel(group=group, size=t, rank=r, sequence_parallel=t > 1)
+    model = GPTModel(cfg, seed=5, tp=tp, **options).double()
+    losses = run(model)
+    out = {"loss": (_err(losses, ref_losses), TOL64 * max(1.0, ref_losses.abs().max().item()))}
+    for name, p in model.named_parameters():
+        grad = comm.all_reduce(p.grad.clone(), group) if p.sequence_parallel else p.grad
+        want = shard(ref_grads[name], p.partition_dim, r, t) if p.tensor_model_parallel else ref_grads[name]
+        out[f"grad {name}"] = (_err(grad, want) / want.abs().max().item(), TOL64)
     return out
 
 
@@ -346,6 +420,7 @@ def _layer_checks(group, t: int, r: int) -> dict[str, tuple[float, float]]:
         add(f"row sp={sp} no bias", _row_case(group, t, r, sp, True, bias=False))
         add(f"embedding sp={sp}", _embedding_case(group, t, r, sp))
     add("cross entropy", _ce_cases(group, t, r))
+    add("ce options", _ce_option_cases(group, t, r))
     return errs
 
 
@@ -360,6 +435,8 @@ def _worker(rank: int, world: int) -> dict[str, object]:
                      for k, v in _mlp_case(group, t, r, sp, recompute, reuse).items()})
     for sp in (False, True):
         errs.update({f"autocast bf16 sp={sp}: {k}": v for k, v in _autocast_case(group, t, r, sp).items()})
+    for arch in ("neox", "llama"):
+        errs.update({f"gpt loss options {arch}: {k}": v for k, v in _gpt_loss_options_case(group, t, r, arch).items()})
     return {"errs": errs, "facts": _facts(group, t),
             "saved": {rc: _saved_bytes(group, t, r, rc) for rc in (True, False)},
             "volume": {name: _pair_volume(group, t, r, sp, rc)
@@ -396,6 +473,16 @@ def test_vocab_parallel_embedding(results):
 def test_vocab_parallel_cross_entropy(results):
     """fp64 with and without label smoothing (full vocab), ignored targets, bf16 and large fp32 logits."""
     _check_errs(*results, "cross entropy")
+
+
+def test_vocab_parallel_cross_entropy_smoothing_and_z_loss(results):
+    """Label smoothing over the full real vocabulary + PaLM's z-loss, padded vocabulary, fp64 and fp32."""
+    _check_errs(*results, "ce options")
+
+
+def test_gpt_loss_options_under_tp_sp(results):
+    """GPTModel with train.label_smoothing and train.z_loss: tp + SP equals one rank (loss and every grad)."""
+    _check_errs(*results, "gpt loss options")
 
 
 def test_mlp_chain_shared_gather_buffer(results):

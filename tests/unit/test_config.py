@@ -212,3 +212,20 @@ def test_context_parallel_checks():
     assert ok.parallel.world_size == 2 and ok.parallel.cp_heads_k_stride == 2
     with pytest.raises(ConfigError, match="reset_attention_mask with model.attention_dropout"):
         config.load(overrides=BASE + ["data.reset_attention_mask=true", "model.attention_dropout=0.1"])
+
+
+def test_loss_options_load_and_are_range_checked():
+    cfg = config.load(overrides=BASE + ["train.label_smoothing=0.1", "train.z_loss=1e-4"])
+    assert cfg.train.label_smoothing == pytest.approx(0.1) and cfg.train.z_loss == pytest.approx(1e-4)
+    default = config.load(overrides=BASE)
+    assert default.train.label_smoothing == 0.0 and default.train.z_loss == 0.0
+    bad = {"train.label_smoothing=1": "train.label_smoothing: 1.0 must be in [0, 1)",
+           "train.label_smoothing=-0.1": "train.label_smoothing: -0.1 must be in [0, 1)",
+           "train.label_smoothing=nan": "train.label_smoothing: nan",
+           "train.z_loss=-1e-4": "train.z_loss: -0.0001 must be a finite number >= 0",
+           "train.z_loss=inf": "train.z_loss: inf",
+           "train.z_loss=nan": "train.z_loss: nan"}
+    for override, needle in bad.items():
+        with pytest.raises(ConfigError) as exc:
+            config.load(overrides=BASE + [override])
+        assert needle in str(exc.value) and "\n" not in str(exc.value), (override, str(exc.value))
