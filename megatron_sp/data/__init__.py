@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,7 @@ Dataset = GPTDataset | BlendedDataset
 
 __all__ = [
     "BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter", "Tokenizer", "batch_indices",
-    "best_dtype", "build_datasets", "build_tokenizer", "collate", "ensure_demo_data", "make_demo_corpus",
+    "best_dtype", "build_datasets", "build_tokenizer", "check_inputs", "collate", "ensure_demo_data", "make_demo_corpus",
     "open_dataset", "parse_blend", "preprocess_jsonl", "split_documents", "train_sentencepiece",
 ]
 
@@ -85,6 +86,41 @@ def ensure_demo_data(cfg: Config) -> None:
     tokenize_jsonl_to([corpus], {"text": prefix}, build_tokenizer(cfg.tokenizer), append_eod=True)
 
 
+def physical_memory_bytes() -> int:
+    """This machine's RAM (0 when the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_index_memory(num_samples: int, seq_length: int, tokens_per_epoch: int, documents: int, prefix: str) -> None:
+    """Refuse a sample count whose GPT dataset indices would not fit in this machine's memory.
+
+    The indices are built up front (as Megatron does): about 64 bytes per sample at the peak, plus 24 per
+    document entry of every epoch the samples need. ``train.iters=1e15`` used to hang in that build.
+    """
+    epochs = -(-(num_samples * seq_length + 1) // max(tokens_per_epoch, 1))
+    needed = 64 * num_samples + 24 * epochs * documents
+    memory = physical_memory_bytes()
+    if memory and needed > memory:
+        raise DataError(f"train.iters × train.global_batch_size = {num_samples} samples of {prefix} need about "
+                        f"{needed / 2**30:.3g} GiB of dataset indices ({epochs} epochs), more than this machine's "
+                        f"{memory / 2**30:.3g} GiB; lower train.iters")
+
+
+def check_inputs(cfg: Config) -> None:
+    """Open every dataset of ``data.paths`` (a missing, malformed or empty .bin/.idx is one line) and check
+    that the run's sample count is meaningful for it; cheap, so ``train.py`` runs it before any rank starts."""
+    for prefix in parse_blend(cfg.data.paths)[0]:
+        indexed = open_dataset(prefix)
+        train_docs = split_documents(indexed.num_documents, cfg.data.split)[0]
+        tokens = int(indexed.document_sizes[train_docs].sum()) if train_docs.size else 0
+        if tokens:
+            check_index_memory(cfg.train.iters * cfg.train.global_batch_size, cfg.model.seq_length,  # type: ignore[operator]
+                               tokens, train_docs.size, str(indexed.prefix))
+
+
 def build_datasets(cfg: Config, tokenizer: Tokenizer, num_train_samples: int,
                    num_valid_samples: int) -> tuple[Dataset, Dataset | None]:
     """The train and validation datasets of ``cfg.data.paths``, each dataset split by ``cfg.data.split``.
@@ -109,6 +145,8 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_train_samples: int,
             raise DataError(f"the train split of {indexed.prefix} is empty ({train_docs.size} of "
                             f"{indexed.num_documents} documents, data.split={cfg.data.split}); give the train split "
                             f"a larger share or use more data")
+        check_index_memory(num_train_samples, seq_length, int(indexed.document_sizes[train_docs].sum()),
+                           train_docs.size, str(indexed.prefix))
     if len(datasets) == 1:
         indexed, (train_docs, valid_docs, _) = datasets[0], splits[0]
         train: Dataset = GPTDataset(indexed, train_docs, seq_length, num_train_samples, seed, cache_dir(indexed),

@@ -149,12 +149,12 @@ def test_batch_indices_partition_the_global_batch(gbs: int) -> None:
         batch_indices(0, 8, 2, 2)
 
 
-def test_collate_shifts_labels_and_masks_eod() -> None:
+def test_collate_shifts_labels_and_masks_input_eod() -> None:
     samples = [np.array([5, 6, EOD, 7, 8]), np.array([1, 2, 3, 4, EOD])]
     batch = collate(samples, eod=EOD, eod_mask_loss=True)
     assert batch["tokens"].tolist() == [[5, 6, EOD, 7], [1, 2, 3, 4]]
     assert batch["labels"].tolist() == [[6, EOD, 7, 8], [2, 3, 4, EOD]]
-    assert batch["loss_mask"].tolist() == [[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]]
+    assert batch["loss_mask"].tolist() == [[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]  # Megatron: input EODs
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert batch["tokens"].dtype == batch["labels"].dtype == batch["position_ids"].dtype == torch.int64
     assert batch["loss_mask"].dtype == torch.float32
