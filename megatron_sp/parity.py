@@ -76,7 +76,7 @@ def _losses(log_dir: Path) -> dict[int, dict]:
     return {int(r["step"]): r for r in rows if "loss" in r}
 
 
-def compare_runs(ref_dir: str | Path, got_dir: str | Path, loss_rtol: float = 5e-6, grad_norm_rtol: float = 1e-5,
+def compare_runs(ref_dir: str | Path, got_dir: str | Path, loss_rtol: float = 5e-6, grad_norm_rtol: float = 1e-6,
                  grad_tol: float = 1e-5) -> ParityReport:
     """Compare two runs' ``logging.dir``s: per-step loss, step-1 grad norm, every full gradient at step 1.
 

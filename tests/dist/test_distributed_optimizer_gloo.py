@@ -9,11 +9,14 @@ world size, so buckets are padded) and one bucket: reduced main grads, no commun
 non-final micro-batches, grad norm and parameters over 3 steps, an early bucket launch
 (overlap), bf16 ZeRO-0 = ZeRO-1, and a checkpoint written at dp2 + ZeRO-1 resumed at dp4 and dp1.
 A tp2·dp2 launch checks the TP side: sequence-parallel grads summed over TP (owned elements alike
-on both TP ranks, or not), and the grad norm counting TP-replicated parameters once.
+on both TP ranks, or not), and the grad norm counting TP-replicated parameters once. Both launches
+also check that on ~1M-element buffers the grad norm (ZeRO 0 and 1) is the fp64 norm of the full
+gradients to 1e-7 and that clipping uses it.
 Each launch returns ``{check: (error, tolerance)}``; the test asserts them.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -31,6 +34,8 @@ LRS = [1e-2, 2e-2, 1.5e-2]
 CLIP = 0.5
 SMALL = 80  # bytes per bucket (20 fp32 elements) → buckets fc2 (24), fc1 (42), scale (3 + padding)
 RTOL = 1e-6  # max|Δ| / max|ref|; fp32 reduction order only
+BIG = {"big.weight": (1024, 1200), "big.bias": (1200,)}  # ~1.2M elements: torch's fp32 norm is off by >1e-6 here
+NORM_RTOL = 1e-7  # grad norm against the fp64 norm of the full gradients
 
 
 class _MLP(nn.Module):
@@ -114,6 +119,39 @@ def _train_step(opt: DistributedOptimizer, model: nn.Module, step: int, rank: in
     return opt.step(LRS[step], clip=CLIP)
 
 
+def _big_grad(name: str, tp: int, dp: int) -> torch.Tensor:
+    """A rank's synthetic gradient on a 2^-10 grid, so that its sums over ranks are exact in fp32."""
+    g = torch.Generator().manual_seed(100 * sorted(BIG).index(name) + 10 * tp + dp)
+    return torch.randn(BIG[name], generator=g).mul_(1024).round_().div_(1024)
+
+
+def _big_norm_checks(state: Any, tp_sharded: set[str], tag: str) -> dict[str, tuple[float, float]]:
+    """Grad norm and clipping on ~1M-element buffers (ZeRO 0 and 1) against the fp64 norm of the full gradients.
+
+    ``tp_sharded`` parameters get different gradients per TP rank; the others are TP-replicated (counted once).
+    """
+    tp_of = {n: (range(state.tp_size) if n in tp_sharded else [0]) for n in BIG}
+    reduced = {(n, t): sum(_big_grad(n, t, d) for d in range(state.dp_size)) for n in BIG for t in tp_of[n]}
+    want = math.sqrt(sum(g.double().square().sum().item() for g in reduced.values()))
+    clip = want / 3  # active
+    coeff = clip / (want + 1e-6)
+    mine = {n: state.tp_rank if n in tp_sharded else 0 for n in BIG}
+    checks = {}
+    for zero in (0, 1):
+        named = [(n, nn.Parameter(torch.zeros(BIG[n]))) for n in BIG]
+        for n, p in named:
+            p.tensor_model_parallel = n in tp_sharded
+        opt = DistributedOptimizer(named, _cfg(), state, zero=zero)
+        opt.zero_grad()
+        sum((p * _big_grad(n, mine[n], state.dp_rank)).sum() for n, p in named).backward()
+        norm, _ = opt.step(0.0, clip=clip)
+        checks[f"{tag}.zero{zero}.norm"] = (abs(norm - want) / want, NORM_RTOL)
+        # the fp32 grads scaled by the coefficient of the fp64 norm: two fp32 roundings at most
+        clipped = {n: reduced[n, mine[n]] * coeff for n in BIG}
+        checks[f"{tag}.zero{zero}.clipped"] = (_worst(opt.main_grads_by_name(), clipped), 2.5e-7)
+    return checks
+
+
 def _dp_checks(rank: int, world: int, ckpt: dict[str, Any] | None = None) -> dict[str, Any]:
     state = initialize(ParallelDims(dp=world))
     ref = _reference()
@@ -192,6 +230,7 @@ def _dp_checks(rank: int, world: int, ckpt: dict[str, Any] | None = None) -> dic
         facts["resume.step_count"] = opt.step_count
         _train_step(opt, model, 2, rank, world)
         checks["resume.params_step3"] = (_worst(_params(model), ckpt["params_step3"]), RTOL)
+    checks.update(_big_norm_checks(state, set(), "big"))
     state.destroy()
     return {"checks": checks, "facts": facts}
 
@@ -311,6 +350,7 @@ def _tp_checks(rank: int, world: int) -> dict[str, Any]:
             norm, _ = opt.step(1e-3, clip=0.0)
             checks[f"{tag}.norm"] = (abs(norm - want_norm) / want_norm, RTOL)
             facts[f"{tag}.alike"] = sorted(opt._align_cache.values())
+    checks.update(_big_norm_checks(state, {"big.weight"}, "big"))
     state.destroy()
     return {"checks": checks, "facts": facts}
 
