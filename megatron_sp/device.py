@@ -6,11 +6,18 @@ packages are imported lazily; when one is missing we fall back to plain PyTorch 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import logging
+import math
 import os
+import platform
 import resource
+import socket
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
@@ -108,33 +115,141 @@ def apex_available() -> bool:
     return True
 
 
-@functools.cache
-def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5,
-                        window: float = 0.1) -> float:
-    """Dense-matmul FLOP/s of this host's CPU cores for ``dtype``, measured once with every core.
+PEAK_CACHE_ENV = "MEGATRON_SP_CACHE_DIR"
+"""Environment variable naming the directory of ``peak_flops.json`` (tests point it at a tmp dir)."""
 
-    This is the MFU denominator on CPU. Call it while no other rank of this host computes (the
-    training loop measures on local rank 0 between barriers). On GPUs a short matmul loop measures
-    clocks, not the datasheet peak: there ``logging.peak_tflops`` must be given instead.
+
+def peak_cache_path() -> Path:
+    """``peak_flops.json`` in ``$MEGATRON_SP_CACHE_DIR``, else ``$XDG_CACHE_HOME/megatron_sp``, else
+    ``~/.cache/megatron_sp``."""
+    if os.environ.get(PEAK_CACHE_ENV):
+        return Path(os.environ[PEAK_CACHE_ENV]) / "peak_flops.json"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "megatron_sp" / "peak_flops.json"
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity), else every core of the host."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_cache_key(dtype: torch.dtype) -> str:
+    """What a cached peak belongs to: host name, CPU model, cores, torch version and dtype."""
+    return (f"{socket.gethostname()} | {_cpu_model()} | {host_cores()} cores | torch {torch.__version__} | "
+            f"{str(dtype).removeprefix('torch.')}")
+
+
+def _read_peak_cache(path: Path) -> dict[str, float]:
+    """The cache's ``key → FLOP/s`` entries; empty when the file is missing, unreadable or malformed."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
+
+
+def record_peak_flops(dtype: torch.dtype, flops: float) -> float:
+    """Keep ``max(cached, flops)`` as this host's peak for ``dtype`` and return it.
+
+    The cache only ever rises: a run on a busy machine measures low, and the best rate seen on this
+    host is the better estimate of what its cores can do. The file is replaced atomically (a temp
+    file in the same directory, then ``os.replace``), so concurrent runs never read half a file; at
+    worst one of two simultaneous updates is lost. A cache that cannot be read or written is ignored:
+    the run then uses ``flops``.
+    """
+    path = peak_cache_path()
+    entries = _read_peak_cache(path)
+    key = peak_cache_key(dtype)
+    best = max(flops, entries.get(key, 0.0))
+    if best > entries.get(key, 0.0):
+        entries[key] = best
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f, indent=1, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.debug("peak FLOP/s cache %s not written: %s", path, exc)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+    return best
+
+
+@functools.cache
+def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 1.0,
+                        window: float = 0.2) -> float:
+    """Dense-matmul FLOP/s of this host's CPU cores for ``dtype``, measured now with every core.
+
+    Square matmuls grow from 256 (doubling, up to 4096; each size run twice, the first a warm-up)
+    while the next size is predicted to take at most 2.5 windows: 2048 on a small fp32 host, less
+    where ``dtype`` has no fast kernel (bf16 without AVX512-BF16/AMX runs at a few GFLOP/s), so the
+    whole measurement stays near ``seconds``; ``n`` fixes the size. Then matmuls of the last size
+    run in windows of at least ``window`` seconds until ``seconds`` have passed: other processes
+    only ever slow a window down, so the fastest window (or timed step of the ramp: without a fast
+    kernel small sizes can be faster) is the estimate. This is the raw measurement;
+    ``cpu_peak_flops`` keeps the best over runs. Call it while no other rank of this host computes.
+    On GPUs a short matmul loop measures clocks, not the datasheet peak: there
+    ``logging.peak_tflops`` must be given instead.
     """
     threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(host_cores())
+    deadline = time.perf_counter() + seconds
     try:
-        a = torch.randn(n, n, dtype=dtype)
-        b = torch.randn(n, n, dtype=dtype)
-        a @ b  # warm-up
-        # Other processes only ever slow a window down: the fastest of several short windows is the
-        # best estimate of the peak on a shared machine.
-        best, deadline = 0.0, time.perf_counter() + seconds
+        def operands(size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return (torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype),
+                    torch.empty(size, size, dtype=dtype))
+
+        def timed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
+            t0 = time.perf_counter()
+            torch.matmul(a, b, out=out)
+            return time.perf_counter() - t0
+
+        size = n or 256
+        a, b, out = operands(size)
+        timed(a, b, out)  # warm-up: threads, kernel choice, first touch of the pages
+        last = timed(a, b, out)
+        best = 2.0 * size**3 / last
+        while n is None and size < 4096 and 8 * last <= 2.5 * window:
+            size *= 2
+            a, b, out = operands(size)
+            timed(a, b, out)
+            last = timed(a, b, out)
+            best = max(best, 2.0 * size**3 / last)
         while time.perf_counter() < deadline:
-            reps, t0 = 0, time.perf_counter()
-            while True:
-                a @ b
+            reps, elapsed = 0, 0.0
+            while elapsed < window:
+                elapsed += timed(a, b, out)
                 reps += 1
-                elapsed = time.perf_counter() - t0
-                if elapsed >= window:
-                    break
-            best = max(best, 2.0 * n**3 * reps / elapsed)
+            best = max(best, 2.0 * size**3 * reps / elapsed)
     finally:
         torch.set_num_threads(threads)
+    log.debug("measured %s matmul peak: %.1f GFLOP/s at n=%d", dtype, best / 1e9, size)
     return best
+
+
+def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, float]:
+    """(best peak seen on this host for ``dtype``, this run's measurement): measures, then updates
+    the cache (see ``record_peak_flops``). The best is the MFU denominator on CPU."""
+    measured = measured_peak_flops(dtype)
+    return record_peak_flops(dtype, measured), measured

@@ -54,10 +54,12 @@ Measuring (``verify_rank``, ``SavedBytes``, ``LiveSavedBytes``, ``measure_state`
     weight-gradient inputs (held outside autograd after I), the buffers, transients inside kernels.
 
 Step-time cost used to rank layouts (``estimate_step_time``)
-    compute = the busiest stage's model FLOPs per step (6N + 12·L·h·s per token, + the recomputed
-    forward) at ``peak_tflops``, divided by ``1 − bubble`` of the schedule; plus every TP, CP and
-    PP byte at ``bandwidth`` (not overlapped), the ZeRO parameter all-gather, and the part of the
-    gradient reduction that does not fit under the last micro-batch's backward.
+    compute = the busiest stage's model FLOPs per step (6N + 6·L·h·s per token, attention over the
+    causal half as ``model.flops_per_token``, + the recomputed forward) at ``peak_tflops``, divided
+    by ``1 − bubble`` of the schedule; plus every TP, CP and PP byte at ``bandwidth`` (not
+    overlapped), the ZeRO parameter all-gather, and the part of the gradient reduction that does not
+    fit under the last micro-batch's backward. MFU = model FLOPs ÷ (step time × peak × devices) is
+    at most 1 by construction: the step is never shorter than the busiest stage's compute at the peak.
 """
 from __future__ import annotations
 
@@ -816,15 +818,16 @@ class LayoutPlan:
 
 
 def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None) -> float:
-    """Model FLOPs per step on one rank of stage ``pp_rank``: ``6·N_stage + 12·L_stage·h·s`` per token
-    (PaLM), N without the input embedding, divided over TP and CP; ``recompute`` (default the
-    config's) adds the recomputed forward: ``2·N + 4·L·h·s`` (full) or ``4·L·h·s`` (selective)."""
+    """Model FLOPs per step on one rank of stage ``pp_rank``: ``6·N_stage + 6·L_stage·h·s`` per token
+    (``model.flops_per_token``: PaLM, attention over the causal half), N without the input embedding,
+    divided over TP and CP; ``recompute`` (default the config's) adds the recomputed forward:
+    ``2·N + 2·L·h·s`` (full) or ``2·L·h·s`` (selective)."""
     D = dims_of(cfg)
     recompute = D.recompute if recompute is None else recompute
     parts = parameter_parts(cfg.model)
     layers = sum(len(c) for c in stage_layers(cfg, pp_rank))
     n = layers * parts["layer"] + (parts["final_norm"] + parts["output_layer"] if pp_rank == D.pp - 1 else 0)
-    attention = 12 * layers * D.h * D.seq
+    attention = 6 * layers * D.heads * D.head_dim * D.seq
     per_token = 6 * n + attention
     if recompute == "full":
         per_token += 2 * n + attention / 3
@@ -873,7 +876,8 @@ def estimate_step_time(lp: LayoutPlan, peak_tflops: float, bandwidth_gbs: float)
 
 def factorizations(devices: int) -> list[tuple[int, int, int, int]]:
     """Every (tp, pp, cp, dp) with tp·pp·cp·dp = devices."""
-    divisors = [k for k in range(1, devices + 1) if devices % k == 0]
+    small = [k for k in range(1, math.isqrt(devices) + 1) if devices % k == 0]
+    divisors = sorted(set(small + [devices // k for k in small]))
     out = []
     for tp in divisors:
         for pp in divisors:
@@ -948,10 +952,11 @@ def parse_memory(text: str) -> int:
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise ConfigError(f"--memory '{text}' is not a memory size; write e.g. 80GB, 80GiB or 512MB")
-    value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise ConfigError(f"--memory '{text}' must be positive")
-    return int(value)
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 2**20:  # "0.5B" was read as 0 bytes
+        raise ConfigError(f"--memory '{text}' is {value} bytes; give the memory of one device with its unit, "
+                          "e.g. 80GB, 80GiB or 512MB")
+    return value
 
 
 def format_bytes(n: float) -> str:

@@ -1,5 +1,7 @@
-"""Shared pytest set-up: the repo root on sys.path, markers, and small config helpers."""
+"""Shared pytest set-up: the repo root on sys.path, markers, a private peak-FLOP/s cache, config helpers."""
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,9 @@ if str(ROOT) not in sys.path:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Runs and benchmarks started by tests (in this process or as subprocesses) cache the CPU peak here,
+    # never in the user's ~/.cache (megatron_sp.device.peak_cache_path).
+    os.environ.setdefault("MEGATRON_SP_CACHE_DIR", tempfile.mkdtemp(prefix="megatron_sp_test_cache_"))
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU machines)")
     config.addinivalue_line("markers", "slow: long-running; kept in the default run while the suite stays under 15 min")
 

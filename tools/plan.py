@@ -13,10 +13,10 @@ Korthikanti et al. adapted to this model), buffers — and the bytes each rank s
 parallel dimension; (b) every (tp, pp, cp, dp) with tp·pp·cp·dp = --devices that the config
 loader accepts, ranked: those that fit in --memory first, fastest first by the estimated step time
 (model FLOPs at --peak-tflops ÷ (1 − pipeline bubble) + communication at --bandwidth; see
-``megatron_sp.plan``), then one JSON line. ``--verify`` runs the config (shrunk with ``--set``) for
-a few steps on CPU gloo ranks through the real training code and prints each measured number
-beside its prediction. The model lives in ``megatron_sp/plan.py``. Bad input prints one
-``error:`` line and exits non-zero.
+``megatron_sp.plan``). ``--json`` adds everything as one JSON line (``--json FILE`` writes it to FILE
+instead). ``--verify`` runs the config (shrunk with ``--set``) for a few steps on CPU gloo ranks
+through the real training code and prints each measured number beside its prediction. The model
+lives in ``megatron_sp/plan.py``. Bad input prints one ``error:`` line and exits non-zero.
 """
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ GOAL = 0.10
 
 
 
+MAX_DEVICES = 2**20  # a million devices: past the largest clusters, and the layout search stays under a minute
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conf", action="append", default=[], required=True, metavar="FILE",
@@ -64,12 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify", action="store_true",
                    help="run the config for a few steps on CPU gloo ranks and print measured beside predicted")
     p.add_argument("--steps", type=int, default=2, metavar="N", help="--verify: training steps (default: %(default)s)")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="also print the whole report (every layout, every stage) as one JSON line, or write it to FILE")
     args = p.parse_args(argv)
     args.set = [item for group in args.set for item in group]
     if not args.verify and (args.devices is None or args.memory is None):
         p.error("--devices and --memory are required (or use --verify)")
-    if args.devices is not None and args.devices < 1:
-        p.error(f"--devices must be >= 1, got {args.devices}")
+    if args.devices is not None and not 1 <= args.devices <= MAX_DEVICES:
+        p.error(f"--devices must be in 1..{MAX_DEVICES}, got {args.devices}")
     if args.memory is not None and (args.devices is None):
         p.error("--memory needs --devices")
     if args.vocab is not None and args.vocab < 1:
@@ -342,7 +347,15 @@ def main(argv: list[str] | None = None) -> int:
                        "bandwidth_gbs": args.bandwidth, "vocab": vocab,
                        "layouts": [layout_json(c) for c in cands if c.plan is not None],
                        "refused": [{"layout": c.layout, "error": c.error} for c in cands if c.plan is None]}
-        print(json.dumps(report, default=float))
+        if args.json == "-":
+            print(json.dumps(report, default=float))
+        elif args.json:
+            try:
+                Path(args.json).write_text(json.dumps(report, default=float) + "\n")
+            except OSError as exc:
+                print(f"error: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+                return 2
+            print(f"\nJSON report written to {args.json}")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -347,14 +347,18 @@ def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True) -> int:
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token, ``6·N + 12·L·h·s`` (PaLM, Chowdhery et al. 2022, appendix B).
+    """Training FLOPs per token, ``6·N + 6·L·h·s``: PaLM (Chowdhery et al. 2022, appendix B) with the
+    attention term over the causal half, as Megatron-LM's newer formula and torchtitan count it.
 
     N counts all parameters except the input embedding (a lookup, no FLOPs), output layer included
-    (``count_parameters(cfg, exclude_embeddings=True)``); ``12·L·h·s`` is the attention score and
-    context matmuls (forward + backward, without discounting the causal mask). For MFU.
+    (``count_parameters(cfg, exclude_embeddings=True)``): 2N forward + 4N backward. Attention: a
+    token's query meets on average s/2 keys (the causal mask), so per layer ``q·kᵀ`` and
+    ``p·v`` cost 2·(s/2)·h FLOPs each forward (h = heads × head dim), 2·s·h together; with
+    backward (×3) ``6·s·h``. PaLM's ``12·L·h·s`` counts every key, twice what causal attention needs (MFU counts
+    the model's FLOPs, not what a kernel happens to compute). For MFU.
     """
     n = count_parameters(cfg, exclude_embeddings=True)
-    return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
+    return 6.0 * n + 6.0 * cfg.num_layers * cfg.num_heads * head_dim(cfg) * cfg.seq_length
 
 
 def sample_next(logits: torch.Tensor, greedy: bool = True, temperature: float = 1.0, top_k: int = 0,

@@ -369,7 +369,7 @@ def test_parameter_count_and_flops(arch: str, tied: bool) -> None:
     assert model.num_parameters(exclude_embeddings=True) == (n_all if tied else n_all - embedding)
     assert count_parameters(cfg) == model.num_parameters(exclude_embeddings=True)
     assert count_parameters(cfg, exclude_embeddings=False) == n_all
-    expected = 6 * model.num_parameters(exclude_embeddings=True) + 12 * cfg.num_layers * 64 * cfg.seq_length
+    expected = 6 * model.num_parameters(exclude_embeddings=True) + 6 * cfg.num_layers * 64 * cfg.seq_length
     assert flops_per_token(cfg) == pytest.approx(expected, rel=1e-12)
 
 

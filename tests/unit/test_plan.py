@@ -9,7 +9,8 @@
 * activations: within 10% (in fact equal) of the bytes autograd saves for one micro-batch, with and
   without recompute;
 * the layout search: every factorisation considered, refusals are the config loader's, sorted;
-* the CLI: one-line errors, the JSON line, and ``--verify`` on two gloo ranks.
+* step time: model FLOPs with causal attention (``model.flops_per_token``), MFU never above 1;
+* the CLI: one-line errors, the JSON line only with ``--json``, and ``--verify`` on two gloo ranks.
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def test_parse_memory() -> None:
     assert plan.parse_memory("80GiB") == 80 * 2**30
     assert plan.parse_memory("512 MB") == 512 * 10**6
     assert plan.parse_memory("1.5TiB") == int(1.5 * 2**40)
-    for bad in ("80XB", "GB", "-1GB", "0GB", ""):
+    for bad in ("80XB", "GB", "-1GB", "0GB", "", "0.5B", "1000"):  # 0.5B was read as 0 bytes
         with pytest.raises(ConfigError):
             plan.parse_memory(bad)
 
@@ -262,6 +263,32 @@ def test_layout_search_is_sorted_and_respects_the_config_checks() -> None:
     assert all(c.plan.peak_bytes <= budget for c in ranked if c.fits)
 
 
+def test_step_flops_count_causal_attention_and_mfu_stays_below_one() -> None:
+    from megatron_sp.model import count_parameters, flops_per_token
+
+    cfg = make_config("model.num_layers=4", "train.global_batch_size=16", "parallel.pp=2", "parallel.tp=2",
+                      "parallel.world_size=4")
+    # per token: 6N + 6·L·h·s with L=4, h=64, s=32 (the causal half of PaLM's 12·L·h·s)
+    per_token = 6 * count_parameters(cfg.model) + 6 * 4 * 64 * 32
+    assert flops_per_token(cfg.model) == per_token
+    tokens = 16 * 32
+    total = sum(plan.stage_flops(cfg, r) for r in range(2)) * 2  # each stage's rank holds 1/tp of it
+    assert total == pytest.approx(tokens * per_token, rel=1e-12)
+    selective = make_config("model.num_layers=4", "train.global_batch_size=16", "model.recompute=selective")
+    assert plan.stage_flops(selective, 0) - plan.stage_flops(selective, 0, "none") == pytest.approx(tokens * 2 * 4 * 64 * 32)
+    # MFU = model FLOPs / (step × peak × devices) ≤ 1 whatever the layout, recompute, bubble and peak
+    for recompute in ("none", "full"):
+        base = make_config("model.num_layers=4", "train.global_batch_size=16", f"model.recompute={recompute}")
+        for peak, bandwidth in ((1e-6, 1e6), (100.0, 100.0)):
+            cands = plan.search(lambda extra, r=recompute: make_config("model.num_layers=4", "train.global_batch_size=16",
+                                                                       f"model.recompute={r}", *extra),
+                                base, 8, 10**12, peak, bandwidth)
+            mfus = [c.plan.time["mfu"] for c in cands if c.plan is not None]
+            assert mfus and all(0 < m <= 1 for m in mfus)
+            if recompute == "none" and peak < 1:  # compute-bound, no bubble: MFU is the whole peak
+                assert max(mfus) == pytest.approx(1.0, rel=1e-9)
+
+
 # ------------------------------------------------------------------------------------------ command line
 
 
@@ -287,13 +314,38 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert plan_cli.main(["--conf", conf, "--devices", "4", "--memory", "1GB", "--set", "model.num_layres=3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "did you mean" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as exc:  # searched for minutes, silently
+        plan_cli.main(["--conf", conf, "--devices", "1000000000000", "--memory", "80GB"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("error: --devices must be in 1..1048576") and err.count("\n") == 1
+    assert plan.factorizations(2**40)[:2] == [(1, 1, 1, 2**40), (1, 1, 2, 2**39)]  # no O(n) divisor scan
+
+
+def _json_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("{")]
+
+
+def test_cli_prints_no_json_without_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conf = str(_write_conf(tmp_path / "tiny.yml"))
+    args = ["--conf", conf, "--devices", "4", "--memory", "1GiB", "--set", "train.global_batch_size=8"]
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank" in out and not _json_lines(out) and max(len(line) for line in out.splitlines()) < 400
+    assert plan_cli.main([*args, "--json", str(tmp_path / "report.json")]) == 0
+    out = capsys.readouterr().out
+    assert not _json_lines(out) and "report.json" in out.splitlines()[-1]
+    assert json.loads((tmp_path / "report.json").read_text())["vocab"] == 258
+    assert plan_cli.main([*args, "--json", str(tmp_path / "missing" / "report.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --json") and err.count("\n") == 1
 
 
 def test_cli_prints_the_breakdown_and_a_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     conf = str(_write_conf(tmp_path / "tiny.yml"))
     assert plan_cli.main(["--conf", conf, "--devices", "4", "--memory", "1GiB", "--set", "parallel.tp=2",
-                          "train.global_batch_size=8"]) == 0
+                          "train.global_batch_size=8", "--json"]) == 0
     out = capsys.readouterr().out
+    assert len(_json_lines(out)) == 1
     assert "memory per rank" in out and "activations at peak" in out and "Table 2" in out
     report = json.loads(out.strip().splitlines()[-1])
     assert report["memory_bytes"] == 2**30 and report["vocab"] == 258
@@ -314,7 +366,7 @@ def test_verify_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     preprocess_jsonl([corpus], str(tmp_path / "byte"), build_tokenizer(TokenizerConfig(type="byte")))
     conf = str(_write_conf(tmp_path / "tiny.yml", str(tmp_path / "byte_text_document")))
     # tp 2 > 1 kv head: replicated QKV; SwiGLU, RMSNorm, bf16, sequence parallel with its gather buffer
-    assert plan_cli.main(["--conf", conf, "--verify", "--steps", "1", "--set", "model.arch=llama",
+    assert plan_cli.main(["--conf", conf, "--verify", "--steps", "1", "--json", "--set", "model.arch=llama",
                           "model.num_kv_heads=1", "parallel.tp=2", "parallel.sequence_parallel=true",
                           "train.precision=bf16"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["verify"]
