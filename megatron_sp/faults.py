@@ -1,9 +1,14 @@
-"""Faults during training: preemption by SIGTERM, and collectives whose peer died or hung.
+"""Faults during training: preemption by SIGTERM or Ctrl-C, and collectives whose peer died or hung.
 
 * ``Preemption``: SIGTERM (``scancel``, a preempting scheduler, torchrun stopping its workers)
-  sets a flag; after each step the ranks agree on it with a one-element all-reduce (MAX), so all
-  of them save the same step, whichever got the signal; then the run exits 0. Installed only when
-  ``checkpoint.save`` is set.
+  or the first SIGINT (Ctrl-C; train.py's launcher passes it on to the ranks as SIGINT) sets a
+  flag; after each step the ranks agree on it with a one-element all-reduce (MAX of the signal
+  number, so SIGTERM wins over SIGINT), so all of them save the same step, whichever got the
+  signal; then the run exits 0 (SIGTERM) or 130 (SIGINT: ``finish`` raises KeyboardInterrupt).
+  After a first SIGINT, a second SIGINT aborts at once (KeyboardInterrupt), and so does a SIGTERM
+  (torchrun turns a second Ctrl-C into SIGTERM for its workers); after a first SIGTERM, a SIGINT
+  aborts at once and a SIGTERM changes nothing. Installed only when ``checkpoint.save`` is set
+  (SIGINT only if it has Python's default handler: a SIGINT ignored by the shell stays ignored).
 * ``peer_failure``: when a collective raises (gloo: "Connection reset/closed by peer" at once for
   a dead peer, "Timed out ..." after ``parallel.timeout_s`` for a hung one), every surviving rank
   records itself in the job's rendezvous store and, for a few seconds, watches who else does;
@@ -27,25 +32,40 @@ _PEER_ERRORS = ("timed out", "timeout", "connection reset", "connection closed",
 
 
 class Preemption:
-    """SIGTERM → ``agreed()`` turns True on every rank after the step in which any rank got it."""
+    """SIGTERM or SIGINT → ``agreed()`` turns True on every rank after the step in which any rank got it."""
 
     def __init__(self, enabled: bool) -> None:
-        self.requested = False
+        self.requested = 0  # the first stop signal this rank got (0: none)
+        self.signum = 0  # the one the ranks agreed on
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         if self.enabled:
             signal.signal(signal.SIGTERM, self._handler)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
-        self.requested = True
+        if self.requested and (signum == signal.SIGINT or self.requested == signal.SIGINT):
+            raise KeyboardInterrupt(f"second stop signal ({signal.Signals(signum).name}): aborted without saving")
+        self.requested = self.requested or signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "no signal"
 
     def agreed(self, dev: torch.device) -> bool:
-        """Collective (every rank, once per step): did any rank get SIGTERM?"""
+        """Collective (every rank, once per step): did any rank get SIGTERM or SIGINT?"""
         if not self.enabled:
             return False
         flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=dev)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.signum = int(flag.item())
+        return bool(self.signum)
+
+    def finish(self, step: int) -> None:
+        """After the agreed stop's checkpoint of ``step``: SIGINT raises KeyboardInterrupt (exit 130); SIGTERM returns."""
+        if self.signum == signal.SIGINT:
+            raise KeyboardInterrupt(f"saved a checkpoint of step {step}")
 
 
 def peer_failure(exc: BaseException, timeout_s: float, listen_s: float = 5.0) -> TrainingError | None:

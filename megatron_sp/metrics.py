@@ -1,8 +1,17 @@
 """Throughput numbers and the run's metric sinks (metrics.jsonl, console, wandb, tensorboard).
 
 One function computes tokens/s, TFLOP/s and MFU; one logger (rank 0 only) writes them.
-MFU follows PaLM appendix B: model FLOPs per token ≈ 6N + 12·L·h·s, divided by the peak dense
-matmul rate of the devices used (on CPU measured at start-up, see ``device.measured_peak_flops``).
+MFU follows PaLM appendix B: model FLOPs per token = 6N + 6·L·h·s (attention over the causal half,
+see ``model.flops_per_token``), divided by the peak FLOP/s of the run's devices (``Peak``).
+
+The peak, and why MFU is never above 100 %: on CPU the peak is the best dense-matmul rate seen on
+this host for the training dtype (``device.cpu_peak_flops``: measured at start-up with every core,
+cached per host in a file that only ever rises). A run achieving more than that proves the peak
+was measured low (a busy moment): the peak is raised to the achieved rate for the rest of the run
+and cached, with one warning, so MFU ≤ 1 by construction. A peak given as ``logging.peak_tflops``
+is the user's and is kept: MFU is then reported as at most 1.0, with one warning that the given
+peak is below what the run achieves. With no peak (a GPU without ``logging.peak_tflops``) MFU is 0.
+The ETA is remaining steps × the median seconds per step of recent steps (``eta_seconds``).
 """
 from __future__ import annotations
 
@@ -11,6 +20,9 @@ import json
 import logging
 import math
 import os
+import shutil
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +32,67 @@ from .errors import ConfigError
 log = logging.getLogger("megatron_sp")
 
 
-def throughput(tokens: int, seconds: float, flops_per_token: float, peak_flops_total: float) -> dict[str, float]:
-    """tokens/s, achieved TFLOP/s (all devices) and MFU for ``tokens`` processed in ``seconds``."""
+class Peak:
+    """The MFU denominator of a run: peak FLOP/s of all its devices (0 = unknown, MFU 0).
+
+    ``given``: the user's ``logging.peak_tflops``, kept as is (MFU capped at 1). Otherwise a
+    measured peak, raised to any achieved rate above it; ``on_raise(flops)`` is then told the new
+    total (the training loop caches it per host). Either case warns once (see the module
+    docstring) if ``warn`` (rank 0).
+    """
+
+    def __init__(self, flops: float, given: bool = False, on_raise: Callable[[float], object] | None = None,
+                 warn: bool = True) -> None:
+        self.flops = flops
+        self.given = given
+        self.on_raise = on_raise
+        self._warned = not warn
+
+    def mfu(self, achieved: float) -> float:
+        """Model FLOPs utilisation of ``achieved`` FLOP/s (all devices): never above 1."""
+        if self.flops <= 0:
+            return 0.0
+        if achieved > self.flops:
+            if self.given:
+                self._warn("MFU reported as 100%%: the run achieves %.4g TFLOP/s, above logging.peak_tflops × devices "
+                           "= %.4g TFLOP/s (is logging.peak_tflops too low?)", achieved / 1e12, self.flops / 1e12)
+                return 1.0
+            self._warn("the run achieves %.1f GFLOP/s, above the measured peak %.1f GFLOP/s (measured while the host "
+                       "was busy): the achieved rate is the peak from now on", achieved / 1e9, self.flops / 1e9)
+            self.flops = achieved
+            if self.on_raise is not None:
+                self.on_raise(achieved)
+        return achieved / self.flops
+
+    def _warn(self, message: str, *args: Any) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(message, *args)
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float, peak: Peak) -> dict[str, float]:
+    """tokens/s, achieved TFLOP/s (all devices) and MFU (≤ 1, see ``Peak``) for ``tokens`` processed in ``seconds``."""
     tok_s = tokens / max(seconds, 1e-9)
     flops = tok_s * flops_per_token
-    return {"tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": flops / peak_flops_total if peak_flops_total else 0.0}
+    return {"tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": peak.mfu(flops)}
+
+
+ETA_STEPS = 20
+"""Steps the ETA looks back over."""
+
+
+def eta_seconds(step_seconds: Sequence[float], remaining: int) -> float:
+    """Seconds for ``remaining`` steps at the median of ``step_seconds`` (inf when empty).
+
+    The training loop passes the training time of its last ``ETA_STEPS`` steps: not the run's first
+    step (its time includes warm-up), not validation or checkpoint pauses, and not the start-up
+    before the loop. The median also ignores an odd slow step (a collection, a busy moment).
+    """
+    if remaining <= 0:
+        return 0.0
+    if not step_seconds:
+        return math.inf
+    return remaining * statistics.median(step_seconds)
 
 
 def format_eta(seconds: float) -> str:
@@ -34,6 +102,26 @@ def format_eta(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def parameter_summary(total: int, on_rank: int, tp: int, pp: int, vocab: int | None, padded_vocab: int) -> str:
+    """``5.12M parameters (2.63M on this rank: tp2 pp1)`` for the start-up line.
+
+    ``total`` is the whole model (every TP shard and PP stage, a tied embedding once: ``model.
+    count_parameters(cfg, exclude_embeddings=False)``); ``on_rank`` is this rank's tensors
+    (``GPTModel.num_parameters()``), shown when the model is split. Both count the embedding and
+    output rows as stored, so when the vocabulary is padded the line says so.
+    """
+    text = f"{_count(total)} parameters"
+    if tp * pp > 1:
+        text += f" ({_count(on_rank)} on this rank: tp{tp} pp{pp})"
+    if vocab and vocab != padded_vocab:
+        text += f", incl. vocab padding {vocab}→{padded_vocab}"
+    return text
 
 
 # config key → (the package it imports, what to tell the user when it is absent)
@@ -63,6 +151,14 @@ class MetricsLogger:
     that step. wandb writes under ``$WANDB_DIR`` if set, else under ``logging.dir``; with
     ``WANDB_MODE=offline`` it needs no account or network (``wandb sync`` uploads later).
     TensorBoard event files go to ``logging.dir/tensorboard``.
+
+    No line of an earlier run is lost: a fresh run (``resume_step`` 0) first renames an existing
+    ``metrics.jsonl`` and ``tensorboard/`` to ``metrics.jsonl.N`` and ``tensorboard.N`` (N one more
+    than any such suffix there: the numbers follow the order of the runs), so each file holds one
+    run. A resumed run appends; when the file has records past ``resume_step`` (logged after the
+    checkpoint it resumed from), the whole file is first kept as ``metrics.jsonl.N`` and
+    ``metrics.jsonl`` keeps only the records up to ``resume_step``, so it reads as one continuous
+    run; TensorBoard hides the same steps (``purge_step``; its old event files stay).
     """
 
     def __init__(self, cfg: Config, enabled: bool, resume_step: int = 0) -> None:
@@ -74,13 +170,7 @@ class MetricsLogger:
             return
         check_sinks(cfg)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step and self.path.exists():
-            # Drop records past the resume point so the file reads as one continuous run.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        elif self.path.exists():
-            self.path.unlink()
+        self._keep_earlier_runs(resume_step)
         if cfg.logging.wandb:
             try:
                 import wandb  # type: ignore[import-not-found]
@@ -103,6 +193,45 @@ class MetricsLogger:
             # On resume, TensorBoard drops the earlier run's events past the resume step, as metrics.jsonl does.
             self._tb = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"),
                                      purge_step=resume_step + 1 if resume_step else None)
+
+    def _keep_earlier_runs(self, resume_step: int) -> None:
+        """Rotate (fresh run) or trim a kept copy (resume with records past ``resume_step``); see the class doc."""
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()] if self.path.is_file() else []
+        tb = self.path.parent / "tensorboard"
+        if resume_step:
+            kept = [line for line in lines if self._step_of(line) <= resume_step]
+            if len(kept) < len(lines):
+                rotated = self.path.with_name(f"{self.path.name}.{self._next_suffix()}")
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(line + "\n" for line in kept))
+                shutil.copyfile(self.path, rotated)  # the whole file under its new name, then the trimmed one
+                tmp.replace(self.path)
+                log.info("metrics.jsonl: %d records past step %d moved aside, the full file kept as %s",
+                         len(lines) - len(kept), resume_step, rotated)
+            return
+        n = self._next_suffix()
+        if lines:
+            self.path.rename(self.path.with_name(f"{self.path.name}.{n}"))
+            log.info("metrics.jsonl of an earlier run kept as %s.%d", self.path.name, n)
+        elif self.path.exists():
+            self.path.unlink()  # empty: nothing to keep
+        if tb.is_dir() and any(tb.iterdir()):
+            tb.rename(tb.with_name(f"tensorboard.{n}"))
+
+    @staticmethod
+    def _step_of(line: str) -> float:
+        """The step of a metrics.jsonl line (inf when unreadable: e.g. cut short by a crash)."""
+        try:
+            step = json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):
+            return math.inf
+        return step if isinstance(step, (int, float)) else math.inf
+
+    def _next_suffix(self) -> int:
+        """One more than the largest N of metrics.jsonl.N / tensorboard.N in logging.dir (1 if none)."""
+        taken = [int(p.name.rsplit(".", 1)[1]) for p in self.path.parent.iterdir()
+                 if p.name.startswith((self.path.name + ".", "tensorboard.")) and p.name.rsplit(".", 1)[1].isdigit()]
+        return max(taken, default=0) + 1
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

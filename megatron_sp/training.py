@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             return exc.exit_code
         setup_logging(cfg.logging.level, rank)
         metrics_mod.check_sinks(cfg)  # a missing wandb/tensorboard: one line now, not a rank failing later
+        checkpointing.check_output_dir(cfg.logging.dir, "logging.dir")  # a file there: one line, not after training
+        if rank == 0:  # checkpoint.save: a file, in use by a run now, or another run's checkpoints: one line now
+            checkpointing.check_save_dir(cfg)
         if not torchrun:
             prepare_inputs(cfg)  # build the demo data once, check files, before any rank starts
             if cfg.checkpoint.load and not (cfg.checkpoint.auto_resume and cfg.checkpoint.save
@@ -95,12 +98,15 @@ def main(argv: list[str] | None = None) -> int:
                 checkpointing.read_meta(checkpointing.resolve(cfg.checkpoint.load))  # a bad path: one line now
             if cfg.parallel.world_size > 1:
                 return _launch_local(cfg, argv)
-        run(cfg)
+        # Global rank 0 locks checkpoint.save for the whole run (released on any exit) and checks it again
+        with checkpointing.claim_save_dir(cfg) if rank == 0 else contextlib.nullcontext():
+            run(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C: a first one saves (faults.Preemption), a second one lands here at once
+        if rank == 0:
+            print("interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
         return 130
     return 0
 
@@ -122,7 +128,8 @@ def _launch_local(cfg: Config, argv: list[str]) -> int:
     if not script:
         run_args.remove("-m")
         run_args.insert(run_args.index("megatron_sp.training"), "--module")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # our one line names the failure
+    for name in [n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # our one line names the failure (each sets its own level)
     started = time.time()
     try:
         torch_run.main(run_args)
@@ -134,26 +141,27 @@ def _launch_local(cfg: Config, argv: list[str]) -> int:
               + ("" if code < 0 else " (its message is above)"), file=sys.stderr)
         return code if code > 0 else 1
     except SignalException as exc:  # SIGTERM/SIGINT to this launcher: torchrun passed it on to the ranks
+        # (and gives them 30 s to save before SIGKILL; a second Ctrl-C reaches them as SIGTERM: abort)
         latest = Path(cfg.checkpoint.save) / "latest" if cfg.checkpoint.save else None
-        if exc.sigval == signal.SIGTERM and latest is not None and latest.is_file() \
+        if exc.sigval in (signal.SIGTERM, signal.SIGINT) and latest is not None and latest.is_file() \
                 and latest.stat().st_mtime >= started:
-            log.info("stopped by SIGTERM; the ranks saved %s", checkpointing.resolve(latest.parent))
-            return 0
+            log.info("stopped by %s; the ranks saved %s", exc.sigval.name, checkpointing.resolve(latest.parent))
+            return 0 if exc.sigval == signal.SIGTERM else 130
         print(f"error: stopped by signal {signal.Signals(exc.sigval).name} without a new checkpoint"
-              + ("" if cfg.checkpoint.save else " (set checkpoint.save to save one on SIGTERM)"), file=sys.stderr)
+              + ("" if cfg.checkpoint.save else " (set checkpoint.save to save one on SIGTERM or Ctrl-C)"),
+              file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
 
 
 def prepare_inputs(cfg: Config) -> Any:
     """Build the demo data if asked and absent; load the tokenizer and derive the vocab sizes; open the dataset."""
-    from .data import build_tokenizer, ensure_demo_data, open_dataset, parse_blend
+    from .data import build_tokenizer, check_inputs, ensure_demo_data
     if cfg.data.build_demo:
         ensure_demo_data(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
     config_mod.set_vocab(cfg, tokenizer.vocab_size)
-    for prefix in parse_blend(cfg.data.paths)[0]:  # every dataset of a blend
-        open_dataset(prefix)  # a missing, malformed or empty .bin/.idx is one line here, before any rank starts
+    check_inputs(cfg)  # a missing, malformed or empty .bin/.idx, or too many samples: one line, before any rank starts
     return tokenizer
 
 
@@ -177,6 +185,7 @@ class Runtime:
     skipped_steps: int = 0
     pipeline_costs: dict[str, float] | None = None  # zero-bubble: the last step's agreed action costs
     train_loader: Any = None  # data.loader.BatchLoader reading ahead from consumed_samples (next_train_batch)
+    lineage: checkpointing.Lineage | None = None  # which checkpoints are this run's history (set by setup)
 
 
 def setup(cfg: Config) -> Runtime:
@@ -241,12 +250,11 @@ def setup(cfg: Config) -> Runtime:
         train_ds, valid_ds = build_datasets(cfg, tokenizer, n_train, n_valid)
 
     rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds, scaler)
-    load_from = cfg.checkpoint.load
-    if cfg.checkpoint.auto_resume and (Path(cfg.checkpoint.save) / "latest").is_file():  # type: ignore[arg-type]
-        load_from = cfg.checkpoint.save
-        log.info("checkpoint.auto_resume: resuming from %s", checkpointing.resolve(load_from))
-    if load_from:
-        ckpt = checkpointing.resolve(load_from)
+    ckpt = checkpointing.resume_source(cfg)  # auto_resume: checkpoint.save's latest if any, else checkpoint.load
+    meta = None
+    if ckpt is not None:
+        if cfg.checkpoint.auto_resume and (Path(cfg.checkpoint.save) / "latest").is_file():  # type: ignore[arg-type]
+            log.info("checkpoint.auto_resume: resuming from %s", ckpt)
         meta = checkpointing.load(ckpt, model, optimizer, state, dev, cfg.train.seed, tracker,
                                   layout=checkpointing.layout_of(cfg))
         rt.step, rt.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
@@ -254,6 +262,7 @@ def setup(cfg: Config) -> Runtime:
         if scaler.enabled and "loss_scaler" in meta:
             scaler.load_state_dict(meta["loss_scaler"])
         log.info("resumed from %s at step %d", ckpt, rt.step)
+    rt.lineage = checkpointing.Lineage.start(meta, ckpt, cfg.checkpoint.save)
     return rt
 
 
@@ -425,62 +434,78 @@ def run(cfg: Config) -> Runtime:
     return rt
 
 
-def peak_flops_total(rt: Runtime) -> float:
+def peak_flops_total(rt: Runtime) -> metrics_mod.Peak:
     """The MFU denominator: peak FLOP/s of all devices of the run (0 when unknown on GPU).
 
     A device is one GPU, or on CPU one host's cores. On CPU without ``logging.peak_tflops`` local
-    rank 0 of each host measures while the others wait at a barrier, so no rank disturbs it.
+    rank 0 of each host measures while the others wait at a barrier, so no rank disturbs it, and
+    the peak is the best this host has shown for the dtype (``device.cpu_peak_flops``). A rate the
+    run achieves above it raises it (rank 0 caches the new per-host rate); see ``metrics.Peak``.
     """
     cfg, st = rt.cfg, rt.state
     world = st.dims.world_size
     hosts = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     n_devices = world if rt.device.type == "cuda" else hosts
+    rank0 = st.rank == 0  # only rank 0 logs metrics: it alone warns and updates the cache
     if cfg.logging.peak_tflops:
-        return cfg.logging.peak_tflops * 1e12 * n_devices
+        return metrics_mod.Peak(cfg.logging.peak_tflops * 1e12 * n_devices, given=True, warn=rank0)
     if rt.device.type == "cuda":
         log.info("MFU is not reported: set logging.peak_tflops to the GPU's peak for %s", cfg.train.precision)
-        return 0.0
+        return metrics_mod.Peak(0.0)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     dist.barrier()
-    measured = device_mod.measured_peak_flops(dtype) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else 0.0
-    per_host = torch.tensor([measured], dtype=torch.float64)
+    t0 = time.perf_counter()
+    best, now = device_mod.cpu_peak_flops(dtype) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (0.0, 0.0)
+    per_host = torch.tensor([best, now], dtype=torch.float64)
     dist.all_reduce(per_host, op=dist.ReduceOp.MAX)
-    log.info("measured CPU peak: %.1f GFLOP/s %s per host (MFU denominator)", per_host.item() / 1e9, cfg.train.precision)
-    return per_host.item() * n_devices
+    best, now = per_host.tolist()
+    log.info("CPU peak: %.1f GFLOP/s %s per host, the best seen on this host (measured now: %.1f GFLOP/s in %.1f s; "
+             "cache %s): the MFU denominator", best / 1e9, cfg.train.precision, now / 1e9, time.perf_counter() - t0,
+             device_mod.peak_cache_path())
+
+    def on_raise(total: float) -> None:
+        device_mod.record_peak_flops(dtype, total / n_devices)
+
+    return metrics_mod.Peak(best * n_devices, on_raise=on_raise if rank0 else None, warn=rank0)
 
 
 def _loop(rt: Runtime) -> None:
-    from .model import flops_per_token, generate
+    from .model import count_parameters, flops_per_token, generate
 
     cfg, st = rt.cfg, rt.state
     rank0 = st.rank == 0
     metrics = metrics_mod.MetricsLogger(cfg, enabled=rank0, resume_step=rt.step)
     inner = getattr(rt.model, "module", rt.model)
-    n_params = comm.all_reduce(torch.tensor(float(sum(p.numel() for p in inner.parameters()) if st.tp_rank == 0 else 0)),
-                               st.mp_group).item()  # every stage, each TP shard counted once
+    # The whole model from the config (every TP shard and PP stage), and what this rank holds.
+    params = metrics_mod.parameter_summary(count_parameters(cfg.model, exclude_embeddings=False),
+                                           inner.num_parameters(), st.tp_size, st.pp_size, cfg.model.vocab_size,
+                                           cfg.model.padded_vocab_size)  # type: ignore[arg-type]
     peak = peak_flops_total(rt)
     fpt = flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # type: ignore[operator]
-    log.info("model: %s, %.2fM parameters; layout tp%d pp%d cp%d dp%d (world %d, %s/%s); global batch %d × %d tokens, "
-             "%d micro-batches per rank", cfg.model.arch, n_params / 1e6, st.tp_size, st.pp_size, st.cp_size,
+    log.info("model: %s, %s; layout tp%d pp%d cp%d dp%d (world %d, %s/%s); global batch %d × %d tokens, "
+             "%d micro-batches per rank", cfg.model.arch, params, st.tp_size, st.pp_size, st.cp_size,
              st.dp_size, st.dims.world_size, cfg.parallel.device, cfg.parallel.backend, cfg.train.global_batch_size,
              cfg.model.seq_length, cfg.train.grad_accum_steps)
     window: list[dict[str, float]] = []
     t_window = time.perf_counter()
-    t_start, start_step = t_window, rt.step
+    start_step = rt.step
+    step_seconds: list[float] = []  # the last steps' training time, for the ETA (metrics.eta_seconds)
     paused = 0.0  # seconds of validation and checkpointing inside the current window (not training)
-    saver = checkpointing.Checkpointer(cfg, st, rt.device)
+    saver = checkpointing.Checkpointer(cfg, st, rt.device, rt.lineage)
     preemption = faults.Preemption(enabled=bool(cfg.checkpoint.save))
     while rt.step < cfg.train.iters:
+        t_step = time.perf_counter()
         out = train_step(rt)
         saver.poll()  # finishes an asynchronous save once every rank has written its part
+        if rt.step > start_step + 1:  # the first step's time includes warm-up
+            step_seconds = [*step_seconds, time.perf_counter() - t_step][-metrics_mod.ETA_STEPS:]
         window.append(out)
         done = rt.step == cfg.train.iters
         if rt.step % cfg.logging.interval == 0 or done:
             device_mod.synchronize(rt.device)
             now = time.perf_counter()
             tp = metrics_mod.throughput(tokens_per_step * len(window), now - t_window - paused, fpt, peak)
-            rate = (rt.step - start_step) / max(now - t_start, 1e-9)
             record = {"step": rt.step, "loss": float(np.mean([w["loss"] for w in window])), "lr": out["lr"],
                       "grad_norm": out["grad_norm"], "tokens_per_s": tp["tokens_per_s"], "tflops": tp["tflops"],
                       "mfu": tp["mfu"], "memory_bytes": device_mod.memory_bytes(rt.device),
@@ -491,7 +516,7 @@ def _loop(rt: Runtime) -> None:
             metrics.write(record)
             log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | MFU %.1f%% | ETA %s",
                      rt.step, cfg.train.iters, record["loss"], out["lr"], out["grad_norm"], tp["tokens_per_s"],
-                     100 * tp["mfu"], metrics_mod.format_eta((cfg.train.iters - rt.step) / max(rate, 1e-9)))
+                     100 * tp["mfu"], metrics_mod.format_eta(metrics_mod.eta_seconds(step_seconds, cfg.train.iters - rt.step)))
             window, t_window, paused = [], time.perf_counter(), 0.0
         t_pause = time.perf_counter()
         if cfg.train.eval_interval and (rt.step % cfg.train.eval_interval == 0 or done) and rt.valid_ds is not None \
@@ -503,7 +528,7 @@ def _loop(rt: Runtime) -> None:
         if cfg.checkpoint.save and ((cfg.checkpoint.interval and rt.step % cfg.checkpoint.interval == 0)
                                     or (done and cfg.checkpoint.save_at_end) or preempted):
             if preempted:
-                log.warning("SIGTERM: saving a checkpoint at step %d, then exiting", rt.step)
+                log.warning("%s: saving a checkpoint at step %d, then exiting", preemption.signal_name, rt.step)
             saver.save(rt.step, rt.consumed_samples, rt.model, rt.optimizer, get_tracker(),
                        extra={"skipped_steps": rt.skipped_steps, "loss_scaler": rt.scaler.state_dict()},
                        asynchronous=False if preempted else None)
@@ -511,6 +536,7 @@ def _loop(rt: Runtime) -> None:
         if preempted:
             saver.wait()
             metrics.close()
+            preemption.finish(rt.step)  # SIGINT: KeyboardInterrupt, exit code 130
             return
     saver.wait()
     metrics.close()

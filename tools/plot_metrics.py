@@ -8,7 +8,10 @@ Panels, each against the step: training loss (validation loss dashed, when the f
 tokens/s, and with ``--mfu`` the model FLOPs utilisation. Every input is one line per panel,
 labelled by its run directory (the file's folder; a trailing ``log``/``logs`` folder is skipped,
 and more of the path is shown when two labels would be equal). An input may also be the run
-directory itself. The format follows the output's suffix (.png, .svg, .pdf).
+directory itself. Each file holds one run: train.py keeps an earlier run's file in the same
+directory as ``metrics.jsonl.1``, ``.2``, … (labelled ``dir/metrics.jsonl.1``), so
+``plot_metrics.py runs/a/metrics.jsonl.1 runs/a`` compares the earlier run with the latest. The
+format follows the output's suffix (.png, .svg, .pdf).
 
 Needs matplotlib (``pip install matplotlib``, also in the ``logging`` extra). A missing, empty or
 malformed metrics file prints one ``error:`` line and exits non-zero.
@@ -90,18 +93,20 @@ def read_metrics(path: str | Path) -> Run:
 
 
 def labels_for(paths: list[Path]) -> list[str]:
-    """Each file's run directory, as short as keeps the labels distinct."""
-    dirs = []
+    """Each file's run directory (plus the file name when it is not metrics.jsonl, e.g. an earlier run's
+    metrics.jsonl.1), as short as keeps the labels distinct."""
+    dirs, names = [], []
     for path in paths:
         parts = list(path.resolve().parent.parts)
         if len(parts) > 1 and parts[-1] in ("log", "logs"):
             parts.pop()
         dirs.append(parts)
+        names.append("" if path.name == "metrics.jsonl" else f"/{path.name}")
     for depth in range(1, max(len(d) for d in dirs) + 1):
-        labels = ["/".join(d[-depth:]) for d in dirs]
+        labels = ["/".join(d[-depth:]) + name for d, name in zip(dirs, names)]
         if len(set(labels)) == len(labels):
             return labels
-    return [f"{'/'.join(d[-2:])} ({i + 1})" for i, d in enumerate(dirs)]  # the same file given twice
+    return [f"{'/'.join(d[-2:])}{name} ({i + 1})" for i, (d, name) in enumerate(zip(dirs, names))]  # a file twice
 
 
 def _import_pyplot() -> Any:

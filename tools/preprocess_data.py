@@ -8,6 +8,8 @@
 The flags follow Megatron-LM's tools/preprocess_data.py; the output files are byte-compatible
 with megatron-core's IndexedDataset (uint16 tokens below 65500 ids, else int32). Each JSON line
 becomes one document; --split-sentences writes one sequence per sentence (PREFIX_{key}_sentence).
+Existing outputs are never replaced unless --overwrite is given; the outputs appear (renamed from
+temporary names) only when all of them are complete, so a failed run leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout witho
 from megatron_sp.config.schema import TokenizerConfig
 from megatron_sp.data.preprocess import preprocess_jsonl
 from megatron_sp.data.tokenizer import build_tokenizer
-from megatron_sp.errors import UserError
+from megatron_sp.errors import OneLineArgumentParser, UserError
 
 TOKENIZER_TYPES = {
     "SentencePieceTokenizer": "sentencepiece",
@@ -36,7 +38,7 @@ TOKENIZER_TYPES = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, metavar="JSONL",
                         help="JSONL file(s), plain or .gz, one JSON object (document) per line.")
     parser.add_argument("--output-prefix", required=True,
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "outputs are named OUTPUT_PREFIX_{key}_sentence. A rule-based splitter (no NLTK).")
     parser.add_argument("--workers", type=int, default=1,
                         help="Tokenizer processes; the output does not depend on it (default: %(default)s).")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Replace existing OUTPUT_PREFIX_{key}_{level}.bin/.idx files (refused by default).")
     parser.add_argument("--log-interval", type=int, default=1000,
                         help="Log progress (documents, docs/s, MB/s) every this many documents "
                              "(default: %(default)s; 0: only the summary).")
@@ -68,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if TOKENIZER_TYPES[args.tokenizer_type] in ("sentencepiece", "hf") and not args.tokenizer_model:
         parser.error(f"--tokenizer-model is required with --tokenizer-type {args.tokenizer_type}")
     if args.workers < 1:
-        parser.error(f"--workers must be at least 1, got {args.workers}")
+        parser.error(f"--workers must be at least 1 (the number of tokenizer processes), got {args.workers}; "
+                     "use --workers 1 to tokenize in this process")
     if args.log_interval < 0:
         parser.error(f"--log-interval must be >= 0, got {args.log_interval}")
     return args
@@ -82,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     model=args.tokenizer_model, eod_token=args.eod_token))
         stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
                                  append_eod=args.append_eod, workers=args.workers,
-                                 split_sentences=args.split_sentences, log_interval=args.log_interval)
+                                 split_sentences=args.split_sentences, log_interval=args.log_interval,
+                                 overwrite=args.overwrite)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

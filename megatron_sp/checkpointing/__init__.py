@@ -30,13 +30,34 @@ memory) and a thread writes the file while training continues; ``Checkpointer.po
 step agrees over the world whether every rank is done (one tiny all-reduce while a save is in
 flight) and then finalises (index, rename, ``latest``, ``keep``). The next save, the end of
 training and a preemption wait for it.
+
+Ownership (nothing the user did not ask for is overwritten or deleted): every run has a random
+``run_id``; meta.json records it and the ``lineage`` ``[[run_id, start step], ...]`` (fresh run:
+``[[id, 0]]``; resumed: the loaded checkpoint's lineage + ``[id, its step]``). A checkpoint is in a
+run's *history* if this run wrote it, or an earlier run of its lineage did at a step ≤ the step the
+next run of the lineage started from. Unless ``checkpoint.overwrite``, ``check_save_dir`` refuses
+before training a save directory holding ``iter_*`` when the run does not resume from a checkpoint
+in it, and a resume whose planned saves (interval, end) would replace a checkpoint outside its
+history (a rollback's abandoned later steps); a save that still would (SIGTERM/SIGINT at such a
+step) fails on every rank before writing. ``keep`` deletes only the older checkpoints of the run's
+history beyond the newest ``keep``, never the one ``latest`` names (written first) nor the one the
+run loaded; other runs' checkpoints (pre-run-id ones too) are never deleted, even with
+``overwrite``, which only lets the run replace the step directories it saves. Global rank 0 holds
+an ``fcntl`` lock on ``SAVE_DIR/.lock`` for the whole run (``claim_save_dir``): a second run is refused.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
+import os
 import shutil
+import socket
 import threading
+import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +68,7 @@ from torch import nn
 
 from .. import device as device_mod
 from ..config import Config, to_dict
-from ..errors import DataError, TrainingError
+from ..errors import ConfigError, DataError, TrainingError
 from ..mpu import ParallelState
 from ..mpu.random import RNGTracker
 from ..mpu.sharding import is_sharded, is_tied_copy, stored_name, stored_shape
@@ -67,6 +88,212 @@ def step_dir(step: int) -> str:
 def layout_of(cfg: Config) -> dict[str, int]:
     p = cfg.parallel
     return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": int(p.dp or 1), "virtual_stages": p.virtual_stages}
+
+
+# ------------------------------------------------------------------------------------- ownership
+
+LOCK_FILE = ".lock"
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The history a run continues: ``runs`` = ((run id, start step), ...), oldest first, this run last.
+
+    ``loaded``: the name of the checkpoint directory this run resumed from when it lies in
+    ``checkpoint.save`` (``keep`` never deletes it). Only global rank 0 uses it (meta.json, ``keep``,
+    the refusal of a foreign step directory).
+    """
+
+    runs: tuple[tuple[str, int], ...]
+    loaded: str | None = None
+
+    @classmethod
+    def start(cls, meta: dict[str, Any] | None = None, ckpt: Path | None = None,
+              save: str | Path | None = None) -> Lineage:
+        """A new run's lineage: fresh, or continuing the checkpoint ``ckpt`` (with ``meta``) it loaded."""
+        run_id = uuid.uuid4().hex
+        if meta is None:
+            return cls(((run_id, 0),))
+        loaded = ckpt.name if ckpt is not None and save and _same_dir(ckpt.parent, Path(save)) else None
+        return cls((*lineage_of(meta), (run_id, int(meta["step"]))), loaded)
+
+    @property
+    def run_id(self) -> str:
+        return self.runs[-1][0]
+
+    def holds(self, meta: dict[str, Any]) -> bool:
+        """Is the checkpoint of ``meta`` part of this run's history (this run's, or an ancestor's up to its branch point)?"""
+        run_id, step = meta.get("run_id"), meta.get("step")
+        for i, (rid, _) in enumerate(self.runs):
+            if rid == run_id:
+                return i == len(self.runs) - 1 or (isinstance(step, int) and step <= self.runs[i + 1][1])
+        return False
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "lineage": [[rid, start] for rid, start in self.runs]}
+
+
+def lineage_of(meta: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """The ``lineage`` a checkpoint's meta.json records (() for one written before run ids, or converted)."""
+    runs = meta.get("lineage")
+    if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str)
+                                             and isinstance(r[1], int) for r in runs):
+        return ()
+    return tuple((r[0], r[1]) for r in runs)
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
+def _peek_meta(ckpt: Path) -> dict[str, Any] | None:
+    """meta.json of a checkpoint directory, or None when it is missing or unreadable (no checks)."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _step_of(name: str) -> int | None:
+    try:
+        return int(name[len("iter_"):])
+    except ValueError:
+        return None
+
+
+def _names(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" … ({len(names)} in all)" if len(names) > most else "")
+
+
+def check_output_dir(path: str | Path, key: str) -> None:
+    """Refuse (one ``ConfigError`` naming ``key``) a directory path that is, or lies under, a regular file,
+    or whose nearest existing folder is not writable."""
+    target = Path(path)
+    probe = target
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "is a file" if probe == target else f"lies under the file '{probe}'"
+        raise ConfigError(f"{key} '{target}' {where}, not a directory; point {key} at a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} '{target}': '{probe}' is not writable; choose a directory you can write to")
+
+
+def resume_source(cfg: Config) -> Path | None:
+    """The checkpoint a run starts from: checkpoint.save's ``latest`` under auto_resume when it exists,
+    else checkpoint.load's; None for a fresh run."""
+    c = cfg.checkpoint
+    if c.auto_resume and c.save and (Path(c.save) / "latest").is_file():
+        return resolve(c.save)
+    return resolve(c.load) if c.load else None
+
+
+def _saves(cfg: Config, step: int) -> bool:
+    """Does the run plan to save ``step`` (interval or end of training; preemption saves are not planned)?"""
+    c, iters = cfg.checkpoint, cfg.train.iters
+    return step <= iters and bool((c.interval and step % c.interval == 0) or (c.save_at_end and step == iters))
+
+
+def check_save_dir(cfg: Config, lock: SaveDirLock | None = None) -> None:
+    """Refuse, before training, a ``checkpoint.save`` this run may not write into (one ``ConfigError``).
+
+    A path that is a file; a directory another run has locked (skipped when ``lock`` is ours); one
+    holding checkpoints the run does not resume from; a resume that would save a step directory
+    outside its history. ``checkpoint.overwrite`` lifts the last two (see the module docstring).
+    """
+    c = cfg.checkpoint
+    if not c.save:
+        return
+    root = Path(c.save)
+    check_output_dir(root, "checkpoint.save")
+    if lock is None:
+        SaveDirLock.check(root)
+    existing = sorted(p.name for p in root.glob("iter_*") if p.is_dir()) if root.is_dir() else []
+    if not existing or c.overwrite:
+        return
+    source = resume_source(cfg)
+    if source is None:
+        hint = f"checkpoint.load={root} (or checkpoint.auto_resume=true)" if (root / "latest").is_file() \
+            else f"checkpoint.load={root / existing[-1]}"
+        raise ConfigError(f"checkpoint.save '{root}' holds checkpoints of another run ({_names(existing)}); resume "
+                          f"with {hint}, choose another directory, or set checkpoint.overwrite=true")
+    if not _same_dir(source.parent, root):
+        raise ConfigError(f"checkpoint.save '{root}' holds checkpoints ({_names(existing)}) that checkpoint.load "
+                          f"'{c.load}' does not continue; choose another checkpoint.save, resume from a checkpoint "
+                          "in it, or set checkpoint.overwrite=true")
+    start = int(read_meta(source)["step"])
+    clash = [n for n in existing if (s := _step_of(n)) is not None and s > start and _saves(cfg, s)]
+    if clash:
+        raise ConfigError(f"checkpoint.save '{root}': this run resumes from {source.name} and would save "
+                          f"{_names(clash)} again, replacing checkpoints of another branch (later steps it does not "
+                          "continue); set checkpoint.overwrite=true to replace them, or choose another checkpoint.save")
+
+
+class SaveDirLock:
+    """Exclusive use of a save directory: a non-blocking ``fcntl.flock`` on ``SAVE_DIR/.lock``, which
+    records the holder (pid, host, time). Released on ``release``/exit of the ``with`` block, or by the
+    kernel when the process ends however it ends. The file stays (deleting a lock file races)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.fd: int | None = None
+
+    def acquire(self) -> SaveDirLock:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise self._refusal(holder) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                  .encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor releases the flock
+            self.fd = None
+
+    def __enter__(self) -> SaveDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _refusal(self, holder: str) -> ConfigError:
+        return ConfigError(f"checkpoint.save '{self.root}' is in use by another run ({holder or 'holder unknown'}, "
+                           f"lock file {self.root / LOCK_FILE}); wait for it to end or choose another checkpoint.save")
+
+    @classmethod
+    def check(cls, root: str | Path) -> None:
+        """Raise the refusal if another process holds the lock now; creates nothing."""
+        lock = cls(root)
+        try:
+            fd = os.open(lock.root / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return  # no lock file: nobody holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise lock._refusal(os.pread(fd, 200, 0).decode(errors="replace").strip()) from None
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def claim_save_dir(cfg: Config) -> Iterator[None]:
+    """Global rank 0, around the whole run: lock ``checkpoint.save`` and check it again under the lock."""
+    if not cfg.checkpoint.save:
+        yield
+        return
+    with SaveDirLock(cfg.checkpoint.save) as lock:
+        check_save_dir(cfg, lock)
+        yield
 
 
 # ------------------------------------------------------------------------------------------ save
@@ -125,11 +352,16 @@ class _Pending:
 
 
 class Checkpointer:
-    """Writes the checkpoints of one run (every rank holds one; ``save``/``poll``/``wait`` are collective)."""
+    """Writes the checkpoints of one run (every rank holds one; ``save``/``poll``/``wait`` are collective).
 
-    def __init__(self, cfg: Config, state: ParallelState | None, dev: torch.device) -> None:
+    ``lineage``: the run's history (``Lineage.start`` from the checkpoint it loaded); None: a fresh run.
+    """
+
+    def __init__(self, cfg: Config, state: ParallelState | None, dev: torch.device,
+                 lineage: Lineage | None = None) -> None:
         self.cfg, self.state, self.dev = cfg, state, dev
         self.rank, self.world = (state.rank, state.dims.world_size) if state is not None else (0, 1)
+        self.lineage = lineage if lineage is not None else Lineage.start()
         self.pending: _Pending | None = None
 
     def _barrier(self) -> None:
@@ -144,11 +376,14 @@ class Checkpointer:
         asynchronous = self.cfg.checkpoint.async_save if asynchronous is None else asynchronous
         root = Path(self.cfg.checkpoint.save)  # type: ignore[arg-type]
         final, tmp = root / step_dir(step), root / f".tmp_{step_dir(step)}"
-        if self.rank == 0:
+        refusal = self._foreign(final) if self.rank == 0 else None
+        if self.rank == 0 and refusal is None:
             if tmp.exists():
-                shutil.rmtree(tmp)
+                shutil.rmtree(tmp)  # a crashed save of this step (the lock keeps other runs out)
             (tmp / store.SHARDS).mkdir(parents=True)
-        self._barrier()
+        refusal = self._from_rank0(refusal)  # also the barrier: nobody writes before tmp exists
+        if refusal:
+            raise TrainingError(refusal)
         boxes, tensors = rank_boxes(model, optimizer, self.state)
         file = store.rank_file(self.rank)
         mine = (store.entries_of(boxes, file), tensors)
@@ -165,7 +400,7 @@ class Checkpointer:
                                       [store.rank_file(r) for r in range(self.world)])
         meta = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
                 "world_size": self.world, "layout": layout_of(self.cfg), "optimizer_step": optimizer.step_count,
-                "config": to_dict(self.cfg), **(extra or {})}
+                "config": to_dict(self.cfg), **self.lineage.to_meta(), **(extra or {})}
         job = _Pending(step, tmp, final, meta, index)
         rng = _rng_tensors(self.dev, tracker)
 
@@ -183,6 +418,23 @@ class Checkpointer:
             write()
             self.wait()
         return final
+
+    def _foreign(self, final: Path) -> str | None:
+        """Why ``final`` may not be replaced (it holds another run's checkpoint), or None."""
+        if self.cfg.checkpoint.overwrite or not final.exists():
+            return None
+        meta = _peek_meta(final)
+        if meta is not None and meta.get("run_id") == self.lineage.run_id:
+            return None  # this run saving the same step again
+        return (f"checkpoint of step {_step_of(final.name)} not saved: '{final}' holds a checkpoint of another run, "
+                "not in this run's history; move it away or set checkpoint.overwrite=true to replace it")
+
+    def _from_rank0(self, value: str | None) -> str | None:
+        if self.world > 1:
+            box = [value]
+            dist.broadcast_object_list(box, src=0)
+            value = box[0]
+        return value
 
     def poll(self) -> bool:
         """Finish an asynchronous save if every rank has written its file; True when none is in flight.
@@ -219,13 +471,13 @@ class Checkpointer:
             assert job.index is not None
             store.finish_index(job.index, job.tmp)
             (job.tmp / "meta.json").write_text(json.dumps(job.meta, indent=1))
-            _publish(job.tmp, job.final, self.cfg.checkpoint.keep)
+            _publish(job.tmp, job.final, self.cfg.checkpoint.keep, self.lineage)
             log.info("saved checkpoint %s", job.final)
         self._barrier()
 
 
-def _publish(tmp: Path, final: Path, keep: int) -> None:
-    """Rename the complete ``tmp`` to ``final``, point ``latest`` at it, prune to ``keep``."""
+def _publish(tmp: Path, final: Path, keep: int, lineage: Lineage) -> None:
+    """Rename the complete ``tmp`` to ``final``, point ``latest`` at it, then prune ``lineage``'s history to ``keep``."""
     root = final.parent
     old = root / f".old_{final.name}"
     if final.exists():  # saving a step again (e.g. after a resume): move the old copy aside, delete it last
@@ -239,20 +491,24 @@ def _publish(tmp: Path, final: Path, keep: int) -> None:
     if old.exists():
         shutil.rmtree(old)
     if keep > 0:
-        for stale in sorted(p for p in root.glob("iter_*") if p.is_dir())[:-keep]:
-            shutil.rmtree(stale)
+        history = sorted((m["step"], p.name) for p in root.glob("iter_*") if p.is_dir()
+                         and (m := _peek_meta(p)) is not None and isinstance(m.get("step"), int) and lineage.holds(m))
+        for _, name in history[:-keep]:
+            if name not in (final.name, lineage.loaded):  # never what `latest` names, nor the resume source
+                shutil.rmtree(root / name)
 
 
 def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
          state: ParallelState | None, dev: torch.device, tracker: RNGTracker | None = None,
-         extra: dict[str, Any] | None = None) -> Path:
+         extra: dict[str, Any] | None = None, lineage: Lineage | None = None) -> Path:
     """Collectively write the checkpoint of ``step`` and return its directory (synchronous).
 
     ``state`` None: a single process without process groups. ``extra``: more JSON-able training
-    state for meta.json (skipped steps, the fp16 loss scaler).
+    state for meta.json (skipped steps, the fp16 loss scaler). ``lineage``: the run's (None: each
+    call is a fresh run of its own, which may not replace another call's step directory).
     """
-    return Checkpointer(cfg, state, dev).save(step, consumed_samples, model, optimizer, tracker, extra,
-                                              asynchronous=False)
+    return Checkpointer(cfg, state, dev, lineage).save(step, consumed_samples, model, optimizer, tracker, extra,
+                                                       asynchronous=False)
 
 
 def write_weights(ckpt: Path, meta: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:

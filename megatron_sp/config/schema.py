@@ -182,6 +182,10 @@ class CheckpointConfig:
     auto_resume: bool = doc(False, "Resume from checkpoint.save's 'latest' when it exists (else from "
                                    "checkpoint.load, else from scratch): a restarted job (torchrun --max-restarts, "
                                    "a requeued Slurm job) continues where it stopped.")
+    overwrite: bool = doc(False, "Let this run save into a checkpoint.save directory that holds checkpoints it does "
+                                 "not resume from (another run's, or a rollback's later steps), replacing the step "
+                                 "directories it saves; the others stay and keep never deletes them. Off: such a "
+                                 "run is refused at start-up.")
 
 
 @dataclass

@@ -41,7 +41,7 @@ def parse_split(split: str) -> list[float]:
         ratios = [float(part) for part in split.replace("/", ",").split(",") if part.strip()]
     except ValueError:
         raise ConfigError(f"data.split: '{split}' must be comma-separated ratios like 98,2,0") from None
-    if not 1 <= len(ratios) <= 3 or any(r < 0 for r in ratios) or sum(ratios) <= 0:
+    if not 1 <= len(ratios) <= 3 or not all(0 <= r < float("inf") for r in ratios) or sum(ratios) <= 0:
         raise ConfigError(f"data.split: '{split}' must be 1 to 3 non-negative ratios with a positive sum, like 98,2,0")
     ratios += [0.0] * (3 - len(ratios))
     total = sum(ratios)

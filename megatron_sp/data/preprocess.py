@@ -12,6 +12,11 @@ At scale: the input is read in chunks of about ``chunk_bytes`` bytes of whole li
 and returns each chunk as one flat token array plus lengths, which the writer appends with one
 write. Chunks come back in input order, so the output does not depend on ``workers``. Progress is
 logged every ``log_interval`` documents with docs/s and MB/s.
+
+Outputs: every dataset is written under a temporary prefix and all of them are renamed into place
+(``.bin`` then ``.idx``) only once every one is complete, so a failure leaves no partial files and
+never touches existing ones. With ``overwrite=False`` (``tools/preprocess_data.py`` without
+``--overwrite``) an existing ``.bin`` or ``.idx`` of any output is refused before anything is read.
 """
 from __future__ import annotations
 
@@ -19,8 +24,10 @@ import contextlib
 import gzip
 import logging
 import multiprocessing
+import os
 import re
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -29,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from megatron_sp.data.corpus import check_input_files, parse_jsonl_line
-from megatron_sp.data.indexed import IndexedDatasetWriter, best_dtype
+from megatron_sp.data.indexed import IndexedDatasetWriter, best_dtype, data_file_paths
 from megatron_sp.data.tokenizer import Tokenizer
 from megatron_sp.errors import DataError
 
@@ -163,21 +170,31 @@ def _ordered(pool: Any, chunks: Iterable[_Chunk], in_flight: int) -> Iterator[_C
 def preprocess_jsonl(input_paths: Sequence[str | Path], output_prefix: str | Path, tokenizer: Tokenizer,
                      json_keys: Sequence[str] = ("text",), append_eod: bool = True, workers: int = 1,
                      *, split_sentences: bool = False, chunk_bytes: int = 1 << 16,
-                     log_interval: int = 1000) -> dict[str, Any]:
+                     log_interval: int = 1000, overwrite: bool = True) -> dict[str, Any]:
     """Tokenize JSONL files (plain or ``.gz``) into ``{output_prefix}_{key}_{document|sentence}.bin/.idx``.
 
     Returns stats: ``docs``, ``tokens`` (all keys, EODs included), ``bytes`` (input read),
-    ``seconds`` and ``outputs`` (the dataset prefixes written).
+    ``seconds`` and ``outputs`` (the dataset prefixes written). ``overwrite=False``: an existing
+    output file is a ``DataError`` (nothing is read or written).
     """
     level = "sentence" if split_sentences else "document"
     prefixes = {key: output_prefix_for(output_prefix, key, level) for key in json_keys}
     return tokenize_jsonl_to(input_paths, prefixes, tokenizer, append_eod=append_eod, workers=workers,
-                             split_sentences=split_sentences, chunk_bytes=chunk_bytes, log_interval=log_interval)
+                             split_sentences=split_sentences, chunk_bytes=chunk_bytes, log_interval=log_interval,
+                             overwrite=overwrite)
+
+
+def _refuse_existing(prefixes: Iterable[str | Path]) -> None:
+    existing = [p for prefix in prefixes for p in data_file_paths(prefix) if p.exists()]
+    if existing:
+        raise DataError(f"output '{existing[0]}' already exists ({existing[0].stat().st_size} bytes"
+                        + (f"; {len(existing) - 1} more output file(s) too" if len(existing) > 1 else "")
+                        + "); pass --overwrite to replace it, or choose another --output-prefix")
 
 
 def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str | Path], tokenizer: Tokenizer,
                       *, append_eod: bool = True, workers: int = 1, split_sentences: bool = False,
-                      chunk_bytes: int = 1 << 16, log_interval: int = 1000) -> dict[str, Any]:
+                      chunk_bytes: int = 1 << 16, log_interval: int = 1000, overwrite: bool = True) -> dict[str, Any]:
     """Like ``preprocess_jsonl`` with an explicit dataset prefix per JSON key (``{key: prefix}``).
 
     An input without documents raises ``DataError`` and writes nothing.
@@ -188,6 +205,30 @@ def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str
         raise ValueError(f"workers must be >= 1, got {workers}")
     paths = [Path(p) for p in input_paths]
     check_input_files(paths, next(iter(prefixes)))  # fail before starting workers or creating outputs
+    if not overwrite:
+        _refuse_existing(prefixes.values())
+    tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staged = {key: f"{prefix}{tag}" for key, prefix in prefixes.items()}  # complete datasets, renamed at the end
+    try:
+        stats = _tokenize(paths, staged, tokenizer, append_eod, workers, split_sentences, chunk_bytes, log_interval)
+        if not overwrite:
+            _refuse_existing(prefixes.values())  # created meanwhile: still never replaced
+        for key, prefix in prefixes.items():
+            for tmp, final in zip(data_file_paths(staged[key]), data_file_paths(prefix), strict=True):
+                os.replace(tmp, final)  # .bin first, .idx last (a reader checks the pair)
+    finally:
+        for prefix in staged.values():
+            for tmp in data_file_paths(prefix):
+                tmp.unlink(missing_ok=True)
+    outputs = [str(p) for p in prefixes.values()]
+    log.info("tokenized %d documents, %d tokens (%.2f MB) into %s in %.1f s", stats["docs"], stats["tokens"],
+             stats["bytes"] / 1e6, ", ".join(outputs), stats["seconds"])
+    return {**stats, "outputs": outputs}
+
+
+def _tokenize(paths: list[Path], prefixes: dict[str, str], tokenizer: Tokenizer, append_eod: bool, workers: int,
+              split_sentences: bool, chunk_bytes: int, log_interval: int) -> dict[str, Any]:
+    """Write one complete dataset per ``prefixes`` entry; stats without ``outputs``."""
     dtype = best_dtype(tokenizer.vocab_size)
     encoder = _Encoder(tokenizer, list(prefixes), append_eod, dtype, split_sentences)
     chunks = read_chunks(paths, chunk_bytes)
@@ -215,8 +256,4 @@ def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str
         if docs == 0:
             raise DataError(f"no documents in {', '.join(map(str, paths))} (every line is blank); nothing was "
                             f"written: give a JSONL corpus with one JSON object per line")
-    seconds = time.perf_counter() - start
-    outputs = [str(p) for p in prefixes.values()]
-    log.info("tokenized %d documents, %d tokens (%.2f MB) into %s in %.1f s", docs, tokens, read / 1e6,
-             ", ".join(outputs), seconds)
-    return {"docs": docs, "tokens": tokens, "bytes": read, "seconds": seconds, "outputs": outputs}
+    return {"docs": docs, "tokens": tokens, "bytes": read, "seconds": time.perf_counter() - start}

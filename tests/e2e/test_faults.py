@@ -1,4 +1,4 @@
-"""Faults end to end: preemption by SIGTERM, auto-resume after torchrun restarts, a dead and a hung rank."""
+"""Faults end to end: preemption by SIGTERM and Ctrl-C, auto-resume after torchrun restarts, a dead and a hung rank."""
 from __future__ import annotations
 
 import os
@@ -22,7 +22,8 @@ def _start(run_dir: Path, data: str, *overrides: str, torchrun: list[str] | None
             f"data.cache_dir={Path(data).parent}/cache", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env,  # SIGINT as in a terminal, even if pytest ignores it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 120) -> None:
@@ -73,6 +74,8 @@ def test_sigterm_saves_then_auto_resume_and_torchrun_restarts_continue(tmp_path,
     # auto_resume picks checkpoint.save's latest and continues on the uninterrupted trajectory
     train(pre, byte_data, f"train.iters={STEPS}", f"checkpoint.save={pre}/ckpt", "checkpoint.auto_resume=true", *DP2)
     _same_trajectory(metrics(pre), ref, range(1, STEPS + 1))
+    meta = checkpointing.read_meta(checkpointing.resolve(pre / "ckpt"))  # the resumed run continues the lineage
+    assert [start for _, start in meta["lineage"]] == [0, k] and meta["lineage"][-1][0] == meta["run_id"]
 
     # torchrun --max-restarts 1: rank 1 is killed after a checkpoint, the restarted ranks auto-resume
     res = tmp_path / "restarted"
@@ -85,6 +88,25 @@ def test_sigterm_saves_then_auto_resume_and_torchrun_restarts_continue(tmp_path,
     assert proc.returncode == 0, err[-3000:]
     assert "checkpoint.auto_resume: resuming from" in out
     _same_trajectory(metrics(res), ref, range(1, STEPS + 1))
+
+
+def test_ctrl_c_saves_the_agreed_step_then_exits_130(tmp_path, byte_data):
+    """The first SIGINT is a preemption: a 1-rank train.py, and 2 ranks through train.py's launcher (torchrun
+    passes SIGINT on to them), save the step they agree on and exit 130."""
+    runs = {1: tmp_path / "one", 2: tmp_path / "two"}
+    procs = {n: _start(d, byte_data, "train.iters=400", f"checkpoint.save={d}/ckpt", *(DP2 if n == 2 else []))
+             for n, d in runs.items()}
+    for n, proc in procs.items():
+        _wait_steps(proc, runs[n], 3)
+        proc.send_signal(signal.SIGINT)
+    for n, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, err[-3000:]
+        k = checkpointing.read_meta(checkpointing.resolve(runs[n] / "ckpt"))["step"]
+        assert k >= 3 and f"SIGINT: saving a checkpoint at step {k}, then exiting" in out
+        assert f"interrupted: saved a checkpoint of step {k}" in err.splitlines() and "Traceback" not in err
+        assert max(metrics(runs[n])) == k
+    assert "stopped by SIGINT; the ranks saved" in out
 
 
 def test_dead_and_hung_ranks_end_the_run_with_one_line_naming_them(tmp_path, byte_data):

@@ -28,8 +28,11 @@ def _optimizer(model, cfg):
     return DistributedOptimizer(named_trainable(model), cfg.train, None)
 
 
+RUN = checkpointing.Lineage((("test-run", 0),))  # every _save is one run (a fresh Lineage per call would be a new run)
+
+
 def _save(cfg, model, opt, step):
-    return checkpointing.save(cfg, step, step * 4, model, opt, None, torch.device("cpu"))
+    return checkpointing.save(cfg, step, step * 4, model, opt, None, torch.device("cpu"), lineage=RUN)
 
 
 def test_save_load_round_trip_and_keep(tmp_path):

@@ -143,3 +143,42 @@ def test_tokenizer_encode_batch_default() -> None:
             return ""
 
     assert Plain().encode_batch(["ab", "", "abc"]) == [[2], [0], [3]]
+
+
+def test_existing_outputs_are_never_replaced_unless_asked(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """tools/preprocess_data.py twice: the second run is one error line and the first run's files stay byte for
+    byte; --overwrite replaces them; a failing run (even with --overwrite) leaves no partial files and the old
+    ones untouched; --workers 0 is one line naming --workers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("preprocess_data_tool",
+                                                  Path(__file__).resolve().parents[2] / "tools" / "preprocess_data.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    big, small = _corpus(tmp_path / "big.jsonl", n=40), _corpus(tmp_path / "small.jsonl", n=1)
+    out = tmp_path / "out"
+    files = data_file_paths(tmp_path / "out_text_document")
+
+    def run(corpus: Path, *extra: str) -> tuple[int, str]:
+        try:
+            code = tool.main(["--input", str(corpus), "--output-prefix", str(out), "--tokenizer-type", "byte", *extra])
+        except SystemExit as exc:  # argparse errors
+            code = exc.code
+        return code, capsys.readouterr().err
+
+    assert run(big)[0] == 0
+    first = [p.read_bytes() for p in files]
+    code, err = run(small)
+    assert code == 1 and err.count("\n") == 1 and err.startswith(f"error: output '{files[0]}' already exists") \
+        and "--overwrite" in err, err
+    assert [p.read_bytes() for p in files] == first
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(big.read_text() + "{oops\n")
+    assert run(bad, "--overwrite", "--workers", "2")[0] == 1
+    assert [p.read_bytes() for p in files] == first
+    assert sorted(p.name for p in tmp_path.glob("out*")) == ["out_text_document.bin", "out_text_document.idx"]
+    assert run(small, "--overwrite")[0] == 0
+    assert IndexedDataset(tmp_path / "out_text_document").num_documents == 1
+    code, err = run(small, "--workers", "0")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: --workers must be at least 1") \
+        and "--workers 1" in err, err

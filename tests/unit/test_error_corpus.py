@@ -152,16 +152,38 @@ CASES = [
     case("override with an empty section", ".iters=5", needles=(".iters=5", "section.key")),
     case("misspelt option", "--confg", "{dir}/base.yml", needles="--confg"),
     case("option without its value", "--conf", needles="--conf"),
+    # --- output directories: never write over what another run (or the user) left there ---
+    case("checkpoint.save is a file", "checkpoint.save={dir}/base.yml", needles=("checkpoint.save", "is a file")),
+    case("logging.dir is a file", "logging.dir={dir}/base.yml", needles=("logging.dir", "base.yml", "is a file")),
+    case("logging.dir under a file", "logging.dir={dir}/base.yml/run",
+         needles=("logging.dir", "lies under the file", "base.yml")),
+    case("save dir of another run", "checkpoint.save={dir}/other_run",
+         needles=("checkpoint.save", "holds checkpoints of another run", "iter_0000003", "checkpoint.overwrite=true")),
+    case("save dir in use by a run", "checkpoint.save={dir}/locked",
+         needles=("checkpoint.save", "locked' is in use by another run", f"pid {os.getpid()}")),
+    case("load elsewhere into a used save dir", "checkpoint.load={dir}/branch", "checkpoint.save={dir}/other_run",
+         needles=("other_run", "does not continue", "checkpoint.overwrite=true")),
+    case("rollback over another branch", "checkpoint.load={dir}/branch/iter_0000002", "checkpoint.save={dir}/branch",
+         "train.iters=4", needles=("resumes from iter_0000002", "iter_0000004 again", "checkpoint.overwrite=true")),
 ]
 
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> Path:
+    from megatron_sp.checkpointing import FORMAT_VERSION, SaveDirLock
+
     d = tmp_path_factory.mktemp("error_corpus")
     (d / "base.yml").write_text(BASE_YML.replace("{dir}", str(d)))
     for name, text in FILES.items():
         (d / name).write_text(text)
-    return d
+    for run, steps in (("other_run", (3,)), ("branch", (2, 4))):  # save directories of earlier runs
+        for step in steps:
+            (d / run / f"iter_{step:07d}").mkdir(parents=True)
+            meta = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": step, "run_id": run}
+            (d / run / f"iter_{step:07d}" / "meta.json").write_text(json.dumps(meta))
+        (d / run / "latest").write_text(f"iter_{steps[-1]:07d}\n")
+    with SaveDirLock(d / "locked"):  # a run using that save directory now (this process)
+        yield d
 
 
 def argv_of(c: Case, d: Path) -> list[str]:
@@ -219,7 +241,8 @@ def test_error_is_one_line_naming_the_culprit(c: Case, corpus_dir, monkeypatch, 
 
 # The real entry point, for a few cases: same line, same exit code, and a multi-rank layout with a
 # missing dataset stops before it starts any rank. The processes run side by side (each mostly imports torch).
-SUBPROCESS_CASES = {"bad YAML": [], "missing dataset prefix": ["parallel.dp=2", "train.global_batch_size=2"]}
+SUBPROCESS_CASES = {"bad YAML": [], "missing dataset prefix": ["parallel.dp=2", "train.global_batch_size=2"],
+                    "save dir in use by a run": []}  # the lock is held by this test process
 
 
 @pytest.fixture(scope="module")

@@ -185,3 +185,37 @@ def test_missing_package_is_a_config_error(tmp_path, monkeypatch, key, package):
         assert f"logging.{key}=true needs {package}" in message and "pip install" in message
         assert "\n" not in message
     check_sinks(make_cfg(tmp_path))  # off: nothing is required
+
+
+def test_earlier_runs_metrics_are_never_lost(tmp_path):
+    """A fresh run in a used logging.dir moves the earlier run's metrics.jsonl (and tensorboard/) to .N, in
+    run order; a resume that drops records past its checkpoint keeps the whole earlier file as .N first."""
+    cfg = make_cfg(tmp_path)
+    run = tmp_path / "run"
+
+    def log(resume_step: int, steps, offset: float) -> str:
+        logger = MetricsLogger(cfg, enabled=True, resume_step=resume_step)
+        for step in steps:
+            logger.write({"step": step, "loss": offset + step})
+        logger.close()
+        return logger.path.read_text()
+
+    first = log(0, (1, 2, 3, 4), 0.0)
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out.tfevents.1").write_bytes(b"first run")
+    second = log(0, (1, 2), 10.0)
+    assert (run / "metrics.jsonl.1").read_text() == first and (run / "metrics.jsonl").read_text() == second
+    assert (run / "tensorboard.1" / "events.out.tfevents.1").read_bytes() == b"first run"
+    assert not (run / "tensorboard").exists()
+
+    # resumed from a step-1 checkpoint: the record of step 2 (logged after it) leaves metrics.jsonl, kept in .2
+    (run / "metrics.jsonl").write_text(second + '{"step": 3, "lo')  # and a line cut short by a crash
+    resumed = log(1, (2, 3), 20.0)
+    assert (run / "metrics.jsonl.2").read_text() == second + '{"step": 3, "lo'
+    assert [(r["step"], r["loss"]) for r in map(json.loads, resumed.splitlines())] == [(1, 11.0), (2, 22.0), (3, 23.0)]
+    log(3, (4,), 30.0)  # nothing past step 3: appended, nothing rotated
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "metrics.jsonl.1", "metrics.jsonl.2",
+                                                     "tensorboard.1"]
+    third = (run / "metrics.jsonl").read_text()
+    log(0, (1,), 40.0)
+    assert (run / "metrics.jsonl.3").read_text() == third and (run / "metrics.jsonl.1").read_text() == first
