@@ -10,10 +10,25 @@ import argparse
 from typing import NoReturn
 
 
+MAX_LINE = 480  # characters of an error message: a 200 kB value in a config must not become a 200 kB line
+
+
+def one_line(text: str, limit: int = MAX_LINE) -> str:
+    """``text`` on one line and at most about ``limit`` characters: its start and its end (the fix) kept."""
+    text = text.replace("\r", " ").replace("\n", " ")
+    if len(text) <= limit:
+        return text
+    head, tail = (2 * limit) // 3, limit // 3
+    return f"{text[:head]} … ({len(text)} characters) … {text[-tail:]}"
+
+
 class UserError(Exception):
-    """Base class: an error in the user's input, printed as one line."""
+    """Base class: an error in the user's input, printed as one line (``str()`` is that line)."""
 
     exit_code = 1
+
+    def __str__(self) -> str:
+        return one_line(super().__str__())
 
 
 class ConfigError(UserError):
@@ -39,4 +54,4 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     like every other user error of train.py and the tools."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {one_line(message)} (see {self.prog} --help)\n")

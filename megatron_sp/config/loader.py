@@ -24,6 +24,7 @@ from .schema import SECTIONS, Config
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 MAX_INT = 2**53  # every integer key below this (exact in a float and in JSON); 1e21 iterations is a typo
+MAX_SAMPLE_TOKENS = 100_000  # the end-of-training sample (tools/generate.py has the same bound)
 MAX_NODES = 100_000  # values a config file may expand to (YAML aliases share, a printed or walked tree does not)
 
 
@@ -170,7 +171,12 @@ def _apply_section(cfg: Config, section: str, values: Any, source: str) -> None:
         if key not in types_:
             known = [f"{section}.{k}" for k in types_]
             raise ConfigError(f"{source}: unknown key '{section}.{_show(key)}'{_did_you_mean(f'{section}.{key}', known)}")
-        setattr(target, key, _coerce(f"{section}.{key}", value, types_[key]))
+        try:
+            setattr(target, key, _coerce(f"{section}.{key}", value, types_[key]))
+        except ConfigError as exc:
+            if source.startswith("override"):  # the override names the key and value already
+                raise
+            raise ConfigError(f"{source}: {exc}") from None  # a file: say which
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
@@ -245,7 +251,7 @@ def load(conf_files: list[str | Path] | None = None, overrides: list[str] | None
 def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         close = difflib.get_close_matches(value, list(options), n=1, cutoff=0.5)  # the options are listed already
-        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}"
+        raise ConfigError(f"{key}: '{_show(value)}' is not one of {', '.join(options)}"
                           + (f"; did you mean '{close[0]}'?" if close else ""))
 
 
@@ -284,6 +290,13 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     for key in ("hidden_dropout", "attention_dropout"):
         if getattr(m, key) >= 1.0:
             raise ConfigError(f"model.{key}: {getattr(m, key)} must be below 1")
+    _positive(cfg, "model.init_std", "model.norm_eps", "model.rotary_base", "train.adam_eps")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            raise ConfigError(f"train.{key}: {getattr(t, key)} must be in [0, 1) (AdamW's moment decay)")
+    if t.sample_tokens > MAX_SAMPLE_TOKENS:
+        raise ConfigError(f"train.sample_tokens: {t.sample_tokens} is more than {MAX_SAMPLE_TOKENS} tokens for the "
+                          "end-of-training sample; use tools/generate.py for long generations")
     if not 0.0 <= t.label_smoothing < 1.0:  # also refuses nan
         raise ConfigError(f"train.label_smoothing: {t.label_smoothing} must be in [0, 1) (0 disables it)")
     if not (math.isfinite(t.z_loss) and t.z_loss >= 0.0):

@@ -66,7 +66,20 @@ FILES = {
     "top_level_list.yml": "- model\n- train\n",
     "bad_json.json": '{"model": {"num_layers": }}',
     "string_for_bool.json": json.dumps({"model": {"tie_embeddings": "sometimes"}}),
+    "dup_key.yml": "train:\n  iters: 5\n  iters: 100\n",
+    "dup_section.yml": "train:\n  iters: 5\nmodel:\n  num_layers: 2\ntrain:\n  iters: 100\n",
+    "dup_key.json": '{"train": {"iters": 5, "iters": 100}}',
+    "nan_lr.yml": "train:\n  lr: .nan\n",
+    "inf_lr.yml": "train:\n  lr: .inf\n",
+    "nan.json": '{"train": {"lr": NaN}}',
+    # 1.1 KB of nested aliases: 9^9 values when walked (a 5.8 MB error line before)
+    "alias_bomb.yml": "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi")),
+    "python_tag.yml": "model: !!python/object/apply:os.system ['echo pwned']\n",
+    "huge_value.yml": "model:\n  arch: " + "x" * 200_000 + "\n",
+    "merge_key.yml": "base: &base {num_layers: 2}\n",
 }
+BINARY_FILES = {"binary.yml": b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "binary_override.json": b"{\"model\": \xff}"}
 
 CASES = [
     # --- unknown keys ---
@@ -165,6 +178,55 @@ CASES = [
          needles=("other_run", "does not continue", "checkpoint.overwrite=true")),
     case("rollback over another branch", "checkpoint.load={dir}/branch/iter_0000002", "checkpoint.save={dir}/branch",
          "train.iters=4", needles=("resumes from iter_0000002", "iter_0000004 again", "checkpoint.overwrite=true")),
+    # --- duplicates: the last one used to win silently (a duplicated train: section ran 100 iterations, not 5) ---
+    case("duplicate key in YAML", "--conf", "{dir}/dup_key.yml", needles=("dup_key.yml", "'iters' appears twice",
+                                                                           "lines 2 and 3")),
+    case("duplicate section in YAML", "--conf", "{dir}/dup_section.yml",
+         needles=("dup_section.yml", "'train' appears twice", "lines 1 and 5")),
+    case("duplicate key in JSON", "--conf", "{dir}/dup_key.json", needles=("dup_key.json", "'iters' appears twice")),
+    # --- NaN and infinity pass no range check: every float key is finite at load ---
+    case("nan lr", "train.lr=nan", needles=("train.lr", "not a finite number")),
+    case("inf lr", "train.lr=inf", needles=("train.lr", "not a finite number")),
+    case("-inf min_lr", "train.min_lr=-inf", needles=("train.min_lr", "not a finite number")),
+    case("nan weight decay", "train.weight_decay=nan", needles="train.weight_decay"),
+    case("nan clip_grad", "train.clip_grad=nan", needles="train.clip_grad"),
+    case("nan hidden dropout", "model.hidden_dropout=nan", needles="model.hidden_dropout"),
+    case("inf attention dropout", "model.attention_dropout=inf", needles="model.attention_dropout"),
+    case("nan init_std", "model.init_std=nan", needles="model.init_std"),
+    case("nan norm eps", "model.norm_eps=NaN", needles="model.norm_eps"),
+    case("inf rotary base", "model.rotary_base=Infinity", needles="model.rotary_base"),
+    case("nan adam beta", "train.adam_beta2=nan", needles="train.adam_beta2"),
+    case("inf timeout", "parallel.timeout_s=inf", needles="parallel.timeout_s"),
+    case("nan peak tflops", "logging.peak_tflops=nan", needles="logging.peak_tflops"),
+    case("nan label smoothing", "train.label_smoothing=nan", needles="train.label_smoothing"),
+    case("nan in a YAML file", "--conf", "{dir}/nan_lr.yml", needles=("nan_lr.yml", "train.lr", "finite")),
+    case("inf in a YAML file", "--conf", "{dir}/inf_lr.yml", needles=("inf_lr.yml", "train.lr", "finite")),
+    case("NaN in a JSON file", "--conf", "{dir}/nan.json", needles=("nan.json", "train.lr", "finite")),
+    case("nan in the split", "data.split=nan,1,0", needles="data.split"),
+    case("inf in the split", "data.split=inf,1,0", needles="data.split"),
+    # --- ranges the old checks missed ---
+    case("negative init_std", "model.init_std=-0.02", needles=("model.init_std", "> 0")),
+    case("negative norm eps", "model.norm_eps=-1e-5", needles="model.norm_eps"),
+    case("zero rotary base", "model.rotary_base=0", needles="model.rotary_base"),
+    case("adam beta of 1.5", "train.adam_beta1=1.5", needles=("train.adam_beta1", "[0, 1)")),
+    case("zero adam eps", "train.adam_eps=0", needles="train.adam_eps"),
+    case("heads leave no rotary dims", "model.num_heads=64", needles=("model.rotary_pct", "no rotary dims",
+                                                                      "num_heads 64")),
+    # --- sizes and counts bounded by what is meaningful ---
+    case("iterations of 1e21", "train.iters=1e21", needles=("train.iters", "too large")),
+    case("sequence of 1e20", "model.seq_length=100000000000000000000", needles=("model.seq_length", "too large")),
+    case("batch of 2^60", "train.global_batch_size=1152921504606846976", needles="train.global_batch_size"),
+    case("a sample of 1e8 tokens", "train.sample_tokens=100000000", needles=("train.sample_tokens", "100000")),
+    case("more samples than memory", "data.paths=[{dir}/tiny_text_document]", "train.iters=1000000000000000",
+         needles=("train.iters", "GiB", "lower train.iters"), exit_code=1),
+    # --- files that are not configs, and error lines that stay lines ---
+    case("binary config", "--conf", "{dir}/binary.yml", needles=("binary.yml", "not UTF-8")),
+    case("binary JSON config", "--conf", "{dir}/binary_override.json", needles=("binary_override.json", "not UTF-8")),
+    case("alias bomb", "--conf", "{dir}/alias_bomb.yml", needles=("alias_bomb.yml", "expands to more than")),
+    case("python tag in YAML", "--conf", "{dir}/python_tag.yml", needles=("python_tag.yml", "not valid YAML")),
+    case("200k-character value", "--conf", "{dir}/huge_value.yml", needles=("model.arch", "200000 characters")),
+    case("100k-character override", "train.lr=" + "9" * 100_000, needles=("train.lr", "characters")),
+    case("unknown top-level anchor section", "--conf", "{dir}/merge_key.yml", needles=("merge_key.yml", "'base'")),
 ]
 
 
@@ -176,6 +238,12 @@ def corpus_dir(tmp_path_factory) -> Path:
     (d / "base.yml").write_text(BASE_YML.replace("{dir}", str(d)))
     for name, text in FILES.items():
         (d / name).write_text(text)
+    for name, data in BINARY_FILES.items():
+        (d / name).write_bytes(data)
+    from megatron_sp.data.indexed import IndexedDatasetWriter
+    with IndexedDatasetWriter(d / "tiny_text_document", "uint16") as writer:  # a real dataset of 3 documents
+        for doc in ([72, 105, 256], [79, 107, 33, 256], [10, 256]):
+            writer.add_document(doc)
     for run, steps in (("other_run", (3,)), ("branch", (2, 4))):  # save directories of earlier runs
         for step in steps:
             (d / run / f"iter_{step:07d}").mkdir(parents=True)
@@ -198,6 +266,7 @@ def check_line(c: Case, code: int, stderr: str) -> str:
     assert len(lines) == 1, f"{c.name}: expected one stderr line, got:\n{stderr}"
     line = lines[0]
     assert line.startswith("error: "), f"{c.name}: {line}"
+    assert len(line) <= 600, f"{c.name}: an error line of {len(line)} characters"
     for needle in c.needles:
         assert needle in line, f"{c.name}: {needle!r} not in {line!r}"
     for word in c.absent:
