@@ -17,7 +17,8 @@ files. The vocabulary is exported without the layout's padding rows (vocab_size 
 tokenizer's size), so HF logits equal ours on every id.
 
 hf → megatron_sp writes a checkpoint.save directory (latest → iter_0000000) holding the weights
-(index.json + shards/rank_00000.safetensors) and meta.json (step 0, the model section taken from the HF config), without optimizer state:
+(index.json + shards/rank_00000.safetensors) and meta.json (step 0, the model section taken from the HF
+config), without optimizer state:
 resuming it with checkpoint.load starts a fresh optimizer. Set data.paths and the tokenizer when
 training from it.
 

@@ -52,6 +52,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import threading
@@ -534,7 +535,14 @@ def resolve(load_dir: str | Path) -> Path:
     if not latest.is_file():
         raise DataError(f"checkpoint.load: no checkpoint in '{root}' (no 'latest' file); point it at a directory "
                         "written by checkpoint.save")
-    target = root / latest.read_text().strip()
+    try:
+        name = latest.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    if not re.fullmatch(r"iter_\d+", name):
+        raise DataError(f"checkpoint.load: '{latest}' does not name a checkpoint (expected one line like "
+                        "iter_0000100); point checkpoint.load at an iter_* directory instead")
+    target = root / name
     if not (target / "meta.json").is_file():
         raise DataError(f"checkpoint.load: '{latest}' names '{target.name}', which is missing or incomplete")
     return target
@@ -543,9 +551,9 @@ def resolve(load_dir: str | Path) -> Path:
 def read_meta(ckpt: Path) -> dict[str, Any]:
     path = ckpt / "meta.json"
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"checkpoint file '{path}' is unreadable ({exc})") from None
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: JSON and UTF-8 decoding errors
+        raise DataError(f"checkpoint file '{path}' is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise DataError(f"checkpoint '{ckpt}' has format version {version}; this version of megatron_sp reads "

@@ -226,6 +226,12 @@ CASES = [
     case("python tag in YAML", "--conf", "{dir}/python_tag.yml", needles=("python_tag.yml", "not valid YAML")),
     case("200k-character value", "--conf", "{dir}/huge_value.yml", needles=("model.arch", "200000 characters")),
     case("100k-character override", "train.lr=" + "9" * 100_000, needles=("train.lr", "characters")),
+    case("binary latest", "checkpoint.load={dir}/binary_latest", "data.paths=[{dir}/tiny_text_document]",
+         needles=("binary_latest/latest", "does not name"), exit_code=1),
+    case("latest naming a path", "checkpoint.load={dir}/escaping_latest", "data.paths=[{dir}/tiny_text_document]",
+         needles=("escaping_latest/latest", "does not name"), exit_code=1),
+    case("binary meta.json", "checkpoint.load={dir}/binary_meta", "data.paths=[{dir}/tiny_text_document]",
+         needles=("binary_meta/meta.json", "unreadable"), exit_code=1),
     case("unknown top-level anchor section", "--conf", "{dir}/merge_key.yml", needles=("merge_key.yml", "'base'")),
 ]
 
@@ -240,6 +246,10 @@ def corpus_dir(tmp_path_factory) -> Path:
         (d / name).write_text(text)
     for name, data in BINARY_FILES.items():
         (d / name).write_bytes(data)
+    for name, file, data in (("binary_latest", "latest", b"\xff\xfeiter\x00"), ("escaping_latest", "latest", b"../../etc\n"),
+                             ("binary_meta", "meta.json", b"\x89\xff{")):
+        (d / name).mkdir()
+        (d / name / file).write_bytes(data)
     from megatron_sp.data.indexed import IndexedDatasetWriter
     with IndexedDatasetWriter(d / "tiny_text_document", "uint16") as writer:  # a real dataset of 3 documents
         for doc in ([72, 105, 256], [79, 107, 33, 256], [10, 256]):
