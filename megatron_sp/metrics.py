@@ -144,6 +144,25 @@ def check_sinks(cfg: Config) -> None:
             raise ConfigError(message)
 
 
+def next_run_suffix(log_dir: Path) -> int:
+    """One more than the largest N of metrics.jsonl.N / tensorboard.N in ``log_dir`` (1 if none): the number
+    an earlier run's files get when a fresh run starts there (``config.yml.N`` follows the same number)."""
+    if not log_dir.is_dir():
+        return 1
+    taken = [int(p.name.rsplit(".", 1)[1]) for p in log_dir.iterdir()
+             if p.name.startswith(("metrics.jsonl.", "tensorboard.")) and p.name.rsplit(".", 1)[1].isdigit()]
+    return max(taken, default=0) + 1
+
+
+def keep_earlier_config(path: Path, text: str) -> None:
+    """Before ``text`` replaces ``logging.dir/config.yml``: keep a different earlier one as ``config.yml.N``."""
+    if path.is_file() and path.read_text(errors="replace") != text:
+        kept = path.with_name(f"{path.name}.{next_run_suffix(path.parent)}")
+        if not kept.exists():
+            path.rename(kept)
+            log.info("config.yml of an earlier run kept as %s", kept.name)
+
+
 class MetricsLogger:
     """Writes records to ``logging.dir/metrics.jsonl`` and the optional sinks; a no-op off rank 0.
 
@@ -228,10 +247,7 @@ class MetricsLogger:
         return step if isinstance(step, (int, float)) else math.inf
 
     def _next_suffix(self) -> int:
-        """One more than the largest N of metrics.jsonl.N / tensorboard.N in logging.dir (1 if none)."""
-        taken = [int(p.name.rsplit(".", 1)[1]) for p in self.path.parent.iterdir()
-                 if p.name.startswith((self.path.name + ".", "tensorboard.")) and p.name.rsplit(".", 1)[1].isdigit()]
-        return max(taken, default=0) + 1
+        return next_run_suffix(self.path.parent)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

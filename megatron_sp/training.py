@@ -215,7 +215,8 @@ def setup(cfg: Config) -> Runtime:
     dist.barrier()
     if rank != 0:
         tokenizer = prepare_inputs(cfg)
-    if rank == 0:
+    if rank == 0:  # an earlier run's different config.yml is kept as config.yml.N, like its metrics.jsonl
+        metrics_mod.keep_earlier_config(Path(cfg.logging.dir) / "config.yml", config_mod.dumps(cfg))
         config_mod.save(cfg, Path(cfg.logging.dir) / "config.yml")
 
     tracker = get_tracker()

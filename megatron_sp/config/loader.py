@@ -483,12 +483,17 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def dumps(cfg: Config) -> str:
+    """The resolved config as YAML text (what ``save`` writes)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def save(cfg: Config, path: str | Path) -> None:
     """Write the resolved config as YAML (atomic: temp name then rename)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.write_text(dumps(cfg))
     tmp.replace(p)
 
 

@@ -219,3 +219,21 @@ def test_earlier_runs_metrics_are_never_lost(tmp_path):
     third = (run / "metrics.jsonl").read_text()
     log(0, (1,), 40.0)
     assert (run / "metrics.jsonl.3").read_text() == third and (run / "metrics.jsonl.1").read_text() == first
+
+
+def test_earlier_runs_config_is_kept_with_its_metrics(tmp_path):
+    """config.yml of an earlier run (a different config) is kept as config.yml.N, N the number its
+    metrics.jsonl gets; the same config written again is not duplicated."""
+    from megatron_sp.metrics import keep_earlier_config
+
+    cfg = make_cfg(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    (run / "config.yml").write_text("train: {iters: 5}\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    keep_earlier_config(run / "config.yml", "train: {iters: 5}\n")  # the same config (a resume): nothing to keep
+    assert not (run / "config.yml.1").exists()
+    keep_earlier_config(run / "config.yml", "train: {iters: 100}\n")  # a fresh run with another config
+    MetricsLogger(cfg, enabled=True).close()
+    assert (run / "config.yml.1").read_text() == "train: {iters: 5}\n"
+    assert (run / "metrics.jsonl.1").read_text() == '{"step": 1, "loss": 1.0}\n'
