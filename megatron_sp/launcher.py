@@ -2,30 +2,13 @@
 
 ``python deepy.py [launcher options] train.py --conf a.yml [--hostfile hosts] [script args] [-- script args]``
 
-What happens, in order:
+Pipeline: ``split_argv`` (launcher vs script options) → ``parse_hostfile`` / ``select_hosts`` →
+``collect_env`` (``NCCL_*`` etc., ``.deepy_env``, ``--env``) → ``build_plan`` (exact argv lists;
+``--dry-run`` prints them) → ``execute`` (first failing host stops the others). Nothing runs
+through a local shell; remote command pieces are ``shlex.quote``d and hostnames are restricted to
+``[A-Za-z0-9._-]``. Rendezvous is torchrun's ``c10d`` unless ``--rdzv-backend static``.
 
-1. ``split_argv`` separates the launcher's own options from the script and its arguments. Before
-   the script every option is the launcher's; after it only the launcher's long options (exact
-   names, e.g. ``--hostfile``) are taken out, everything else stays with the script, and after a
-   bare ``--`` everything is the script's.
-2. ``parse_hostfile`` reads ``host slots=N`` lines; ``select_hosts`` applies ``--include`` /
-   ``--exclude`` (DeepSpeed syntax ``a@b:0,1``), ``--num-nodes`` and ``--nproc-per-node``.
-3. ``collect_env`` gathers the variables every rank needs: ``NCCL_*``, ``TORCH_NCCL_*``, ``GLOO_*``,
-   ``WANDB_*`` and ``PYTHONPATH`` from this shell, then ``.deepy_env`` (``KEY=VALUE`` lines), then
-   ``--env KEY`` / ``--env KEY=VALUE``.
-4. ``build_plan`` turns that into the exact commands (argv lists) of the chosen launcher;
-   ``--dry-run`` prints them with ``shlex.join`` and stops there.
-5. ``execute`` runs them: ssh commands in parallel with every output line prefixed by its host; the
-   first host that fails stops the others and its exit code becomes ours.
-
-Safety: nothing is ever run through a local shell. The only strings a shell parses are the remote
-commands of ssh and pdsh, and every piece of those goes through ``shlex.quote`` (pdsh's own ``%``
-substitutions are escaped too). Hostnames are additionally restricted to ``[A-Za-z0-9._-]`` and may
-not start with ``-``, so a host can never become an ssh option or a pdsh host-range expression.
-
-The rendezvous is torchrun's ``c10d`` by default: every host runs the same command and torchrun
-assigns node ranks itself (in hostname order, not hostfile order), so pdsh and srun need no per-host
-rank. ``--rdzv-backend static`` (ssh only) passes ``--node-rank`` in hostfile order instead.
+Details (argument splitting rules, environment order, safety, rendezvous): docs/launcher.md.
 """
 from __future__ import annotations
 

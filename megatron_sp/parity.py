@@ -1,6 +1,6 @@
 """Gather every parameter's full (unsharded) gradient by name: the parity standard's witness.
 
-The parity standard (shared/DESIGN.md) compares, after step 1, each parameter's full gradient of
+The parity standard (docs/parity.md) compares, after step 1, each parameter's full gradient of
 a parallel layout against the 1-rank run. ``full_main_grads`` reassembles them from any layout:
 TP-sharded parameters (``tensor_model_parallel``, ``partition_dim``) are all-gathered over the TP
 group and concatenated along their partition dim; pipeline stages contribute their own parameters
@@ -53,7 +53,7 @@ def load_grads(path: str | Path) -> dict[str, torch.Tensor]:
 
 @dataclass
 class ParityReport:
-    """How a run compares with the reference run under the parity standard (shared/DESIGN.md)."""
+    """How a run compares with the reference run under the parity standard (docs/parity.md)."""
 
     steps: list[int]
     worst_loss_rel: float

@@ -1,22 +1,13 @@
 """A layout-free tensor store: boxes of global tensors in per-rank safetensors files, one JSON index.
 
-Every stored tensor has a *global* name, shape and dtype (the unsharded parameter, its Adam
-moments, …). Each writer stores some rectangular *boxes* of it — ``offsets`` and ``lengths`` per
-dimension — in its own safetensors file; ``index.json`` lists, for every global tensor, its shape,
-dtype and the boxes with the file and key that hold them. A reader asks for any box of any tensor
-and gets it assembled from whatever boxes overlap it, so the layout that wrote a checkpoint (how
-TP split the tensors, which data-parallel rank wrote which part) never matters when reading.
+Every stored tensor has a global name, shape and dtype; each writer stores rectangular boxes of it
+(``offsets``, ``lengths``) in its own safetensors file, and ``index.json`` lists every tensor's
+boxes with the file and key holding them. A reader asks for any box of any tensor and gets it
+assembled from whatever boxes overlap it, so the writing layout never matters. ``flat_boxes`` cuts
+a flat range (a ZeRO-1 shard) into at most ``2·ndim − 1`` contiguous boxes.
 
-Why safetensors + JSON rather than ``torch.distributed.checkpoint``: the files are readable
-without torch.distributed (tools/convert_checkpoint.py and tools/generate.py read them in one
-process), loading executes no pickle at all, a reader can take a slice of a tensor without
-reading the rest (safetensors maps the file), and the index is plain JSON a user can inspect.
-DCP would also need every shard expressed as a DTensor/ShardedTensor placement, and the ZeRO-1
-pieces (flat ranges of a parameter, see ``flat_boxes``) are not such placements.
-
-A flat range ``[a, b)`` of a row-major tensor is a union of at most ``2·ndim − 1`` boxes, each of
-which is contiguous in memory (``flat_boxes``): the ZeRO-1 shards of the optimizer are stored
-like that without any gather.
+Format and design (why safetensors + JSON rather than ``torch.distributed.checkpoint``):
+docs/checkpoints.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """Megatron-LM's mmap indexed dataset: a ``PREFIX.bin`` of raw tokens and a ``PREFIX.idx`` index.
 
 Byte-compatible with megatron-core's ``IndexedDataset`` / ``IndexedDatasetBuilder``, so files made
-by either project load in the other. The ``.idx`` layout (all little-endian)::
+by either project load in the other. The ``.idx`` holds a magic, version, token dtype code
+(``DTYPE_CODES``), per-sequence sizes and byte pointers, and the document index; the ``.bin`` is the
+sequences' tokens back to back. A document is one or more consecutive sequences (GPT data uses one
+sequence per document).
 
-    offset  size             field
-    0       9                magic b"MMIDIDX\\x00\\x00"
-    9       8   <Q           version (1)
-    17      1   <B           dtype code of the tokens (see DTYPE_CODES)
-    18      8   <Q           sequence count S
-    26      8   <Q           document count D (= number of documents + 1)
-    34      4·S int32        sizes: tokens per sequence
-    ..      8·S int64        pointers: byte offset of each sequence in the .bin
-    ..      8·D int64        document_indices: 0, then one past each document's last sequence
-
-A document is one or more consecutive sequences (GPT data uses one sequence per document). The
-``.bin`` is the sequences' tokens back to back, so its size is the last pointer + the last size
-times the item size.
+File format (the byte layout of ``.idx``): docs/data.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """JSONL → Megatron indexed dataset: ``{output_prefix}_{key}_{level}.bin/.idx`` per JSON key.
 
-As Megatron-LM's ``tools/preprocess_data.py``: one JSONL line is one document; its text under each
-key is tokenized, EOD appended to the document (``append_eod``), and it is written as one
-sequence, or as one sequence per sentence with ``split_sentences`` (level ``sentence`` instead of
-``document`` in the file name; a document is still one entry of the document index). A JSON list
-of strings is taken as the document's sentences already split. Sentences (or documents) with no
-tokens are left out, so an empty document gets no EOD and no sequence, as in Megatron.
+As Megatron-LM's ``tools/preprocess_data.py``: one JSONL line is one document, tokenized per key,
+EOD appended (``append_eod``), written as one sequence or (``split_sentences``) one per sentence;
+empty sentences/documents are left out. Input is read in chunks of ``chunk_bytes``, tokenized by
+``workers`` processes (bounded in flight, output independent of ``workers``). Outputs appear
+all-or-nothing (temporary prefix, renamed once all are complete); with ``overwrite=False`` existing
+outputs are refused before anything is read.
 
-At scale: the input is read in chunks of about ``chunk_bytes`` bytes of whole lines; with
-``workers > 1`` a process pool tokenizes chunks, at most ``2·workers`` in flight (bounded memory),
-and returns each chunk as one flat token array plus lengths, which the writer appends with one
-write. Chunks come back in input order, so the output does not depend on ``workers``. Progress is
-logged every ``log_interval`` documents with docs/s and MB/s.
-
-Outputs: every dataset is written under a temporary prefix and all of them are renamed into place
-(``.bin`` then ``.idx``) only once every one is complete, so a failure leaves no partial files and
-never touches existing ones. With ``overwrite=False`` (``tools/preprocess_data.py`` without
-``--overwrite``) an existing ``.bin`` or ``.idx`` of any output is refused before anything is read.
+Details (sentence vs document levels, chunking, progress logging, atomic outputs): docs/data.md.
 """
 from __future__ import annotations
 

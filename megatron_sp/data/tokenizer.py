@@ -2,28 +2,12 @@
 ``tokenizer.json``, and raw UTF-8 bytes.
 
 Every tokenizer has ``name``, ``vocab_size`` (number of ids), ``eod`` (end-of-document id), ``pad``,
-``encode(text) -> list[int]``, ``encode_batch(texts)`` and ``decode(ids) -> str``. The special ids
-are explicit: ``tokenizer.eod_token`` / ``tokenizer.pad_token`` name their tokens, or each type has
-a documented default (SentencePiece: its eos and pad pieces; HF: the first of ``EOD_TOKENS`` /
-``PAD_TOKENS`` in its vocabulary; bytes: 256 and 257). The embedding is padded for TP elsewhere
-(``config.set_vocab``: a multiple of ``model.make_vocab_size_divisible_by × parallel.tp``).
-SentencePiece and bytes round-trip exactly, ``decode(encode(text)) == text``; an HF tokenizer does
-when it is byte-level (GPT-2/NeoX style) and has no normalizer.
+``encode(text) -> list[int]``, ``encode_batch(texts)`` and ``decode(ids) -> str``; special ids are
+explicit (``tokenizer.eod_token`` / ``tokenizer.pad_token``) or a documented per-type default.
+SentencePiece and bytes round-trip exactly; an HF tokenizer does when byte-level without a
+normalizer. ``train_sentencepiece`` trains a BPE model whose round trip is exact on source code.
 
-``train_sentencepiece`` trains a BPE model whose round trip is exact on source code:
-
-- it trains on text *lines*: SentencePiece silently skips training "sentences" longer than
-  ``max_sentence_length`` (4192 bytes), so one document per line would drop most files;
-- ``normalization_rule_name=identity`` and ``remove_extra_whitespaces=False`` keep every
-  character, tab and run of spaces; ``add_dummy_prefix=False`` adds no leading space;
-- ``byte_fallback=True`` encodes anything outside the vocabulary as UTF-8 byte pieces. Newlines
-  never occur inside training lines, so ``"\\n"`` always becomes the byte piece ``<0x0A>``;
-- ``allow_whitespace_only_pieces=True`` and ``split_by_whitespace=False`` let BPE learn
-  indentation runs and pieces like ``"▁▁▁▁return"`` (12% fewer tokens on the demo corpus than
-  splitting at whitespace).
-
-BPE escapes spaces as ``"▁"`` (U+2581), so a literal ``"▁"`` in the input would decode as a
-space; ``SentencePieceTokenizer.encode`` therefore emits that character as its three byte pieces.
+Details (default special ids, the SentencePiece training options and why): docs/data.md.
 """
 from __future__ import annotations
 

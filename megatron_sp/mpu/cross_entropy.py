@@ -1,22 +1,13 @@
 """Vocab-parallel cross entropy: the per-token loss from vocab-sharded logits, never gathering them.
 
-Rank r holds the logits of vocabulary rows ``[r·V/t, (r+1)·V/t)`` (the output layer is a
-column-parallel linear over the vocab, sliced like ``VocabParallelEmbedding``). Forward:
+Rank r holds the logits of vocabulary rows ``[r·V/t, (r+1)·V/t)``. Forward: all-reduce MAX of the
+local max, then one all-reduce SUM of the stacked per-token values (target logit, Σ exp, Σ logits);
+``loss = log Σexp − target logit``, with optional label smoothing (mean over the real vocabulary
+``V``) and PaLM's z-loss at no extra collective. Backward needs no communication. Padded vocabulary
+rows (ids ≥ ``vocab_size``) count as −inf, so the loss does not depend on the TP layout's padding.
 
-1. local max over the slice → all-reduce MAX → subtract (for a stable exp);
-2. the target's logit where the target falls in this slice (0 elsewhere), Σ exp over the slice
-   (and Σ logits, for label smoothing) → one all-reduce SUM of the stacked per-token values;
-3. ``loss = log Σexp − target logit``; with label smoothing ε, ``(1−ε)·loss + ε·(log Σexp − mean
-   logit)``, the mean over the full real vocabulary ``V`` (not ``V/t``: Megatron #737); with PaLM's
-   z-loss (PaLM §5, "Training instability"), ``+ z·log²Z`` where ``log Z = max + log Σexp`` is the
-   logsumexp of the unshifted logits (both from the values already reduced: no extra collective).
-
-Backward is ``(1 + 2z·log Z)·softmax − (1−ε)·one-hot − ε/V`` scaled by the incoming grad, with no
-communication.
-
-Padded vocabulary rows (ids ≥ ``vocab_size``, added so the vocab divides by ``t ×
-make_vocab_size_divisible_by``) are excluded from the softmax: their logits count as −inf. So the
-loss does not depend on how much padding a layout needs, and padded rows get no gradient.
+Theory and invariants (the forward steps, label-smoothing and z-loss formulas, the backward):
+docs/tensor_parallel.md.
 """
 from __future__ import annotations
 

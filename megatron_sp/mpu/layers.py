@@ -1,31 +1,14 @@
 """Tensor- and sequence-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 
-Activations are ``[s, b, h]``; ``t`` is the size of the TP group passed to each layer. With
-sequence parallelism (SP) the activations between the TP regions are split along ``s``
-(``[s/t, b, h]``): a column-parallel layer all-gathers them on the way in, a row-parallel layer
-reduce-scatters on the way out, and the communication volume equals plain TP's (an all-reduce is
-a reduce-scatter plus an all-gather).
+Activations are ``[s, b, h]``; ``t`` is the size of the TP group passed to each layer. Under
+sequence parallelism (SP) they are ``[s/t, b, h]`` between TP regions: a column-parallel layer
+all-gathers on the way in, a row-parallel layer reduce-scatters on the way out. Parameters have the
+LOCAL shape and are never initialised here: the model copies in its slice of the full tensor
+(``layer.shard_of(full, "weight")``). Every parameter carries ``tensor_model_parallel``,
+``partition_dim``, ``sequence_parallel`` and ``shared_embedding``.
 
-Parameters are plain ``nn.Parameter``s of the LOCAL shape, created with ``torch.empty``: the
-layers never initialise themselves. The model draws each parameter's full (unsharded) tensor from
-its seed and copies in this rank's slice::
-
-    param.copy_(layer.shard_of(full, "weight"))     # or shard(full, param.partition_dim, rank, t)
-
-Every parameter carries the attributes the distributed code reads:
-
-==========================  ====================  ==============  ====================================
-parameter                   tensor_model_parallel partition_dim   sequence_parallel
-==========================  ====================  ==============  ====================================
-ColumnParallelLinear.weight True                  0               False
-ColumnParallelLinear.bias   True                  0               False
-RowParallelLinear.weight    True                  1               False
-RowParallelLinear.bias      False                 -1 (replicated) True under SP (grad needs a TP
-                                                                  all-reduce, done by the trainer)
-VocabParallelEmbedding.w    True                  0               False
-==========================  ====================  ==============  ====================================
-
-(and ``shared_embedding = False``; the model sets it on tied embedding weights).
+Theory and invariants (SP data flow, the per-parameter attribute table, the vocab-parallel
+embedding): docs/tensor_parallel.md.
 """
 from __future__ import annotations
 

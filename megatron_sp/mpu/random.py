@@ -1,50 +1,15 @@
 """Random-number streams for tensor parallelism, and activation checkpointing that replays them.
 
-Two kinds of randomness live in a TP-sharded model:
+The default stream is seeded the same on every TP rank (``seed + 100·pp_rank``); the
+``TP_DIFFERENT`` stream of an ``RNGTracker`` is seeded per TP rank. Rule: dropout on a tensor
+sharded over TP runs inside ``tracker.fork(TP_DIFFERENT)``, on a tensor replicated over TP on the
+default stream. Entry points: ``RNGTracker``, ``get_tracker``, ``init_rng``, ``model_parallel_seed``,
+and ``checkpoint(fn, *args, tracker=...)``, which recomputes ``fn`` in backward replaying the CPU,
+device and tracker RNG states bit for bit (backward via ``Tensor.backward`` /
+``torch.autograd.backward`` only; ``fn`` must not modify its inputs in place).
 
-* the **default stream** (the device's default generator) is seeded identically on every rank
-  of a TP group (``seed + 100·pp_rank``): a draw made by all TP ranks on a tensor they all hold
-  in full gives the same result everywhere, so replicated tensors stay replicated;
-* the **"tp-different" stream** (``TP_DIFFERENT``), a named stream of an ``RNGTracker``, is
-  seeded per TP rank (``seed + 100·pp_rank + 2718 + tp_rank``): each rank draws independent
-  values for the part of a tensor it holds, so a sharded tensor gets one mask, not ``t`` copies
-  of the same mask.
-
-Which dropout uses which stream (the rule the model follows)::
-
-    tensor the dropout sees                                  stream
-    -------------------------------------------------------  -------------------------------------------
-    attention probabilities [b, n/t, s, s] (local heads)     with tracker.fork(TP_DIFFERENT): dropout(...)
-    anything else split over TP ([.., ffn/t], [.., n/t, d])  with tracker.fork(TP_DIFFERENT): dropout(...)
-    hidden / embedding output under SP  [s/t, b, h]          with tracker.fork(TP_DIFFERENT): dropout(...)
-    hidden / embedding output without SP [s, b, h]           dropout(...)   (default stream, TP-same)
-
-i.e. *sharded over TP → fork("tp-different"); replicated over TP → default stream*. Getting it
-wrong is silent: a replicated tensor dropped with TP-different masks diverges across TP ranks
-(its grads no longer agree), and a sharded tensor dropped with the TP-same stream repeats one
-mask ``t`` times. Pipeline stages get different default seeds (stage p: ``seed + 100·p``), so
-two stages never draw the same masks; DP and CP ranks share seeds, as in Megatron.
-
-Dropout masks therefore depend on the TP layout (the tp-different seed depends on ``tp_rank``):
-runs with dropout are reproducible for a fixed layout, and layout parity is checked with
-dropout 0.
-
-``checkpoint(fn, *args, tracker=...)`` recomputes ``fn`` in backward instead of keeping its
-activations. It records the CPU and device RNG states and the tracker's stream states when the
-forward runs, replays them for the recomputation (same dropout masks, bit for bit), and puts the
-states back afterwards, so backward leaves every RNG as it found it.
-
-It is a ``torch.autograd.Function`` of our own rather than ``torch.utils.checkpoint``: the RNG
-states it saves are named explicitly (``device.rng_state`` of the tracker's device and of every
-non-CPU tensor argument, plus the tracker) instead of inferred by torch from the arguments, the
-tracker replay is a plain save/restore around the recomputation instead of a ``context_fn``
-pair whose recompute half may be cut short by torch's early stopping, and the memory it keeps
-is exactly its tensor arguments. A ``fork`` inside ``fn`` of a tracker the checkpoint was not
-given raises (its masks would not replay). Restrictions: backward must go through
-``Tensor.backward``/``torch.autograd.backward`` (not ``torch.autograd.grad``), ``fn`` must not
-modify its inputs in place, must return a tensor or a tuple of tensors, and recomputation
-repeats the collectives inside ``fn`` (every rank of the group runs its backward in the same
-order, as every schedule here does).
+Theory and invariants (the stream-per-tensor table, seeds per TP/PP rank, why our own checkpoint
+instead of ``torch.utils.checkpoint``, its restrictions): docs/tensor_parallel.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """Deferred weight gradients: the split backward of the zero-bubble pipeline schedule.
 
-A zero-bubble schedule splits a micro-batch's backward in two: ``I`` computes the gradient of the
-stage's input (what the previous stage waits for) and ``W`` computes the weight gradients later,
-in what would otherwise be pipeline bubbles (Qi et al., "Zero Bubble Pipeline Parallelism", 2023).
+Zero-bubble schedules split a micro-batch's backward into ``I`` (input gradient) and ``W`` (weight
+gradients, run later in the bubbles; Qi et al. 2023). Inside ``deferring(queue)`` the parallel
+linear layers compute only the input gradient and append a ``WeightGrad`` (closure computing
+``grad_W = grad_outᵀ · x``, and its weight) to ``queue``; ``run(queue)`` computes them all and hands
+them to autograd in one ``torch.autograd.backward`` call, so ``.grad`` and the optimizer's hooks
+fire as usual. Other parameters get their gradients during ``I``.
 
-The linear layers (``ColumnParallelLinear``, ``RowParallelLinear``, incl. the output layer) carry
-almost all of the weight-gradient FLOPs. Inside ``deferring(queue)`` their backward computes only
-the input gradient and appends a ``WeightGrad`` to ``queue``: a closure that computes
-``grad_W = grad_outᵀ · x`` from the tensors it keeps, and the weight tensor it belongs to.
-``run(queue)`` later computes them all and hands them to autograd in one
-``torch.autograd.backward(weights, grads)`` call, so the gradients reach leaf parameters through
-autograd's own accumulation (``.grad`` and the optimizer's post-accumulate hooks fire as usual),
-also through a weight that is itself computed (SwiGLU's concatenated gate and up, kept alive by
-the entry). Other parameters (norms, biases, the embedding) get their gradients during ``I``: they
-are cheap.
-
-Memory: until its ``W`` a micro-batch keeps each linear's input and output gradient — the price
-of the schedule (it bounds the micro-batches in flight accordingly).
+Theory and invariants (why only linears are deferred, computed weights, memory cost):
+docs/tensor_parallel.md.
 """
 from __future__ import annotations
 

@@ -1,85 +1,17 @@
 """Data-parallel gradient reduction and the (ZeRO-1) distributed AdamW: replaces torch DDP + torch AdamW.
 
 ``DistributedOptimizer(named_params, cfg, state, zero, precision)`` takes over a model's trainable
-parameters. Nothing wraps the model: forward and backward run on the plain module, and the
-optimizer's gradient hooks do what DDP did.
+parameters; nothing wraps the model (its gradient hooks do what DDP did). Parameters, fp32 grads
+(``param.main_grad``) and master weights live in flat bucketed buffers (reverse parameter order,
+each bucket padded to a multiple of dp_cp); under ZeRO-1 data-parallel rank r owns chunk r of
+every bucket. Entry points: ``no_sync()`` / ``sync_grads`` (micro-batches), ``finish_grad_sync()``
+(wait for the async bucket reductions, sum SP grads over TP), ``step(lr, clip)`` ->
+``(grad_norm_before_clipping, stepped)`` (norm accumulated in fp64, non-finite norm skips the step,
+exact ``torch.optim.AdamW`` arithmetic), ``main_grads_by_name()``, ``state_dict_by_name()`` /
+``load_state_dict_by_name()`` (independent of the data-parallel size).
 
-Flat buffers (all parameters in one layout)
--------------------------------------------
-Parameters are laid out in the REVERSE of ``named_params`` order (about the order backward
-produces their gradients) and grouped into buckets of about ``bucket_bytes`` of fp32 gradient.
-A parameter is never split across buckets (one larger than ``bucket_bytes`` gets a bucket of its
-own); each bucket is zero-padded at its end to a multiple of the data-parallel size ``d`` (the
-dp_cp group), so every bucket — and the whole buffer — divides into ``d`` equal chunks whatever
-``d`` is (odd sizes included, Megatron #792). Three buffers share this layout:
-
-* ``grad_buffer`` (fp32): ``param.main_grad`` is a parameter-shaped view of it.
-* ``param_buffer`` (the model dtype, fp32 or bf16): ``param.data`` becomes a view of it, so the
-  values move with the buffer (build the optimizer after moving the model to its device; later
-  ``param.copy_(...)`` keeps the view, ``model.to(dtype)`` would break it).
-* fp32 master weights: for ``precision="fp32"`` they ARE ``param_buffer``; for ``"bf16"`` a separate
-  fp32 buffer over this rank's elements (initialised from the parameters' values *before* they are
-  cast to bf16, so build the optimizer on the fp32 model and let it cast).
-
-Shard layout (ZeRO-1)
----------------------
-Data-parallel rank ``r`` owns chunk ``r`` of EVERY bucket: elements
-``[bucket.start + r·c, bucket.start + (r+1)·c)`` with ``c = bucket.numel / d``. Its local shard is
-these chunks concatenated in bucket order (``shard_numel = numel / d`` elements); the Adam moments
-and (bf16) the master weights exist only for it. Without ZeRO a rank owns all of every bucket. A
-parameter lies inside one bucket, so the part of it a rank owns is one contiguous interval (maybe
-empty) — the unit of the weight-decay and grad-norm bookkeeping below.
-
-Gradient reduction
-------------------
-A ``register_post_accumulate_grad_hook`` on each parameter adds ``param.grad`` (any dtype) into
-``main_grad`` in fp32 and sets ``param.grad = None``. On the step's last micro-batch
-(``sync_grads`` True; use ``no_sync()`` or ``sync_grads = False`` for the others) the hook also
-marks the parameter ready, and a bucket whose parameters are all ready starts its reduction
-asynchronously over dp_cp while backward goes on. The reduction is a SUM (the loss is already
-divided by the global token count). Invariants of the async handles:
-
-* Buckets are launched strictly in bucket order (a ready bucket waits for the earlier ones), so
-  every rank issues the same sequence of collectives even if some parameter gets no gradient on
-  some rank; ``finish_grad_sync()`` launches whatever is left, then waits for everything.
-* While a bucket's reduction is in flight its region of ``grad_buffer`` must not be written: a
-  gradient arriving for a parameter of an already launched bucket raises (e.g. ``sync_grads`` left
-  True on an earlier micro-batch, or a parameter whose hook fires twice in one backward).
-* ZeRO-1: a reduce-scatter per bucket; the reduced chunk is copied into this rank's chunk of
-  ``grad_buffer``. After ``finish_grad_sync`` ONLY this rank's chunks of ``grad_buffer`` (so of
-  ``main_grad``) hold reduced values; use ``main_grads_by_name()`` for full gradients.
-* Without ZeRO: an asynchronous all-reduce of the bucket in place, launched from the hook (so the
-  whole reduction overlaps backward). Every ``main_grad`` is then fully reduced.
-* One data-parallel rank: no bookkeeping and no communication.
-
-``finish_grad_sync()`` then sums the gradients of ``sequence_parallel``-tagged parameters over TP
-(``sync_grads_over``), once per step.
-
-Step
-----
-``step(lr, clip)`` → ``(grad_norm_before_clipping, stepped)``: the global L2 norm over the
-elements this rank owns (TP-sharded parameters on every TP rank, TP-replicated ones on TP rank 0
-only, a ``shared_embedding`` copy only on the first pipeline stage when pp > 1; padding never),
-summed over dp_cp under ZeRO (the shards are disjoint) and over the model-parallel group (tp·pp).
-The sum of squares is accumulated and all-reduced in fp64 (torch's fp32 norm on CPU is off by
-1e-4 relative at 10M elements, 4e-3 at 50M), so the norm is exact to ~1e-12 whatever the layout.
-A non-finite norm skips the update (``stepped`` False, parameters and moments untouched). Else the
-owned gradients are scaled by ``min(1, clip / (norm + 1e-6))`` (computed in fp64, applied in fp32)
-when ``clip > 0`` (as ``torch.nn.utils.clip_grad_norm_``) and AdamW runs on the owned elements with exactly
-``torch.optim.AdamW``'s arithmetic: ``w *= 1 − lr·wd`` (matrices only: ``ndim >= 2``, as
-``build_optimizer``), ``m = lerp(m, g, 1 − β1)``, ``v = β2·v + (1 − β2)·g²``,
-``w −= lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε)``. Under ZeRO the updated values (bf16: cast to
-bf16 first, half the bytes) are all-gathered per bucket so every rank holds the whole model; with
-bf16 and no ZeRO the fp32 master is cast into the bf16 parameters. Unlike torch, a parameter that
-got no gradient is updated with a zero gradient (decay and moment decay still apply), as in
-Megatron.
-
-Checkpoints
------------
-``state_dict_by_name()`` → ``{name: {"exp_avg", "exp_avg_sq", "step"[, "master_param"]}}`` with
-parameter-shaped (this TP rank's shape) fp32 tensors, the ZeRO shards gathered over dp_cp
-(collective), so it does not depend on the data-parallel size; ``load_state_dict_by_name`` takes
-such a dict and keeps this rank's part, so a checkpoint written at dp2 + ZeRO-1 loads at dp1 or dp4.
+Theory and invariants (buffer layout, shard layout, async-reduction rules, grad-norm ownership,
+the AdamW update): docs/optimizer.md.
 """
 from __future__ import annotations
 

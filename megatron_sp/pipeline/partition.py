@@ -1,25 +1,14 @@
 """Which layers a pipeline stage holds, and building that stage.
 
-The model's layers are split into ``pp · v`` contiguous blocks, one per *virtual stage*
-(``v = parallel.virtual_stages`` model chunks per rank). Virtual stage ``s`` lives on pipeline rank
-``s % pp`` as its chunk ``s // pp`` (Megatron's interleaved assignment: rank r holds blocks
-r, r + pp, r + 2·pp, …). The first virtual stage also holds the input embedding, the last the final
-norm, the output layer and the loss (``build_stage``). How many layers each block gets is
-``parallel.pp_partition``:
+The layers are split into ``pp · v`` contiguous blocks, one per virtual stage; virtual stage ``s``
+lives on pipeline rank ``s % pp`` as its chunk ``s // pp`` (Megatron's interleaved assignment). The
+first virtual stage also holds the embedding, the last the final norm, output layer and loss.
+Entry points: ``build_stage`` and ``tied_embedding_params``; block sizes come from
+``parallel.pp_partition`` (``uniform``, ``balanced`` or an explicit ``"2,3,3"``). Parameter names
+stay global, so checkpoints load into any pipeline layout.
 
-* ``uniform``: ``num_layers / (pp · v)`` each (must divide evenly);
-* ``balanced``: as even as possible in parameter count, counting the embedding on the first stage
-  and the output layer (+ final norm) on the last (the split minimising the largest stage);
-* ``"2,3,3"``: the layer count of each virtual stage, explicitly.
-
-Parameter names stay global (``layers.<i>.…``) and ``GPTModel`` initialises each parameter from
-(seed, name), so a stage's parameters equal the full model's of the same name: a checkpoint keyed
-by name loads into any pipeline layout.
-
-Tied embeddings (``model.tie_embeddings``): with pp > 1 the last stage holds its own copy
-``output_layer.weight`` (tagged ``shared_embedding``, initialised from ``embedding.weight``); its
-gradient and the first stage's ``embedding.weight`` gradient must be summed over
-``state.embedding_group`` every step (``tied_embedding_params``).
+Theory and invariants (partition rules, tied embeddings over ``state.embedding_group``):
+docs/pipeline.md.
 """
 from __future__ import annotations
 

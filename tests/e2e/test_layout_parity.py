@@ -1,4 +1,4 @@
-"""Every layout meets the parity standard against the 1-rank run (shared/DESIGN.md).
+"""Every layout meets the parity standard against the 1-rank run (docs/parity.md).
 
 One table: (model overrides shared with the reference run, layout overrides). Each run trains
 5 steps via train.py and is compared by ``parity.compare_runs``: per-step loss within 5e-6

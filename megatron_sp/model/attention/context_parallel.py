@@ -1,37 +1,14 @@
-"""Context-parallel attention: ring, zigzag, llama3 all-gather and Ulysses over the ``cp`` group.
+"""Context-parallel attention: ring, zigzag, llama3 all-gather, Ulysses and USP over the ``cp`` group.
 
-The sequence of every sample is split over the ``cp`` ranks (``layout.shard_batch``): rank r holds
-the tokens at global indices ``positions[r]`` (contiguous for ring/llama3/ulysses, chunks r and
-2·cp−1−r for zigzag). Everything outside attention is per token, so only attention talks:
+The sequence of every sample is split over the ``cp`` ranks (``layout.shard_batch``); only
+attention communicates. ``AttentionMeta.build`` gathers every rank's token positions once per
+micro-batch; ``context_parallel_attention(q, k, v, meta)`` runs the algorithm named by
+``parallel.cp_algo`` (``ALGORITHMS``) and ``attention_with_lse`` also returns the log-sum-exp.
+Masks come only from global token indices and document ids (``kernels.visible``); partial results
+merge in fp32 and ``out`` has the input dtype. cp == 1 with packed documents uses the local path.
 
-``ring``     K,V travel round the ring (``cp − 1`` steps), each step's transfer overlapping the
-             attention on the block that arrived before; partial results merge exactly in fp32
-             (``kernels.merge``). Backward sends K,V round again with the fp32 dK,dV accumulators
-             following them home. With the contiguous layout the causal work is unbalanced.
-``zigzag``   the same ring on the zigzag layout. Each block is cut into its two chunks and each
-             (query chunk, key chunk) pair is classified from the positions: pairs no query
-             sees are skipped, fully visible ones run without a mask, so every rank does the
-             same work (ALGORITHMS.md).
-``llama3``   all-gather K,V in groups of ``heads_k_stride`` kv heads (the next group's gather in
-             flight while the current one computes), one exact attention per rank over the
-             whole sequence; backward gathers again and reduce-scatters dK,dV. Any document
-             packing works, only the token count must divide by cp.
-``ulysses``  all-to-all q,k,v from ``[s/cp, heads]`` to ``[s, heads/cp]``, local attention over
-             the whole sequence, all-to-all back. GQA: kv heads split over cp when
-             ``g % cp == 0``, else (``cp % g == 0``) each kv head repeated for the ranks that
-             need it (autograd sums its gradient back).
-``usp``      Ulysses of degree u (``parallel.cp_ulysses``, consecutive cp ranks) inside a ring over
-             cp/u (Fang & Zhao 2024): the all-to-all gathers the u-group's tokens for heads/u,
-             the ring (over ``cp_ring`` groups) runs on those, all-to-all back. Zigzag layout at
-             the cp level; masks from positions as everywhere.
-
-Masks come only from the tokens' global indices and document ids (``kernels.visible``), for every
-algorithm and layout: a block's key positions are known from ``positions[src]`` — gathered once
-per micro-batch (``AttentionMeta.build``) — never from a kernel's alignment convention. Out and
-lse are merged in fp32 whatever the input dtype; the returned ``out`` has the input dtype.
-
-cp == 1 with packed documents (``data.reset_attention_mask``) uses the same local path as Ulysses
-(one rank): causal attention within each document.
+Theory and invariants (how each algorithm moves K/V or heads, load balance, GQA handling,
+communication volumes): docs/attention.md.
 """
 from __future__ import annotations
 

@@ -1,59 +1,16 @@
 """Attention kernels with log-sum-exp, the building block of every context-parallel algorithm.
 
-One contract for every kernel:
+``attention_forward(q, k, v, q_pos, k_pos, ...) -> (out, lse)`` attends over ONE key block (fp32
+``out`` and ``lse``, fp64 for fp64 inputs); ``merge`` combines blocks exactly;
+``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)`` gives one block's gradients
+from the FINAL merged ``out``/``lse``. Masks come only from the tokens' global indices and document
+ids (``visible``); ``classify`` names a block empty/full/causal/masked and ``kernel_for`` picks
+``reference`` (explicit scores, the oracle), ``cpu_flash`` (torch's CPU flash op) or ``flash_attn``
+(CUDA). Pure tensor functions, no autograd. Layouts: q/out/dout ``[sq, b, n, d]``, k/v
+``[sk, b, g, d]`` with ``g | n``, lse ``[b, n, sq]``.
 
-* ``attention_forward(q, k, v, q_pos, k_pos, ...) -> (out, lse)``: softmax attention of the
-  queries over ONE block of keys, ``out`` in fp32 and ``lse`` (the row log-sum-exp of the scaled
-  scores) in fp32 (fp64 throughout for fp64 inputs), so partial results over disjoint key blocks
-  combine exactly with ``merge``.
-* ``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``: the gradients of ONE key
-  block, given the FINAL (merged over every block) ``out`` and ``lse``. Summing ``dq`` over the
-  key blocks and taking each block's ``dk``/``dv`` gives exactly the gradients of the full
-  attention (ALGORITHMS.md "Context parallel")::
-
-      P = exp(S − L),  D = rowsum(dO∘O),  dS = P∘(dO·Vᵀ − D),
-      dQ = scale·dS·K,  dK = scale·dSᵀ·Q,  dV = Pᵀ·dO
-
-Which keys a query sees comes from the tokens' GLOBAL indices in the sample (``q_pos``,
-``k_pos``, int64 ``[b, s]``) and optional document ids (packed sequences), never from a kernel's
-idea of "causal": ``visible`` is the one definition. ``classify`` names the shape of a block's
-mask so that the cheap cases skip the mask:
-
-==========  ==========================================  =====================================
-kind        meaning                                     kernel (auto)
-==========  ==========================================  =====================================
-empty       no query sees any key                       none: out 0, lse −inf, grads 0
-full        every query sees every key                  cpu_flash (CPU) | flash_attn (CUDA)
-causal      square, same positions (increasing), one    cpu_flash (CPU) | flash_attn (CUDA)
-            document: the lower triangle
-masked      anything else (document boundaries,         reference (explicit ``[b, n, sq, sk]``
-            partial overlap, rows that see nothing)     scores: O(sq·sk) memory)
-==========  ==========================================  =====================================
-
-Kernels (``KERNELS``; pass ``kernel=`` to force one, e.g. in tests):
-
-* ``reference``: explicit scores with the boolean mask of ``visible``, computed in fp32 (fp64 for
-  fp64 inputs) whatever the input dtype. Always correct; the oracle and the ``masked`` path.
-* ``cpu_flash``: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its
-  ``_backward``, which accepts an external out/lse. Used for ``full``/``causal`` blocks on CPU in
-  any float dtype (fp64 included: the op supports it, so fp64 parity tests run the same path as
-  training). Quirks handled here: ``is_causal`` is top-left aligned (so only square blocks with
-  equal positions use it), it rejects boolean masks and returns lse 0 (not −inf) for fully
-  masked rows (so it never sees a mask), it crashes the process (SIGFPE) on zero-length
-  sequences (so empty blocks never reach it), its backward wants ``out`` in the input dtype (a bf16
-  caller's fp32 ``out`` is rounded to bf16 for the ``D`` term), its lse is ``[b, n, s]`` with
-  ``[b, s, n]`` strides and its gradients are non-contiguous (all outputs are made contiguous
-  here), and GQA is native only from torch 2.9 (older versions get kv heads repeated and dk/dv
-  summed back).
-* ``flash_attn``: flash-attn 2's low-level ``_flash_attn_forward``/``_flash_attn_backward`` on
-  CUDA for fp16/bf16 ``full``/``causal`` blocks (head dim a multiple of 8, <= 256), imported
-  lazily; without it the reference runs (one log line). Its ``causal`` is bottom-right aligned,
-  equal to top-left on the square blocks it gets. The argument filling for the 2.x generations is
-  tested with CPU stand-ins; the real kernel only by the ``gpu``-marked test.
-
-All functions are pure tensor functions (no autograd Functions: the context-parallel code wraps
-them) and work under ``torch.no_grad()``. Layouts: q/out/dout ``[sq, b, n, d]``, k/v
-``[sk, b, g, d]`` with ``g | n`` (query head ``j`` uses kv head ``j // (n/g)``), lse ``[b, n, sq]``.
+Theory and invariants (merge and block-backward math, the block kinds, each kernel's quirks):
+docs/attention.md.
 """
 from __future__ import annotations
 

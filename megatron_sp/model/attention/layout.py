@@ -1,20 +1,13 @@
 """Sequence layouts for context parallelism: which tokens of the full sequence each CP rank holds.
 
-A layout is a permutation of the sequence dimension, cut into ``cp`` equal parts:
-
-- ``contiguous``: rank ``r`` holds tokens ``[r·s/cp, (r+1)·s/cp)``. Under a causal mask rank ``r``'s
-  queries see ``r`` full blocks of keys plus its own diagonal block: the last rank does about
-  ``2·cp − 1`` times the work of the first.
-- ``zigzag``: the sequence is cut into ``2·cp`` chunks and rank ``r`` holds chunk ``r`` followed by
-  chunk ``2·cp − 1 − r``. One early and one late chunk per rank: every rank does the same causal
-  attention work.
-
-``shard_indices`` is the single definition of both; ``shard``/``unshard``/``shard_batch`` only
-apply it. Every tensor of a batch (tokens, labels, loss mask, rotary positions, document ids) goes
-through the same permutation, and ``token_index`` records the global index of each held token,
-which is what attention masks are built from (never the kernel's idea of "position").
-
+A layout is a permutation of the sequence dimension, cut into ``cp`` equal parts: ``contiguous``
+(rank r holds tokens ``[r·s/cp, (r+1)·s/cp)``) or ``zigzag`` (rank r holds chunks r and
+``2·cp − 1 − r`` of ``2·cp``, balancing causal work). ``shard_indices`` is the single definition of
+both; ``shard`` / ``unshard`` / ``shard_batch`` apply it to every tensor of a batch, and
+``token_index`` records the global index of each held token, which attention masks are built from.
 With ``cp == 1`` every layout is the identity and ``seq_len`` needs no divisor.
+
+Theory (load balance of each layout under a causal mask): docs/attention.md.
 """
 from __future__ import annotations
 
