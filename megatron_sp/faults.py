@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import TrainingError
+from .mpu import comm
 
 _PEER_ERRORS = ("timed out", "timeout", "connection reset", "connection closed", "connection refused",
                 "broken pipe", "end of file", "nccl", "socket")
@@ -58,7 +59,7 @@ class Preemption:
             return False
         flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=dev)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flag, None, op=comm.ReduceOp.MAX)
         self.signum = int(flag.item())
         return bool(self.signum)
 

@@ -65,7 +65,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -662,7 +663,7 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
     """``{dimension: {op: bytes}}`` this rank sends per step (dimension ``tp | cp | pp | dp | other``).
 
     Ops are ``mpu.comm``'s names (``all_reduce``, ``all_gather``, ``reduce_scatter``,
-    ``all_to_all``, ``p2p`` for ring exchanges) plus ``send`` for pipeline point-to-point;
+    ``all_to_all``, ``p2p`` for ring exchanges, ``broadcast``) plus ``send`` for pipeline point-to-point;
     ``other`` holds the step's scalars (loss, gradient norm). Start-up and first-step-only
     collectives (ZeRO's ownership check) are not included.
     """
@@ -746,13 +747,21 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
             _add(book, "dp", "all_gather", (n - 1) / n * layout.numel * e)
         else:
             _add(book, "dp", "all_reduce", 2 * (n - 1) / n * layout.numel * GRAD_BYTES)
-    scalars = 0.0  # the loss over the pipeline (fp64), the squared grad norm over ZeRO shards and over tp·pp (fp32)
+    # the scalars: the loss over the pipeline (fp64), the squared grad norm over ZeRO shards and over tp·pp
+    # (fp64: the norm is accumulated in fp64), the step's token count and loss over dp·cp (fp64, training._global_sum)
+    scalars = 0.0
     if D.pp > 1:
         scalars += 2 * (D.pp - 1) / D.pp * 8
     if D.zero and D.dp_cp > 1:
-        scalars += 2 * (D.dp_cp - 1) / D.dp_cp * 4
+        scalars += 2 * (D.dp_cp - 1) / D.dp_cp * 8
     if D.tp * D.pp > 1:
-        scalars += 2 * (D.tp * D.pp - 1) / (D.tp * D.pp) * 4
+        scalars += 2 * (D.tp * D.pp - 1) / (D.tp * D.pp) * 8
+    if D.dp_cp > 1:
+        scalars += 2 * 2 * (D.dp_cp - 1) / D.dp_cp * 8
+    world = D.tp * D.pp * D.cp * D.dp
+    if D.schedule == "zero_bubble" and D.pp > 1:  # agree_costs: 8 fp64 sums all-reduced, then broadcast
+        scalars += 2 * (world - 1) / world * 8 * 8
+        _add(book, "other", "broadcast", (world - 1) / world * 8 * 8)
     _add(book, "other", "all_reduce", scalars)
     if D.tie and D.pp > 1 and (first or last):
         emb = D.padded_vocab // t * D.h * GRAD_BYTES
@@ -1108,7 +1117,8 @@ def verify_rank(rank: int, world_size: int, conf_files: list[str], overrides: li
     ``plan_layout`` predicts — exact parameter/gradient/optimizer bytes from the real optimizer, one
     micro-batch's saved bytes per model chunk, and over ``steps`` real ``train_step`` calls the peak of
     live saved bytes under the schedule, the executor's peak micro-batches in flight, the gather
-    buffer, and the bytes sent per collective (``mpu.comm`` counters plus pipeline sends)."""
+    buffer, and the bytes sent per collective and pipeline send (``mpu.comm`` counters). Measured through the
+    supported hooks (``pipeline.schedules.observe``, ``comm.count``); nothing is replaced."""
     import torch
 
     from . import config as config_mod
@@ -1131,36 +1141,24 @@ def verify_rank(rank: int, world_size: int, conf_files: list[str], overrides: li
 
     peaks: list[int] = []
     in_flight: list[int] = []
-    sent: dict[str, float] = {}
-    real_forward_backward, real_send = training.forward_backward, schedules._P2P.send
     exclude = parameter_exclusions(rt.optimizer, rt.model)
 
-    def forward_backward(*args: Any, **kwargs: Any) -> Any:
+    @contextmanager
+    def around_schedule(stats: schedules.ScheduleStats) -> Iterator[None]:  # each step's forward_backward
         live = LiveSavedBytes(exclude)
         with live.record():
-            out = real_forward_backward(*args, **kwargs)
+            yield
         peaks.append(live.peak)
-        stats = kwargs.get("stats")
-        if stats is not None:
-            in_flight.append(stats.peak_in_flight)
-        return out
+        in_flight.append(stats.peak_in_flight)
 
-    def send(self: Any, t: Any, dst: int, what: str) -> None:
-        sent["send"] = sent.get("send", 0.0) + t.numel() * t.element_size()
-        real_send(self, t, dst, what)
-
-    training.forward_backward, schedules._P2P.send = forward_backward, send
-    try:
+    with schedules.observe(around_schedule):
         for _ in range(steps):
-            sent.clear()
             with comm.count() as counter:
                 training.train_step(rt)
-    finally:
-        training.forward_backward, schedules._P2P.send = real_forward_backward, real_send
     result["peak"] = max(peaks)
     result["in_flight"] = max(in_flight) if in_flight else 0
     result["gather_buffer"] = default_gather_buffer().nbytes
-    result["comm"] = {**{op: v["bytes"] for op, v in counter.summary().items()}, **sent}  # the last step
+    result["comm"] = {op: v["bytes"] for op, v in counter.summary().items()}  # the last step (sends included)
     loader = getattr(rt, "train_loader", None)
     if loader is not None:
         loader.close()

@@ -212,7 +212,7 @@ def setup(cfg: Config) -> Runtime:
 
     if rank == 0:
         tokenizer = prepare_inputs(cfg)
-    dist.barrier()
+    comm.barrier()
     if rank != 0:
         tokenizer = prepare_inputs(cfg)
     if rank == 0:  # an earlier run's different config.yml is kept as config.yml.N, like its metrics.jsonl
@@ -246,7 +246,7 @@ def setup(cfg: Config) -> Runtime:
     n_valid = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0  # type: ignore[operator]
     if rank == 0:
         train_ds, valid_ds = build_datasets(cfg, tokenizer, n_train, n_valid)
-    dist.barrier()  # rank 0 wrote the index caches; the others read them
+    comm.barrier()  # rank 0 wrote the index caches; the others read them
     if rank != 0:
         train_ds, valid_ds = build_datasets(cfg, tokenizer, n_train, n_valid)
 
@@ -321,7 +321,7 @@ def _global_sum(values: list[float], rt: Runtime) -> list[float]:
     """Sum floats over the dp_cp group in fp64."""
     t = torch.tensor(values, dtype=torch.float64)
     if rt.state.dp_cp_size > 1:
-        dist.all_reduce(t, group=rt.state.dp_cp_group)
+        comm.all_reduce(t, rt.state.dp_cp_group)
     return t.tolist()
 
 
@@ -454,11 +454,11 @@ def peak_flops_total(rt: Runtime) -> metrics_mod.Peak:
         log.info("MFU is not reported: set logging.peak_tflops to the GPU's peak for %s", cfg.train.precision)
         return metrics_mod.Peak(0.0)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    dist.barrier()
+    comm.barrier()
     t0 = time.perf_counter()
     best, now = device_mod.cpu_peak_flops(dtype) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (0.0, 0.0)
     per_host = torch.tensor([best, now], dtype=torch.float64)
-    dist.all_reduce(per_host, op=dist.ReduceOp.MAX)
+    comm.all_reduce(per_host, None, op=comm.ReduceOp.MAX)
     best, now = per_host.tolist()
     log.info("CPU peak: %.1f GFLOP/s %s per host, the best seen on this host (measured now: %.1f GFLOP/s in %.1f s; "
              "cache %s): the MFU denominator", best / 1e9, cfg.train.precision, now / 1e9, time.perf_counter() - t0,

@@ -64,13 +64,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import device as device_mod
 from ..config import Config, to_dict
 from ..errors import ConfigError, DataError, TrainingError
-from ..mpu import ParallelState
+from ..mpu import ParallelState, comm
 from ..mpu.random import RNGTracker
 from ..mpu.sharding import is_sharded, is_tied_copy, stored_name, stored_shape
 from ..optim import DistributedOptimizer, named_trainable
@@ -367,7 +366,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            comm.barrier()
 
     def save(self, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
              tracker: RNGTracker | None = None, extra: dict[str, Any] | None = None,
@@ -390,8 +389,7 @@ class Checkpointer:
         mine = (store.entries_of(boxes, file), tensors)
         everyone = [mine]
         if self.world > 1:
-            everyone = [None] * self.world  # type: ignore[list-item]
-            dist.all_gather_object(everyone, mine)
+            everyone = comm.all_gather_object(mine)
         index = None
         if self.rank == 0:
             declared: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -432,9 +430,7 @@ class Checkpointer:
 
     def _from_rank0(self, value: str | None) -> str | None:
         if self.world > 1:
-            box = [value]
-            dist.broadcast_object_list(box, src=0)
-            value = box[0]
+            value = comm.broadcast_object(value, 0)
         return value
 
     def poll(self) -> bool:
@@ -448,7 +444,7 @@ class Checkpointer:
         done = torch.tensor([0 if job.thread is not None and job.thread.is_alive() else 1], dtype=torch.int32,
                             device=self.dev)
         if self.world > 1:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            comm.all_reduce(done, None, op=comm.ReduceOp.MIN)
         if int(done.item()):
             self.wait()
             return True
@@ -463,7 +459,7 @@ class Checkpointer:
             job.thread.join()
         failed = torch.tensor([1 if job.error else 0], dtype=torch.int32, device=self.dev)
         if self.world > 1:
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            comm.all_reduce(failed, None, op=comm.ReduceOp.MAX)
         if int(failed.item()):
             why = f": {type(job.error[0]).__name__}: {job.error[0]}" if job.error else " on another rank"
             raise TrainingError(f"checkpoint of step {job.step} could not be written under '{job.tmp}'{why}; "

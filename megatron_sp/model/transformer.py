@@ -34,13 +34,17 @@ conversion is a reshape, and a contiguous slice of the output rows is a whole nu
 local groups from the projection's output width, so a column-parallel ``qkv`` just works.
 
 The attention kernel is the module-level function ``dot_product_attention`` held in
-``SelfAttention.attention_fn``; context parallelism replaces that attribute.
+``SelfAttention.attention_fn`` (context parallelism and packed documents call
+``context_parallel_attention`` instead). ``SelfAttention.register_kernel_hook`` wraps one layer's
+kernel call, e.g. to see q, k, v and the output (the activation-memory benchmark); nothing needs
+to replace the attribute.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from megatron_sp import device as device_mod
 from megatron_sp.config.schema import ModelConfig
@@ -434,6 +439,10 @@ class ReplicatedGroupQKV(nn.Module):
         return linear(x_full, self._rows(self.weight), bias)  # weight grad deferrable (zero-bubble W)
 
 
+KernelHook = Callable[..., torch.Tensor]
+"""``hook(kernel, q, k, v, dropout_p) -> output``: see ``SelfAttention.register_kernel_hook``."""
+
+
 class SelfAttention(nn.Module):
     """Fused QKV projection (column-parallel over kv groups), rotary, causal attention, row-parallel output.
 
@@ -462,6 +471,22 @@ class SelfAttention(nn.Module):
                                      sequence_parallel=tp.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
         self.attention_fn: Callable[..., torch.Tensor] = dot_product_attention
+        self._kernel_hooks: OrderedDict[int, KernelHook] = OrderedDict()  # weak-referenceable, for RemovableHandle
+
+    def register_kernel_hook(self, hook: KernelHook) -> RemovableHandle:
+        """Wrap this layer's ``attention_fn`` calls: ``hook(kernel, q, k, v, dropout_p)`` runs in their place
+        and returns the output (normally ``kernel(q, k, v, dropout_p)``); hooks registered later wrap
+        earlier ones. Not called on the context-parallel / packed-document path. ``handle.remove()``
+        unregisters it."""
+        handle = RemovableHandle(self._kernel_hooks)
+        self._kernel_hooks[handle.id] = hook
+        return handle
+
+    def _kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        call = self.attention_fn
+        for hook in self._kernel_hooks.values():
+            call = functools.partial(hook, call)
+        return call(q, k, v, p)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta | None = None) -> torch.Tensor:
         """The attention core on local heads; its dropout draws from the TP-different stream.
@@ -478,8 +503,8 @@ class SelfAttention(nn.Module):
             return context_parallel_attention(q, k, v, meta)
         if p > 0:
             with self.tp.sharded_dropout():
-                return self.attention_fn(q, k, v, p)
-        return self.attention_fn(q, k, v, 0.0)
+                return self._kernel(q, k, v, p)
+        return self._kernel(q, k, v, 0.0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMeta | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:

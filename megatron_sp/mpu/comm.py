@@ -1,4 +1,11 @@
-"""The one wrapper layer every collective goes through (gloo and NCCL alike).
+"""The one wrapper layer every collective, point-to-point transfer and barrier goes through (gloo and NCCL alike).
+
+No other module of ``megatron_sp`` or ``tools`` calls a ``torch.distributed`` collective
+(``tests/unit/test_comm_rules.py`` keeps it so). What stays outside, because it communicates
+nothing itself: process-group creation and teardown (``new_group``, ``destroy_process_group``,
+``init_process_group`` and its store) in ``mpu/parallel_state.py`` and the test/launch helpers
+that initialise the default group, and queries (``is_initialized``, ``get_rank``,
+``get_world_size``, ``get_process_group_ranks``).
 
 Each function takes its process group explicitly and is a no-op (or the identity) when the group
 has one rank; ``group=None`` means the default group, and a process that never initialised
@@ -17,6 +24,14 @@ Functions (``n`` = group size):
                                    concatenated along ``g``
 ``all_gather_async`` /             dim-0 variants that return a ``Pending`` handle, so the caller
 ``reduce_scatter_async``           can overlap the transfer with computation
+``all_reduce_async``               SUM all-reduce in place, returning a ``Pending``
+``broadcast(t, src, group)``       in place from global rank ``src``, returns ``t``
+``barrier(group)``                 wait until every rank of ``group`` arrives
+``all_gather_object(obj, group)``  the ``n`` ranks' picklable objects, in rank order
+``broadcast_object(obj, src, g)``  global rank ``src``'s object, on every rank
+``isend(t, dst, group)`` /         point-to-point with global rank ``dst`` / ``src`` (a ``Pending``;
+``irecv(buf, src, group)``         the pipeline's stage-to-stage transfers)
+``ring_exchange_async(t, group)``  send to the next rank, receive from the previous one
 =================================  ================================================================
 
 Byte accounting for the communication-volume benchmark::
@@ -27,14 +42,31 @@ Byte accounting for the communication-volume benchmark::
 
 records, per operation, the number of calls and the bytes *this rank sends* under the standard
 ring algorithms: all-reduce ``2·(n−1)/n·bytes``; all-gather ``(n−1)/n·output bytes``;
-reduce-scatter ``(n−1)/n·input bytes``; all-to-all ``(n−1)/n·bytes``. Groups of one send
-nothing and are not recorded. With no counter active the cost is one list truthiness test.
+reduce-scatter ``(n−1)/n·input bytes``; all-to-all ``(n−1)/n·bytes``; broadcast
+``(n−1)/n·bytes`` (a pipelined ring's per-rank average); ``send`` and ``p2p`` (ring exchange) the
+tensor's bytes; ``barrier`` and the object collectives a call with 0 bytes (their pickled size is
+not known without pickling twice: left out). Receives are the other end of a send: not recorded.
+Groups of one send nothing and are not recorded.
+
+Observing, for the planner and the benchmarks (no function is ever replaced)::
+
+    with comm.observe(callback):
+        ...
+
+calls ``callback(event)`` once per collective, send or receive issued inside the block, right
+after the ``torch.distributed`` call returned: a ``CommEvent`` with the op name (the counter's,
+plus ``recv``), the counted bytes, the group, the tensor, ``called``/``issued`` ``perf_counter``
+stamps and, for an asynchronous call, torch's ``work`` (its future completes with the transfer,
+where the backend provides one); ``Pending.wait()`` later fills ``wait_start``/``wait_end``.
+With no counter or observer active the cost is one truthiness test per call.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -85,6 +117,59 @@ def _record(op: str, nbytes: float) -> None:
         counter.record(op, nbytes)
 
 
+@dataclass
+class CommEvent:
+    """One issued collective or point-to-point call, as ``observe`` callbacks see it.
+
+    ``nbytes`` is what the counters record (0 for ``recv``); ``work`` is torch's handle of an
+    asynchronous call (None for a blocking one); the times are ``time.perf_counter`` seconds:
+    ``called`` when comm's function began, ``issued`` when the torch call returned, and for a
+    ``Pending`` the bounds of its first ``wait()`` (None until then).
+    """
+
+    op: str
+    nbytes: float
+    group: Any
+    tensor: Any
+    called: float
+    issued: float = 0.0
+    work: Any = None
+    wait_start: float | None = None
+    wait_end: float | None = None
+
+
+Observer = Callable[[CommEvent], None]
+_OBSERVERS: list[Observer] = []
+
+
+@contextmanager
+def observe(callback: Observer) -> Iterator[None]:
+    """Call ``callback(event)`` for every collective, send and receive issued inside the block (may nest)."""
+    _OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(callback)
+
+
+def _issue(op: str, nbytes: float, group: Any, tensor: Any, call: Callable[[], Any],
+           counted: bool = True) -> tuple[Any, CommEvent | None]:
+    """Run ``call()`` (the ``torch.distributed`` call; returns its work or None): record ``nbytes`` under
+    ``op`` in the active counters (unless not ``counted``), then tell the observers.
+
+    Returns the work and the event (None when nobody observes), which a ``Pending`` stamps on ``wait()``."""
+    if counted and _ACTIVE_COUNTERS:
+        _record(op, nbytes)
+    if not _OBSERVERS:
+        return call(), None
+    event = CommEvent(op, nbytes, group, tensor, called=perf_counter())
+    event.work = call()
+    event.issued = perf_counter()
+    for callback in list(_OBSERVERS):
+        callback(event)
+    return event.work, event
+
+
 LOCAL = "local"
 """A group of this process alone: every collective over it is the identity, whatever the world.
 
@@ -123,14 +208,23 @@ def _check_divisible(t: torch.Tensor, dim: int, n: int, op: str) -> None:
 class Pending:
     """An issued asynchronous collective; ``wait()`` blocks until done and returns its result."""
 
-    def __init__(self, work: Any, result: torch.Tensor) -> None:
+    def __init__(self, work: Any, result: torch.Tensor, event: CommEvent | None = None) -> None:
         self._work = work
         self._result = result
+        self._event = event
+
+    def is_completed(self) -> bool:
+        """Whether the transfer is done (never blocks)."""
+        return self._work is None or self._work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
+            if self._event is not None:
+                self._event.wait_start = perf_counter()
             self._work.wait()
             self._work = None
+            if self._event is not None:
+                self._event.wait_end = perf_counter()
         return self._result
 
 
@@ -143,14 +237,10 @@ def all_reduce(t: torch.Tensor, group: Any, op: Any = ReduceOp.SUM) -> torch.Ten
     n = group_size(group)
     if n == 1:
         return t
-    if _ACTIVE_COUNTERS:
-        _record("all_reduce", 2.0 * (n - 1) / n * t.numel() * t.element_size())
-    if t.is_contiguous():
-        dist.all_reduce(t, op=op, group=group)
-        return t
-    buf = t.contiguous()
-    dist.all_reduce(buf, op=op, group=group)
-    return t.copy_(buf)
+    nbytes = 2.0 * (n - 1) / n * t.numel() * t.element_size()
+    buf = t if t.is_contiguous() else t.contiguous()
+    _issue("all_reduce", nbytes, group, t, lambda: dist.all_reduce(buf, op=op, group=group))
+    return t if buf is t else t.copy_(buf)
 
 
 def all_reduce_async(t: torch.Tensor, group: Any) -> Pending:
@@ -160,26 +250,28 @@ def all_reduce_async(t: torch.Tensor, group: Any) -> Pending:
         return Pending(None, t)
     if not t.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
-    if _ACTIVE_COUNTERS:
-        _record("all_reduce", 2.0 * (n - 1) / n * t.numel() * t.element_size())
-    return Pending(dist.all_reduce(t, op=ReduceOp.SUM, group=group, async_op=True), t)
+    nbytes = 2.0 * (n - 1) / n * t.numel() * t.element_size()
+    work, event = _issue("all_reduce", nbytes, group, t,
+                         lambda: dist.all_reduce(t, op=ReduceOp.SUM, group=group, async_op=True))
+    return Pending(work, t, event)
 
 
 # ---------------------------------------------------------------------------------------------
 # all-gather
 
 
-def _gather_dim0(t: torch.Tensor, group: Any, n: int, out: torch.Tensor | None, async_op: bool) -> tuple[Any, torch.Tensor]:
+def _gather_dim0(t: torch.Tensor, group: Any, n: int, out: torch.Tensor | None,
+                 async_op: bool) -> tuple[Any, torch.Tensor, CommEvent | None]:
     t = t.contiguous()
     shape = (n * t.shape[0], *t.shape[1:])
     if out is None:
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
     elif tuple(out.shape) != shape or out.dtype != t.dtype or not out.is_contiguous():
         raise ValueError(f"all_gather: out buffer {tuple(out.shape)} {out.dtype} does not fit {shape} {t.dtype}")
-    if _ACTIVE_COUNTERS:
-        _record("all_gather", (n - 1) / n * out.numel() * out.element_size())
-    work = dist.all_gather_single(out, t, group=group, async_op=async_op)
-    return work, out
+    nbytes = (n - 1) / n * out.numel() * out.element_size()
+    work, event = _issue("all_gather", nbytes, group, t,
+                         lambda: dist.all_gather_single(out, t, group=group, async_op=async_op))
+    return work, out, event
 
 
 def all_gather(t: torch.Tensor, group: Any, dim: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,7 +288,7 @@ def all_gather(t: torch.Tensor, group: Any, dim: int = 0, out: torch.Tensor | No
         return _gather_dim0(t, group, n, out, async_op=False)[1]
     if out is not None:
         raise ValueError("all_gather: an out buffer is only supported for dim 0")
-    _, stacked = _gather_dim0(t.unsqueeze(0), group, n, None, async_op=False)  # [n, *t.shape]
+    stacked = _gather_dim0(t.unsqueeze(0), group, n, None, async_op=False)[1]  # [n, *t.shape]
     # [n, d0, .., d_dim, ..] -> [d0, .., n, d_dim, ..] -> merge (n, d_dim)
     moved = stacked.movedim(0, dim)
     return moved.reshape(*t.shape[:dim], n * t.shape[dim], *t.shape[dim + 1:])
@@ -207,8 +299,7 @@ def all_gather_async(t: torch.Tensor, group: Any, out: torch.Tensor | None = Non
     n = group_size(group)
     if n == 1:
         return Pending(None, t)
-    work, result = _gather_dim0(t, group, n, out, async_op=True)
-    return Pending(work, result)
+    return Pending(*_gather_dim0(t, group, n, out, async_op=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,16 +315,17 @@ def _chunks_to_dim0(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return stacked.contiguous().flatten(0, 1)  # [n·chunk0, ..]: gloo takes only the concatenated form
 
 
-def _reduce_scatter(t: torch.Tensor, group: Any, n: int, dim: int, async_op: bool) -> tuple[Any, torch.Tensor]:
+def _reduce_scatter(t: torch.Tensor, group: Any, n: int, dim: int,
+                    async_op: bool) -> tuple[Any, torch.Tensor, CommEvent | None]:
     _check_divisible(t, dim, n, "reduce_scatter")
     inp = _chunks_to_dim0(t, dim, n)
     shape = list(t.shape)
     shape[dim] //= n
     out = torch.empty(shape, dtype=t.dtype, device=t.device)
-    if _ACTIVE_COUNTERS:
-        _record("reduce_scatter", (n - 1) / n * t.numel() * t.element_size())
-    work = dist.reduce_scatter_single(out, inp, group=group, async_op=async_op)
-    return work, out
+    nbytes = (n - 1) / n * t.numel() * t.element_size()
+    work, event = _issue("reduce_scatter", nbytes, group, t,
+                         lambda: dist.reduce_scatter_single(out, inp, group=group, async_op=async_op))
+    return work, out, event
 
 
 def reduce_scatter(t: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
@@ -245,12 +337,25 @@ def reduce_scatter(t: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
 
 
 def reduce_scatter_async(t: torch.Tensor, group: Any) -> Pending:
-    """Start a dim-0 reduce-scatter of ``t``; ``wait()`` returns this rank's chunk."""
+    """Start a dim-0 reduce-scatter of ``t``; ``wait()`` returns this rank's chunk.
+
+    On gloo it is done the way gloo does it internally (``ProcessGroupGloo``'s reduce-scatter is a
+    clone of the input on the calling thread, an asynchronous all-reduce of the clone, and a copy
+    of this rank's chunk inside ``wait()``), in the open: the same transfer and the same bits
+    (``tests/dist/test_comm_observe.py``), but the work is the all-reduce's, whose future completes
+    with the transfer, so observers can time it (gloo's own work has no future).
+    """
     n = group_size(group)
     if n == 1:
         return Pending(None, t)
-    work, result = _reduce_scatter(t, group, n, 0, async_op=True)
-    return Pending(work, result)
+    if dist.get_backend(group) != "gloo":
+        return Pending(*_reduce_scatter(t, group, n, 0, async_op=True))
+    _check_divisible(t, 0, n, "reduce_scatter")
+    full = t.contiguous().clone()
+    out = torch.empty((t.shape[0] // n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    work, event = _issue("reduce_scatter", (n - 1) / n * t.numel() * t.element_size(), group, t,
+                         lambda: dist.all_reduce(full, op=ReduceOp.SUM, group=group, async_op=True))
+    return Pending(_ThenCopy(work, out, full.chunk(n)[group_rank(group)]), out, event)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,11 +387,74 @@ def all_to_all(t: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -
     chunk[scatter_dim] //= n
     inp = _chunks_to_dim0(t, scatter_dim, n)  # chunk j (for rank j) first
     out = torch.empty_like(inp)
-    if _ACTIVE_COUNTERS:
-        _record("all_to_all", (n - 1) / n * t.numel() * t.element_size())
-    dist.all_to_all_single(out, inp, group=group)
+    _issue("all_to_all", (n - 1) / n * t.numel() * t.element_size(), group, t,
+           lambda: dist.all_to_all_single(out, inp, group=group))
     moved = out.view(n, *chunk).movedim(0, gather_dim)  # out[j] came from rank j: [.., n, chunk[gather_dim], ..]
     return moved.reshape(*chunk[:gather_dim], n * chunk[gather_dim], *chunk[gather_dim + 1:]).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# broadcast, barrier and objects (start-up, checkpoints, agreement between ranks)
+
+
+def broadcast(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
+    """Overwrite ``t`` in place with global rank ``src``'s ``t`` (contiguous) and return it."""
+    n = group_size(group)
+    if n == 1:
+        return t
+    if not t.is_contiguous():
+        raise ValueError("broadcast needs a contiguous tensor (it writes in place)")
+    _issue("broadcast", (n - 1) / n * t.numel() * t.element_size(), group, t,
+           lambda: dist.broadcast(t, src, group=group))
+    return t
+
+
+def barrier(group: Any = None) -> None:
+    """Return when every rank of ``group`` has called it (counted as a call of 0 bytes)."""
+    if group_size(group) == 1:
+        return
+    _issue("barrier", 0.0, group, None, lambda: dist.barrier(group=group))
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in the group's rank order (counted as a call of 0 bytes)."""
+    n = group_size(group)
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    _issue("all_gather_object", 0.0, group, None, lambda: dist.all_gather_object(out, obj, group=group))
+    return out
+
+
+def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
+    """Global rank ``src``'s picklable ``obj`` on every rank (counted as a call of 0 bytes)."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    _issue("broadcast_object", 0.0, group, None, lambda: dist.broadcast_object_list(box, src=src, group=group))
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# point-to-point (the pipeline's stage-to-stage transfers)
+
+
+def isend(t: torch.Tensor, dst: int, group: Any) -> Pending:
+    """Start sending the contiguous ``t`` to global rank ``dst`` over ``group`` (counted as ``send``).
+
+    Keep ``t`` unchanged until the ``Pending`` is completed (its ``wait()`` returns ``t``)."""
+    if not t.is_contiguous():
+        raise ValueError("isend needs a contiguous tensor")
+    work, event = _issue("send", t.numel() * t.element_size(), group, t, lambda: dist.isend(t, dst, group=group))
+    return Pending(work, t, event)
+
+
+def irecv(buf: torch.Tensor, src: int, group: Any) -> Pending:
+    """Start receiving global rank ``src``'s tensor into ``buf``; ``wait()`` returns ``buf``.
+
+    Not counted (the sender counts the bytes); observers see it as ``recv`` with 0 bytes."""
+    work, event = _issue("recv", 0.0, group, buf, lambda: dist.irecv(buf, src, group=group), counted=False)
+    return Pending(work, buf, event)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,12 +475,26 @@ def ring_exchange_async(t: torch.Tensor, group: Any) -> Pending:
     me = group_rank(group)
     t = t.contiguous()
     out = torch.empty_like(t)
-    if _ACTIVE_COUNTERS:
-        _record("p2p", t.numel() * t.element_size())
     ranks = dist.get_process_group_ranks(group)
     ops = [dist.P2POp(dist.isend, t, ranks[(me + 1) % n], group),
            dist.P2POp(dist.irecv, out, ranks[(me - 1) % n], group)]
-    return Pending(_Works(dist.batch_isend_irecv(ops), keep=ops), out)
+    work, event = _issue("p2p", t.numel() * t.element_size(), group, t,
+                         lambda: _Works(dist.batch_isend_irecv(ops), keep=ops))
+    return Pending(work, out, event)
+
+
+class _ThenCopy:
+    """A work whose ``wait()`` waits for ``work`` and then copies ``src`` into ``dst``."""
+
+    def __init__(self, work: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.work, self.dst, self.src = work, dst, src
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.dst.copy_(self.src)
 
 
 class _Works:
@@ -320,6 +502,9 @@ class _Works:
 
     def __init__(self, works: list[Any], keep: Any = None) -> None:
         self.works, self.keep = works, keep
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
     def wait(self) -> None:
         for work in self.works:

@@ -17,7 +17,7 @@ wrapper                     forward                         backward            
 ``all_to_all``              all-to-all (scatter→gather)     all-to-all (gather→scatter)
 ==========================  ==============================  ==============================  =========
 
-The all-reduces never modify a tensor they do not own: ``dist.all_reduce`` works in place, so
+The all-reduces never modify a tensor they do not own: ``comm.all_reduce`` (like torch's) works in place, so
 ``reduce_from_tp`` reduces a copy of its input and ``copy_to_tp`` a copy of the incoming grad (an
 ``AddBackward`` hands the very same grad tensor to both of its inputs, e.g. to a residual branch).
 """

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import comm
@@ -50,8 +49,7 @@ def gather_full(named: Iterable[tuple[str, nn.Parameter]], state: ParallelState 
         rows = getattr(p, "vocab_rows", None)
         out[name] = (local[:rows] if rows is not None else local).cpu()
     if state is not None and state.pp_size > 1:
-        stages: list[dict[str, torch.Tensor] | None] = [None] * state.pp_size
-        dist.all_gather_object(stages, out, group=state.pp_group)
+        stages: list[dict[str, torch.Tensor] | None] = comm.all_gather_object(out, state.pp_group)
         out = {k: v for stage in stages for k, v in (stage or {}).items()}
     return out
 

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.gpt import GPTModel
-from ..mpu import weight_grad
+from ..mpu import comm, weight_grad
 from ..mpu.parallel_state import ParallelState
 from .partition import PipelineConfigError, check_micro_batches
 
@@ -317,6 +317,26 @@ class ScheduleStats:
     deferred_weight_grads: int = 0
 
 
+StepObserver = Callable[[ScheduleStats], contextlib.AbstractContextManager]
+_STEP_OBSERVERS: list[StepObserver] = []
+
+
+@contextlib.contextmanager
+def observe(around: StepObserver) -> Iterator[None]:
+    """While the block runs, every ``forward_backward`` runs inside ``with around(stats):``.
+
+    ``stats`` is the call's ``ScheduleStats`` (the caller's, or a fresh one), complete when the
+    ``with`` exits. The supported way to measure around a step's schedule from the outside (the
+    planner's ``--verify`` records the live saved-activation peak and ``peak_in_flight``) without
+    replacing any function; with no observer the cost is one list truthiness test.
+    """
+    _STEP_OBSERVERS.append(around)
+    try:
+        yield
+    finally:
+        _STEP_OBSERVERS.remove(around)
+
+
 def agree_costs(stats: ScheduleStats, state: ParallelState) -> dict[str, float]:
     """Mean seconds per action kind (F, B, I, W) of this step over ALL ranks, identical on every rank.
 
@@ -333,8 +353,8 @@ def agree_costs(stats: ScheduleStats, state: ParallelState) -> dict[str, float]:
         sums[k] += t1 - t0
         sums[len(kinds) + k] += 1
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sums)
-        dist.broadcast(sums, 0)
+        comm.all_reduce(sums, None)
+        comm.broadcast(sums, 0, None)
     means = {k: float(sums[i] / sums[len(kinds) + i]) for i, k in enumerate(kinds) if sums[len(kinds) + i] > 0}
     f = means.get("F", 1.0)
     return {k: means.get(k, UNIT_COSTS[k] * f) for k in kinds}
@@ -387,13 +407,13 @@ class _P2P:
                                f"{self.shape} {self.dtype}")
         t = t.detach().contiguous()
         self.sends = [(work, buf) for work, buf in self.sends if not work.is_completed()]  # free delivered ones
-        self.sends.append((dist.isend(t, self.ranks[dst], group=self._group(self.me, dst)), t))
+        self.sends.append((comm.isend(t, self.ranks[dst], self._group(self.me, dst)), t))
 
     def _post_next(self, src: int) -> None:
         msgs, k = self.incoming[src], self.posted[src]
         if k < len(msgs):
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self.pending[msgs[k]] = (buf, dist.irecv(buf, self.ranks[src], group=self._group(src, self.me)))
+            self.pending[msgs[k]] = (buf, comm.irecv(buf, self.ranks[src], self._group(src, self.me)))
             self.posted[src] = k + 1
 
     def prefetch(self) -> None:
@@ -457,8 +477,15 @@ def forward_backward(stage: GPTModel, micro_batches: Sequence[MicroBatch], state
         schedule = "none"
     table = build_schedule(schedule, pp, m, v, costs)
     simulate(table, m, v)  # validates the table (cheap); identical on every rank
-    return _execute(stage, micro_batches, state, table, loss_fn, sync_grads_setter, dtype=dtype,
-                    grad_scale=grad_scale, forward_context=forward_context, stats=stats)
+    if not _STEP_OBSERVERS:
+        return _execute(stage, micro_batches, state, table, loss_fn, sync_grads_setter, dtype=dtype,
+                        grad_scale=grad_scale, forward_context=forward_context, stats=stats)
+    stats = stats if stats is not None else ScheduleStats()
+    with contextlib.ExitStack() as observed:
+        for around in list(_STEP_OBSERVERS):
+            observed.enter_context(around(stats))
+        return _execute(stage, micro_batches, state, table, loss_fn, sync_grads_setter, dtype=dtype,
+                        grad_scale=grad_scale, forward_context=forward_context, stats=stats)
 
 
 def _execute(stage: GPTModel, micro_batches: Sequence[MicroBatch], state: ParallelState,

@@ -204,21 +204,18 @@ class SavedTensorRecorder:
             rec.tags.add("core")
         return t
 
-    def _wrap_attention(self, attention: SelfAttention) -> None:
-        kernel = attention.attention_fn
-
-        def recorded_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-            for t, name in ((q, "q"), (k, "k"), (v, "v")):
-                self.tag(t, name)
-            self._in_core += 1
-            try:
-                out = kernel(q, k, v, dropout_p)
-            finally:
-                self._in_core -= 1
-            self.tag(out, "ctx")
-            return out
-
-        attention.attention_fn = recorded_kernel  # this instance only
+    def _recorded_kernel(self, kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         dropout_p: float = 0.0) -> torch.Tensor:
+        """A ``SelfAttention.register_kernel_hook`` hook: tags q, k, v and the output, and what the kernel saves as core."""
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            self.tag(t, name)
+        self._in_core += 1
+        try:
+            out = kernel(q, k, v, dropout_p)
+        finally:
+            self._in_core -= 1
+        self.tag(out, "ctx")
+        return out
 
     @contextmanager
     def record(self) -> Iterator[None]:
@@ -228,7 +225,7 @@ class SavedTensorRecorder:
             handles.append(module.register_forward_pre_hook(lambda m, a, label=label: self._enter(label)))
             handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
             if isinstance(module, SelfAttention):
-                self._wrap_attention(module)
+                handles.append(module.register_kernel_hook(self._recorded_kernel))
         casts = _ParamCasts(self.param_ptrs)
         try:
             with casts, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 try:
     import megatron_sp  # noqa: F401
@@ -40,7 +39,7 @@ except ImportError:
 from megatron_sp import checkpointing, config
 from megatron_sp.model import GPTModel
 from megatron_sp.model.transformer import TensorParallel
-from megatron_sp.mpu import ParallelDims, initialize
+from megatron_sp.mpu import ParallelDims, comm, initialize
 from megatron_sp.mpu.sharding import gather_full
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 from megatron_sp.testing import run_distributed
@@ -69,10 +68,10 @@ def build(args: argparse.Namespace, root: str) -> config.Config:
 
 
 def _timed(fn: Any) -> float:
-    dist.barrier()
+    comm.barrier()
     t = time.perf_counter()
     fn()
-    dist.barrier()
+    comm.barrier()
     return time.perf_counter() - t
 
 
@@ -92,7 +91,7 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace, root: str) ->
     baseline = Path(root) / "baseline.pt"
     for i in range(args.repeats):
         out["sync"].append(_timed(lambda i=i: saver.save(10 + i, 0, model, opt, asynchronous=False)))
-        dist.barrier()
+        comm.barrier()
         t = time.perf_counter()
         saver.save(100 + i, 0, model, opt, asynchronous=True)
         out["async"].append(time.perf_counter() - t)

@@ -17,7 +17,7 @@ Measured per rank, per (algorithm, N):
   concatenated positions, ``b·s`` int64 per layer), found by walking the graph. Goal (the issue):
   at most ``1.05/N`` of cp = 1's bytes on the largest rank. Transients (the K,V block in flight, the
   llama3 gathered K,V of one head group) are not activations and are not counted.
-* attention work: ``kernels.attention_forward``/``attention_backward`` are wrapped in the rank, and
+* attention work: ``kernels.attention_forward``/``attention_backward`` are observed in the rank (``kernels.observe``), and
   every call adds ``b · heads · visible (query, key) pairs`` of its block (``full``: ``sq·sk``;
   ``causal``: ``sq(sq+1)/2``; ``masked``: ``visible(...).sum()``). Balance = max/min over ranks
   (goal for zigzag: <= 1.1); ``max/ideal`` = the largest rank's work over ``1/N`` of the causal total
@@ -194,7 +194,7 @@ def skip_reason(args: argparse.Namespace, algo: str, n: int, seq: int) -> str:
 
 
 class WorkCounter:
-    """Wraps ``kernels.attention_forward``/``attention_backward`` (this process only) and adds up, per phase,
+    """Observes ``kernels.attention_forward``/``attention_backward`` (``kernels.observe``) and adds up, per phase,
     the calls per block kind and the attention work ``b · heads · visible (query, key) pairs``."""
 
     def __init__(self) -> None:
@@ -214,21 +214,8 @@ class WorkCounter:
 
     @contextmanager
     def active(self) -> Iterator[WorkCounter]:
-        forward, backward = kernels.attention_forward, kernels.attention_backward
-
-        def counted_forward(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, **kw):  # type: ignore[no-untyped-def]
-            self._add("forward", q, k, q_pos, k_pos, q_doc, k_doc, kw.get("kind"))
-            return forward(q, k, v, q_pos, k_pos, q_doc, k_doc, **kw)
-
-        def counted_backward(dout, q, k, v, out, lse, q_pos, k_pos, q_doc=None, k_doc=None, **kw):  # type: ignore[no-untyped-def]
-            self._add("backward", q, k, q_pos, k_pos, q_doc, k_doc, kw.get("kind"))
-            return backward(dout, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, **kw)
-
-        kernels.attention_forward, kernels.attention_backward = counted_forward, counted_backward
-        try:
+        with kernels.observe(self._add):
             yield self
-        finally:
-            kernels.attention_forward, kernels.attention_backward = forward, backward
 
 
 class SavedBytes:
@@ -324,9 +311,7 @@ class LayerRun:
 
 def _barrier(n: int) -> None:
     if n > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
+        comm.barrier()
 
 
 def measure(args: argparse.Namespace, algo: str, rank: int, n: int, group: Any) -> dict[str, Any]:

@@ -11,14 +11,14 @@ no-overlap baseline).
 
 Method
 ------
-The benchmark (never the library) swaps ``megatron_sp.mpu.comm``'s asynchronous collectives — the
-functions the optimizer calls: ``reduce_scatter_async`` (ZeRO-1), ``all_reduce_async`` (ZeRO off),
-``all_gather_async`` (ZeRO-1 parameters in ``step``; ZeRO off in earlier revisions) — for timed
-versions and records with ``time.perf_counter`` in each rank, per collective: when its launch call
-began and returned, when it completed, when the optimizer's ``wait()`` began and returned; per
-step: the ends of forward, backward (``loss.backward()`` returned), ``finish_grad_sync`` and
-``step``. A collective is in flight from the return of its launch call to its completion; for the
-gradient collectives (launched during backward or in ``finish_grad_sync``)::
+The benchmark observes ``megatron_sp.mpu.comm`` through its supported hook (``comm.observe``; no
+function is replaced): every asynchronous collective the optimizer issues — ``reduce_scatter_async``
+(ZeRO-1), ``all_reduce_async`` (ZeRO off), ``all_gather_async`` (ZeRO-1 parameters in ``step``) —
+arrives as a ``CommEvent`` with ``time.perf_counter`` stamps of when its launch call began and
+returned, and its ``Pending``'s ``wait()`` stamps when the optimizer's wait began and returned; per
+step the benchmark records the ends of forward, backward (``loss.backward()`` returned),
+``finish_grad_sync`` and ``step``. A collective is in flight from the return of its launch call to
+its completion; for the gradient collectives (launched during backward or in ``finish_grad_sync``)::
 
     hidden = Σ_ops |[launched, done] ∩ (−∞, backward end]|  ÷  Σ_ops (done − launched)
 
@@ -26,16 +26,13 @@ and, counting concurrent collectives once, the same over the union of the interv
 The time inside the launch calls runs on the main thread and is reported apart ("launch").
 
 Completion time. A gloo collective runs on the process group's worker threads, which complete the
-``Work``'s future; an ``add_done_callback`` stamps the time. All-reduces and all-gathers are the
-optimizer's real calls, stamped this way. Reduce-scatters cannot be: gloo implements
-``reduce_scatter_single`` (ProcessGroupGloo::``reduce_scatter_tensor_coalesced``) as a clone of the
-input on the calling thread + an async all-reduce of the clone, returned as a ``LambdaWork`` that
-waits and copies this rank's chunk inside ``wait()`` — it has no future and ``is_completed()``
-never becomes true. So the timed ``reduce_scatter_async`` performs exactly those steps itself
-(clone, ``dist.all_reduce(async_op=True)``, chunk copy in ``wait()``; checked bit-identical to the
-library call at start-up), which exposes the all-reduce's future. ``wait()`` return times are no
-substitute: the optimizer waits only in ``finish_grad_sync``, after backward, so every op would
-look unfinished when backward ends.
+``Work``'s future; an ``add_done_callback`` on the event's ``work`` stamps the time. gloo's own
+``reduce_scatter_single`` returns a work without a future, so ``comm.reduce_scatter_async`` does on
+gloo what gloo does inside it (clone, ``all_reduce(async_op=True)``, chunk copy in ``wait()``) in the
+open, and its work is the all-reduce's; ``check_replica`` checks at start-up that the result is
+bit-identical to gloo's reduce-scatter. ``wait()`` return times are no substitute: the optimizer
+waits only in ``finish_grad_sync``, after backward, so every op would look unfinished when backward
+ends.
 
 Limits
 ------
@@ -65,14 +62,13 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 try:
     import megatron_sp  # noqa: F401
@@ -90,8 +86,8 @@ from megatron_sp.testing import run_distributed
 WORLD = 2
 ONE_BUCKET = 1 << 50  # bucket_bytes larger than any model: one bucket
 GRAD_PHASES = ("backward", "finish")  # ops launched here reduce gradients
-TRACED = tuple(name for name in ("reduce_scatter_async", "all_reduce_async", "all_gather_async") if hasattr(comm, name))
-"""The asynchronous collectives of ``comm`` (the ones the optimizer calls) that exist in this revision."""
+TRACED = ("reduce_scatter_async", "all_reduce_async", "all_gather_async")
+"""The asynchronous collectives of ``comm`` the optimizer calls (observed as their KINDS)."""
 KINDS = ("reduce_scatter", "all_reduce", "all_gather")
 KIND_LABEL = {"reduce_scatter": "RS", "all_reduce": "AR", "all_gather": "AG"}
 
@@ -139,8 +135,15 @@ class Op:
     launch: float
     launched: float = 0.0  # when the launch call returned (the RS clone runs on the caller's thread)
     done: float | None = None  # the work's future completed (callback)
-    wait_start: float | None = None
-    wait_end: float | None = None
+    event: Any = None  # comm's CommEvent: its Pending's wait() stamps wait_start / wait_end on it
+
+    @property
+    def wait_start(self) -> float | None:
+        return None if self.event is None else self.event.wait_start
+
+    @property
+    def wait_end(self) -> float | None:
+        return None if self.event is None else self.event.wait_end
 
     @property
     def end(self) -> float:
@@ -160,93 +163,34 @@ class Tracer:
 TRACER = Tracer()
 
 
-class TimedPending:
-    """Stands in for ``comm.Pending``: ``wait()`` stamps its start and return around ``finish``."""
-
-    def __init__(self, op: Op, finish: Callable[[], torch.Tensor]) -> None:
-        self._op = op
-        self._finish = finish
-        self._result: torch.Tensor | None = None
-
-    def wait(self) -> torch.Tensor:
-        if self._result is None:
-            self._op.wait_start = time.perf_counter()
-            self._result = self._finish()
-            self._op.wait_end = time.perf_counter()
-        return self._result
-
-
 def _stamp_done(op: Op, work: Any) -> None:
     def done(_: Any) -> None:
         op.done = time.perf_counter()
     work.get_future().add_done_callback(done)
 
 
-def gloo_reduce_scatter_async(t: torch.Tensor, group: Any, tracer: Tracer | None = None) -> Any:
-    """gloo's ``reduce_scatter_single`` done step by step (clone, async all-reduce, chunk copy in
-    ``wait()``), so the all-reduce's future gives the completion time. Same result as
-    ``comm.reduce_scatter_async`` for a dim-0 reduce-scatter (checked by ``check_replica``)."""
-    n = comm.group_size(group)
-    if n == 1:
-        return comm.Pending(None, t)
-    if t.shape[0] % n:
-        raise ValueError(f"reduce_scatter: dim 0 of {tuple(t.shape)} is not divisible by {n}")
-    op = Op("reduce_scatter", tracer.phase if tracer else "idle", t.numel() * t.element_size(), time.perf_counter())
-    buf = t.contiguous().clone()
-    out = torch.empty((t.shape[0] // n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    work = dist.all_reduce(buf, group=group, async_op=True)
-    _stamp_done(op, work)
-    op.launched = time.perf_counter()
-    if tracer is not None:
-        tracer.ops.append(op)
-    rank = comm.group_rank(group)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        return out.copy_(buf.chunk(n)[rank])
-    return TimedPending(op, finish)
-
-
 @contextmanager
 def traced(tracer: Tracer) -> Iterator[None]:
-    """Swap comm's async collectives for timed versions while the block runs (this process only)."""
-    originals = {name: getattr(comm, name) for name in TRACED}
+    """Record the asynchronous collectives (``TRACED``) issued while the block runs, through ``comm.observe``."""
 
-    def timed(kind: str, call: Callable[[], Any], nbytes: int) -> Any:
-        op = Op(kind, tracer.phase, nbytes, time.perf_counter())
-        pending = call()
-        op.launched = time.perf_counter()
-        if pending._work is None:  # a group of one: nothing to time
-            return pending
-        _stamp_done(op, pending._work)
+    def on_event(event: comm.CommEvent) -> None:
+        if event.op not in KINDS or event.work is None:  # a blocking call, or not a gradient/parameter collective
+            return
+        op = Op(event.op, tracer.phase, event.tensor.numel() * event.tensor.element_size(), event.called,
+                launched=event.issued, event=event)
+        _stamp_done(op, event.work)
         tracer.ops.append(op)
-        return TimedPending(op, pending.wait)
 
-    def reduce_scatter_async(t: torch.Tensor, group: Any) -> Any:
-        return gloo_reduce_scatter_async(t, group, tracer)
-
-    def all_reduce_async(t: torch.Tensor, group: Any) -> Any:
-        return timed("all_reduce", lambda: originals["all_reduce_async"](t, group), t.numel() * t.element_size())
-
-    def all_gather_async(t: torch.Tensor, group: Any, out: torch.Tensor | None = None) -> Any:
-        return timed("all_gather", lambda: originals["all_gather_async"](t, group, out=out), t.numel() * t.element_size())
-
-    wrappers = {"reduce_scatter_async": reduce_scatter_async, "all_reduce_async": all_reduce_async,
-                "all_gather_async": all_gather_async}
-    for name in originals:
-        setattr(comm, name, wrappers[name])
-    try:
+    with comm.observe(on_event):
         yield
-    finally:
-        for name, fn in originals.items():
-            setattr(comm, name, fn)
 
 
 def check_replica(group: Any, seed: int) -> bool:
-    """Whether the timed reduce-scatter returns exactly what the library's (gloo's) does."""
+    """Whether comm's asynchronous reduce-scatter (gloo: clone + async all-reduce + chunk copy, so that it
+    has a future) returns exactly what gloo's own reduce-scatter (``comm.reduce_scatter``) does."""
     x = torch.randn(4096 * comm.group_size(group), generator=torch.Generator().manual_seed(seed + comm.group_rank(group)))
-    ours = gloo_reduce_scatter_async(x, group).wait()
-    theirs = comm.reduce_scatter_async(x, group).wait()
+    ours = comm.reduce_scatter_async(x, group).wait()
+    theirs = comm.reduce_scatter(x, group, 0)
     return bool(torch.equal(ours, theirs))
 
 

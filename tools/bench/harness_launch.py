@@ -13,14 +13,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
-import torch.distributed as dist
-
+from megatron_sp.mpu import comm
 from megatron_sp.testing import run_distributed
 
 
 def _all_reduce(rank: int, world: int) -> float:
     t = torch.ones(1)
-    dist.all_reduce(t)
+    comm.all_reduce(t, None)
     return t.item()
 
 

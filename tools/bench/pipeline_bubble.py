@@ -73,7 +73,7 @@ except ImportError:
 from megatron_sp import config
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.transformer import TensorParallel
-from megatron_sp.mpu import ParallelDims, initialize
+from megatron_sp.mpu import ParallelDims, comm, initialize
 from megatron_sp.pipeline import (
     SCHEDULES,
     PipelineConfigError,
@@ -158,8 +158,6 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace,
 
     The schedules of one m take their steps in turn (round robin), so load changes hit them alike.
     """
-    import torch.distributed as dist
-
     state = initialize(ParallelDims(pp=world_size))
     cfg = model_config(args)
     tp = TensorParallel(group=state.tp_group, size=1, rank=0)
@@ -182,7 +180,7 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace,
                     if p.grad is not None:
                         p.grad.zero_()
                 stats = ScheduleStats()
-                dist.barrier()
+                comm.barrier()
                 c0, t0 = time.thread_time(), time.perf_counter()
                 forward_backward(stage, mbs, state, loss_fn, schedule, stats=stats, costs=measured.get((schedule, m)))
                 t1, c1 = time.perf_counter(), time.thread_time()

@@ -14,10 +14,11 @@ docs/attention.md.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -188,6 +189,24 @@ def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Public API
 # ----------------------------------------------------------------------------------------------
 
+BlockObserver = Callable[..., None]
+"""``callback(phase, q, k, q_pos, k_pos, q_doc, k_doc, kind)``: see ``observe``."""
+_BLOCK_OBSERVERS: list[BlockObserver] = []
+
+
+@contextlib.contextmanager
+def observe(callback: BlockObserver) -> Iterator[None]:
+    """Call ``callback(phase, q, k, q_pos, k_pos, q_doc, k_doc, kind)`` at each ``attention_forward``
+    (phase ``"forward"``) and ``attention_backward`` (``"backward"``) inside the block, before the
+    kernel runs; ``kind`` is the caller's (None: not classified yet). For benchmarks that count the
+    attention work per block (``tools/bench/context_parallel.py``); nothing is replaced."""
+    _BLOCK_OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _BLOCK_OBSERVERS.remove(callback)
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                       q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, *,
                       scale: float | None = None, kind: str | None = None,
@@ -199,6 +218,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     that see no key: ``out = 0``, ``lse = −inf`` (never NaN). ``scale`` defaults to ``d**-0.5``;
     ``kind`` is the ``classify`` result if the caller has it; ``kernel`` forces a kernel.
     """
+    for callback in _BLOCK_OBSERVERS:
+        callback("forward", q, k, q_pos, k_pos, q_doc, k_doc, kind)
     with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
         return _attention_forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
 
@@ -230,6 +251,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     GQA ``dk``/``dv`` are summed over the query heads of each kv head. ``dq`` is this block's share:
     the caller sums it over key blocks. Rows with ``lse = −inf`` contribute 0.
     """
+    for callback in _BLOCK_OBSERVERS:
+        callback("backward", q, k, q_pos, k_pos, q_doc, k_doc, kind)
     with torch.autocast(q.device.type, enabled=False):  # fp32 gradients from the fp32 lse, also inside autocast
         return _attention_backward(dout, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
 
