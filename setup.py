@@ -26,7 +26,7 @@ setup(
         # elsewhere those tests skip).
         "test": ["pytest>=7", "transformers>=4.40", "matplotlib", "megatron-core==0.16.1; platform_machine == 'x86_64'"],
         "logging": ["wandb", "tensorboard", "matplotlib"],  # matplotlib: tools/plot_metrics.py
-        # flash-attn builds against the installed CUDA torch; NVIDIA apex is built from source (README).
+        # flash-attn builds against the installed CUDA torch.
         "gpu": ["flash-attn>=2.5"],
         # tokenizer.type=hf: a Hugging Face tokenizer.json through the `tokenizers` package alone.
         "hf": ["tokenizers>=0.15"],

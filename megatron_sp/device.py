@@ -1,7 +1,7 @@
 """The one place that knows about accelerators.
 
-Everything else asks this module: which device and backend to use, whether flash-attn or NVIDIA
-apex can be imported, the peak FLOP/s for MFU, memory in use, and how to synchronise. GPU-only
+Everything else asks this module: which device and backend to use, whether flash-attn can be
+imported, the peak FLOP/s for MFU, memory in use, and how to synchronise. GPU-only
 packages are imported lazily; when one is missing we fall back to plain PyTorch and say so once.
 """
 from __future__ import annotations
@@ -99,20 +99,6 @@ def flash_attn_func() -> Callable[..., Any] | None:
         return None
     log.info("attention uses flash-attn")
     return fn
-
-
-@functools.cache
-def apex_available() -> bool:
-    """True when NVIDIA apex (built from source with its CUDA extensions) imports on a GPU machine."""
-    if not cuda_available():
-        return False
-    try:
-        import apex  # noqa: F401  # type: ignore[import-not-found]
-        import fused_layer_norm_cuda  # noqa: F401  # type: ignore[import-not-found]
-    except Exception as exc:
-        log.info("NVIDIA apex not usable (%s); using torch fused kernels", exc)
-        return False
-    return True
 
 
 PEAK_CACHE_ENV = "MEGATRON_SP_CACHE_DIR"

@@ -400,7 +400,10 @@ class Command:
 
 
 @dataclass
-class Plan:
+class LaunchPlan:
+    """What ``deepy`` runs: the ``launcher`` used, its ``commands`` and a one-line ``summary``.
+    (Not ``plan.LayoutPlan``, the memory/communication plan of a config.)"""
+
     launcher: str
     commands: list[Command]
     summary: str
@@ -478,7 +481,7 @@ class _Request:
         return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{self.port}", "--rdzv-id", self.rdzv_id]
 
 
-def build_plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str], cwd: str) -> Plan:
+def build_plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str], cwd: str) -> LaunchPlan:
     """The exact commands of the launch (nothing is run here, except ``scontrol`` under slurm)."""
     if not args.module and not Path(cwd, command[0]).is_file():
         raise LaunchError(f"script {command[0]!r} not found in {cwd}; give a path relative to the current directory "
@@ -521,7 +524,7 @@ def build_plan(args: argparse.Namespace, command: list[str], environ: Mapping[st
     return _plan_remote(req, launcher)
 
 
-def _plan_local(req: _Request) -> Plan:
+def _plan_local(req: _Request) -> LaunchPlan:
     """torchrun on this machine: ``--standalone`` (a free port) unless --master-port is given."""
     args, hosts = req.args, req.hosts
     if len(hosts) > 1 or (args.num_nodes or 1) > 1:
@@ -545,11 +548,11 @@ def _plan_local(req: _Request) -> Plan:
         addr = args.master_addr or "127.0.0.1"
         rendezvous, where = req.c10d(addr), f"{addr}:{req.port}"
     argv = [*_env_prefix(env), *req.torchrun(1, nproc, rendezvous)]
-    return Plan("local", [Command("local", argv)], f"local launch of {req.name}: {nproc} ranks on this machine, "
+    return LaunchPlan("local", [Command("local", argv)], f"local launch of {req.name}: {nproc} ranks on this machine, "
                                                    f"rendezvous on {where}")
 
 
-def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> Plan:
+def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
     """One srun step, one torchrun per node; this shell's environment goes along (--export=ALL)."""
     args, hosts = req.args, req.hosts
     env = dict(req.env.explicit)
@@ -582,11 +585,11 @@ def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> Plan:
     if names:
         srun += ["--nodelist", ",".join(names)]
     argv = [*_env_prefix(env), *srun, *req.torchrun(nodes, nproc, req.c10d(master))]
-    return Plan("slurm", [Command("slurm", argv)], f"slurm launch of {req.name}: {nodes} node(s) × {nproc} ranks, "
+    return LaunchPlan("slurm", [Command("slurm", argv)], f"slurm launch of {req.name}: {nodes} node(s) × {nproc} ranks, "
                                                    f"rendezvous c10d at {master}:{req.port} (id {req.rdzv_id})")
 
 
-def _plan_remote(req: _Request, launcher: str) -> Plan:
+def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
     """ssh (one command per host) or pdsh (one for all): a remote login shell runs a quoted command string."""
     args, hosts = req.args, req.hosts
     total = sum(h.nproc for h in hosts)
@@ -599,7 +602,7 @@ def _plan_remote(req: _Request, launcher: str) -> Plan:
         remote = remote_command(req.cwd, _with_devices(env, devices) if devices else env,
                                 req.torchrun(len(hosts), nproc, req.c10d(master)))
         argv = ["pdsh", "-R", "ssh", "-S", "-f", "1024", "-w", ",".join(h.name for h in hosts), pdsh_escape(remote)]
-        return Plan("pdsh", [Command("pdsh", argv)],
+        return LaunchPlan("pdsh", [Command("pdsh", argv)],
                     summary + f"rendezvous c10d at {master}:{req.port} (id {req.rdzv_id})")
     # -tt: closing the connection (deepy stopping) hangs up the remote torchrun, which then stops its workers
     ssh = ["ssh", "-tt", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
@@ -616,7 +619,7 @@ def _plan_remote(req: _Request, launcher: str) -> Plan:
         commands.append(Command(h.name, [*ssh, "--", h.name, remote]))
     how = f"static rendezvous at {master}:{req.port}" if args.rdzv_backend == "static" else \
         f"rendezvous c10d at {master}:{req.port} (id {req.rdzv_id})"
-    return Plan("ssh", commands, summary + how)
+    return LaunchPlan("ssh", commands, summary + how)
 
 
 def _with_devices(env: Mapping[str, str], devices: str) -> dict[str, str]:
@@ -674,7 +677,7 @@ def _pump(label: str, stream: Any, out: TextIO, lock: threading.Lock) -> None:
     stream.close()
 
 
-def execute(plan: Plan, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run the plan's commands; return the exit code (the first failing command's, 130 on interrupt).
 
     Each command starts in its own session so deepy decides how it stops: on Ctrl-C, SIGTERM or a

@@ -6,6 +6,11 @@ TP-sharded parameters (``tensor_model_parallel``, ``partition_dim``) are all-gat
 group and concatenated along their partition dim; pipeline stages contribute their own parameters
 (gathered over the PP group). Data/context-parallel replicas hold identical reduced gradients, so
 nothing is gathered over DP/CP. ``grad_diffs`` measures max|Δ| / max|ref| per parameter.
+
+Why it ships in the package rather than under tests/: training uses it (``full_main_grads`` writes
+the ``logging.dump_grads_step`` dump), and ``load_grads`` / ``compare_runs`` are the reader and the
+comparison for those dumps, so a user can check their own layout against a 1-rank run
+(docs/parity.md) without the tests directory.
 """
 from __future__ import annotations
 

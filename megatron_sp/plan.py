@@ -40,8 +40,8 @@ Communication per step per rank
     all-gather ``(n−1)/n`` of the output, reduce-scatter ``(n−1)/n`` of the input, all-to-all
     ``(n−1)/n``, ring exchange the whole message): TP per layer (SP: all-gather/reduce-scatter,
     plus the backward re-gather of ``tp_recompute_allgather``; else all-reduces), the embedding,
-    output layer and cross entropy, the TP sum of sequence-parallel gradients; CP per ALGORITHMS.md
-    as our kernels send it; PP point-to-point activations and gradients; DP reduce-scatter +
+    output layer and cross entropy, the TP sum of sequence-parallel gradients; CP per docs/attention.md
+    ("Communication per layer per rank") as our kernels send it; PP point-to-point activations and gradients; DP reduce-scatter +
     all-gather (ZeRO-1) or all-reduce of the flat fp32 gradients.
 
 Measuring (``verify_rank``, ``SavedBytes``, ``LiveSavedBytes``, ``measure_state``)
@@ -73,7 +73,8 @@ from typing import Any
 from .config.schema import Config
 from .errors import ConfigError
 from .model.gpt import parameter_parts
-from .model.transformer import MATH_ATTENTION_MAX_SCORES, arch_spec, head_dim, rotary_dim
+from .model.attention.kernels import MATH_ATTENTION_MAX_SCORES
+from .model.transformer import arch_spec, head_dim, rotary_dim
 from .pipeline.partition import stage_chunks
 from .pipeline.schedules import Action, build_schedule, theory_bubble
 
@@ -93,8 +94,10 @@ DEFAULT_BANDWIDTH_GBS = 100.0
 
 
 @dataclass(frozen=True)
-class Dims:
-    """Every number the formulas read, from a finalized config (one place for the derivations)."""
+class PlanDims:
+    """Every number the formulas read, from a finalized config (one place for the derivations):
+    model shape, batch, layout and precision. (Not ``mpu.ParallelDims``, which only sizes the
+    process groups.)"""
 
     arch: str
     layers: int
@@ -183,15 +186,15 @@ class Dims:
         return 1 if self.device == "cuda" else self.e
 
 
-def dims_of(cfg: Config) -> Dims:
-    """The ``Dims`` of a finalized config whose vocabulary is set (``config.set_vocab``)."""
+def dims_of(cfg: Config) -> PlanDims:
+    """The ``PlanDims`` of a finalized config whose vocabulary is set (``config.set_vocab``)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if m.padded_vocab_size is None or m.vocab_size is None:
         raise ValueError("the config's vocabulary is not set: call config.set_vocab(cfg, vocab_size) first")
     schedule = p.pp_schedule
     if p.pp == 1 and schedule in ("1f1b", "interleaved", "none") and p.virtual_stages == 1:
         schedule = "none"  # what forward_backward runs at pp == 1
-    return Dims(arch=m.arch, layers=m.num_layers, h=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
+    return PlanDims(arch=m.arch, layers=m.num_layers, h=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
                 head_dim=head_dim(m), ffn=m.ffn_hidden_size, rotary_dim=rotary_dim(m), vocab=m.vocab_size,
                 padded_vocab=m.padded_vocab_size, seq=m.seq_length, micro_batch=t.micro_batch_size,
                 micro_batches=t.grad_accum_steps, global_batch=t.global_batch_size, tp=p.tp, pp=p.pp, cp=p.cp,
@@ -220,7 +223,7 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
-def _layer_parameters(D: Dims, i: int) -> list[ParamSpec]:
+def _layer_parameters(D: PlanDims, i: int) -> list[ParamSpec]:
     spec = arch_spec(D.arch)
     t, h, d, f = D.tp, D.h, D.head_dim, D.ffn
     pre = f"layers.{i}."
@@ -369,7 +372,7 @@ def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKE
 # ------------------------------------------------------------------------------------------ activations
 
 
-def attention_kernel(D: Dims) -> str:
+def attention_kernel(D: PlanDims) -> str:
     """Which attention path runs: ``cp`` (context-parallel / packed-document kernels), ``math`` (CPU
     explicit scores in bf16/fp16 up to ``MATH_ATTENTION_MAX_SCORES``), ``sdpa_math`` (CPU SDPA with
     dropout falls back to its math kernel), or ``flash`` (CPU flash SDPA; flash-attn / SDPA on CUDA)."""
@@ -384,7 +387,7 @@ def attention_kernel(D: Dims) -> str:
     return "flash"
 
 
-def _cp_algo(D: Dims) -> str:
+def _cp_algo(D: PlanDims) -> str:
     if D.cp == 1:
         return "local"
     if D.cp_algo == "usp" and D.cp_ulysses == 1:
@@ -392,12 +395,12 @@ def _cp_algo(D: Dims) -> str:
     return D.cp_algo
 
 
-def _ulysses_kv(D: Dims, degree: int) -> int:
+def _ulysses_kv(D: PlanDims, degree: int) -> int:
     """kv heads per rank sent through the Ulysses all-to-all (repeated up to ``degree`` when fewer)."""
     return D.local_kv if D.local_kv % degree == 0 else degree
 
 
-def attention_terms(D: Dims, recompute: str | None = None) -> dict[str, int]:
+def attention_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]:
     """Bytes the attention block saves for backward per layer per micro-batch (from the QKV output
     to the output projection's input), by term.
 
@@ -448,7 +451,7 @@ def _nonzero(terms: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in terms.items() if v}
 
 
-def layer_terms(D: Dims, recompute: str | None = None) -> dict[str, int]:
+def layer_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]:
     """Bytes one transformer layer saves for backward per micro-batch on one rank, by term.
 
     Table 2's terms, adapted: ``x`` below is ``[s/t, b, h]`` under SP else ``[s, b, h]``.
@@ -499,7 +502,7 @@ def layer_terms(D: Dims, recompute: str | None = None) -> dict[str, int]:
     return terms
 
 
-def table2_layer_bytes(D: Dims, scores: bool = True) -> int:
+def table2_layer_bytes(D: PlanDims, scores: bool = True) -> int:
     """Table 2 of Korthikanti et al. for this layout as printed in the paper (``ffn = 4h``, 16-bit
     activations scaled by ``e/2``, ``s = seq/cp``, masks 1 byte), for comparison with ``layer_terms``;
     ``scores=False`` drops the ``5as/h`` term (a fused attention kernel stores no ``s × s`` scores)."""
@@ -581,7 +584,7 @@ def chunk_activations(cfg: Config, pp_rank: int, chunk: int) -> ChunkActivations
                             transient=transient, freed=freed)
 
 
-def _table(D: Dims) -> list[list[Action]]:
+def _table(D: PlanDims) -> list[list[Action]]:
     return build_schedule(D.schedule, D.pp, D.micro_batches, D.virtual_stages)
 
 
@@ -621,7 +624,7 @@ def schedule_peak(cfg: Config, pp_rank: int, chunks: Sequence[ChunkActivations] 
     return SchedulePeak(peak=peak + shared, in_flight=most, in_flight_micro_batches=most / D.virtual_stages)
 
 
-def megatron_in_flight(D: Dims, pp_rank: int) -> float:
+def megatron_in_flight(D: PlanDims, pp_rank: int) -> float:
     """The textbook micro-batches in flight on ``pp_rank`` (for display beside the table walk)."""
     m, p, v = D.micro_batches, D.pp, D.virtual_stages
     if D.schedule == "none":
@@ -809,7 +812,7 @@ class LayoutPlan:
     """The plan of one layout: a ``RankPlan`` per pipeline stage and the step-time estimate."""
 
     cfg: Config
-    dims: Dims
+    dims: PlanDims
     stages: list[RankPlan]
     time: dict[str, float] = field(default_factory=dict)
 

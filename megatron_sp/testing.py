@@ -11,6 +11,10 @@ collective.
 ``fn`` must be importable by the children: a module-level function of a module on ``sys.path``
 (pytest test modules qualify) or of the script being run (``__main__``: looked up again in that
 file imported under its own name, so benchmark scripts can define their rank functions).
+
+Why it ships in the package rather than under tests/: production code uses it (``training.setup``
+takes ``free_port`` for a single-rank run outside torchrun), and so do ``tools/plan.py --verify``
+and every ``tools/bench`` script, which an installed package runs without the tests directory.
 """
 from __future__ import annotations
 

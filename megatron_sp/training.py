@@ -257,7 +257,7 @@ def setup(cfg: Config) -> Runtime:
         if cfg.checkpoint.auto_resume and (Path(cfg.checkpoint.save) / "latest").is_file():  # type: ignore[arg-type]
             log.info("checkpoint.auto_resume: resuming from %s", ckpt)
         meta = checkpointing.load(ckpt, model, optimizer, state, dev, cfg.train.seed, tracker,
-                                  layout=checkpointing.layout_of(cfg))
+                                  layout=checkpointing.writer_layout(cfg))
         rt.step, rt.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
         rt.skipped_steps = int(meta.get("skipped_steps", 0))
         if scaler.enabled and "loss_scaler" in meta:
@@ -312,8 +312,8 @@ def place_batch(rt: Runtime, batch: dict[str, torch.Tensor]) -> dict[str, torch.
     """Keep this CP rank's part of every sample (labels were shifted on the full sequence) and move it to the device."""
     st = rt.state
     if st.cp_size > 1:  # this rank's s/cp tokens of every sample
-        from .model.attention.layout import layout_of, shard_batch
-        batch = shard_batch(batch, st.cp_size, st.cp_rank, layout_of(rt.cfg.parallel.cp_algo))
+        from .model.attention.layout import sequence_layout, shard_batch
+        batch = shard_batch(batch, st.cp_size, st.cp_rank, sequence_layout(rt.cfg.parallel.cp_algo))
     return {k: v.to(rt.device) for k, v in batch.items()}
 
 
@@ -506,18 +506,18 @@ def _loop(rt: Runtime) -> None:
         if rt.step % cfg.logging.interval == 0 or done:
             device_mod.synchronize(rt.device)
             now = time.perf_counter()
-            tp = metrics_mod.throughput(tokens_per_step * len(window), now - t_window - paused, fpt, peak)
+            rate = metrics_mod.throughput(tokens_per_step * len(window), now - t_window - paused, fpt, peak)
             record = {"step": rt.step, "loss": float(np.mean([w["loss"] for w in window])), "lr": out["lr"],
-                      "grad_norm": out["grad_norm"], "tokens_per_s": tp["tokens_per_s"], "tflops": tp["tflops"],
-                      "mfu": tp["mfu"], "memory_bytes": device_mod.memory_bytes(rt.device),
+                      "grad_norm": out["grad_norm"], "tokens_per_s": rate["tokens_per_s"], "tflops": rate["tflops"],
+                      "mfu": rate["mfu"], "memory_bytes": device_mod.memory_bytes(rt.device),
                       "world_size": st.dims.world_size, "consumed_samples": rt.consumed_samples,
                       "skipped_steps": rt.skipped_steps}
             if rt.scaler.enabled:
                 record["loss_scale"] = rt.scaler.scale
             metrics.write(record)
             log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | MFU %.1f%% | ETA %s",
-                     rt.step, cfg.train.iters, record["loss"], out["lr"], out["grad_norm"], tp["tokens_per_s"],
-                     100 * tp["mfu"], metrics_mod.format_eta(metrics_mod.eta_seconds(step_seconds, cfg.train.iters - rt.step)))
+                     rt.step, cfg.train.iters, record["loss"], out["lr"], out["grad_norm"], rate["tokens_per_s"],
+                     100 * rate["mfu"], metrics_mod.format_eta(metrics_mod.eta_seconds(step_seconds, cfg.train.iters - rt.step)))
             window, t_window, paused = [], time.perf_counter(), 0.0
         t_pause = time.perf_counter()
         if cfg.train.eval_interval and (rt.step % cfg.train.eval_interval == 0 or done) and rt.valid_ds is not None \

@@ -32,7 +32,7 @@ from megatron_sp import checkpointing
 from megatron_sp.config import ModelConfig, TokenizerConfig
 from megatron_sp.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_sp.errors import DataError, OneLineArgumentParser, UserError
-from megatron_sp.model.gpt import GPTModel, generate
+from megatron_sp.model import GPTModel, generate
 
 MAX_NEW_TOKENS = 100_000  # per prompt: past the context window every token re-runs the window (minutes, silently)
 

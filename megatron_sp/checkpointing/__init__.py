@@ -85,7 +85,10 @@ def step_dir(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-def layout_of(cfg: Config) -> dict[str, int]:
+def writer_layout(cfg: Config) -> dict[str, int]:
+    """The parallel layout that writes a checkpoint, as stored under meta.json's ``layout`` key:
+    ``{tp, pp, cp, dp, virtual_stages}``. (Not the CP sequence layout: that is
+    ``model.attention.layout.sequence_layout``.)"""
     p = cfg.parallel
     return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": int(p.dp or 1), "virtual_stages": p.virtual_stages}
 
@@ -398,7 +401,7 @@ class Checkpointer:
             index = store.build_index((e for entries, _ in everyone for e in entries), declared,
                                       [store.rank_file(r) for r in range(self.world)])
         meta = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
-                "world_size": self.world, "layout": layout_of(self.cfg), "optimizer_step": optimizer.step_count,
+                "world_size": self.world, "layout": writer_layout(self.cfg), "optimizer_step": optimizer.step_count,
                 "config": to_dict(self.cfg), **self.lineage.to_meta(), **(extra or {})}
         job = _Pending(step, tmp, final, meta, index)
         rng = _rng_tensors(self.dev, tracker)
@@ -626,7 +629,7 @@ def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: P
          layout: dict[str, int] | None = None) -> dict[str, Any]:
     """Restore model, optimizer and (same layout) this rank's RNG; return the meta (step, consumed samples).
 
-    ``layout``: this run's (``layout_of(cfg)``); the RNG states load only if it equals the
+    ``layout``: this run's (``writer_layout(cfg)``); the RNG states load only if it equals the
     writer's (otherwise every rank reseeds from the seed, step and rank). A converted checkpoint
     (meta ``converted_from``, see tools/convert_checkpoint.py) may hold weights only: the optimizer
     keeps its fresh state.

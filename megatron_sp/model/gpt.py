@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ from megatron_sp.mpu.random import checkpoint
 from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.transformer import (
-    KVCache,
+    LayerKV,
     RotaryEmbedding,
     TensorParallel,
     TransformerLayer,
@@ -114,6 +115,20 @@ def tag_parameter(param: nn.Parameter, shared_embedding: bool = False) -> None:
         if not hasattr(param, attr):
             setattr(param, attr, default)
     param.shared_embedding = shared_embedding
+
+
+class KVCacheLike(Protocol):
+    """What ``GPTModel.forward`` needs of a KV cache (``model.inference.KVCache``; not imported here)."""
+
+    length: int
+
+    def layer(self, index: int) -> LayerKV:
+        """The cache of global layer ``index``."""
+        ...
+
+    def advance(self, new_tokens: int) -> None:
+        """Mark ``new_tokens`` more tokens as filled."""
+        ...
 
 
 class GPTModel(nn.Module):
@@ -207,7 +222,7 @@ class GPTModel(nn.Module):
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 chunk: int = 0, token_index: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, kv_cache: KVCacheLike | None = None) -> torch.Tensor:
         """Run this stage (or its model chunk ``chunk``, see ``layer_chunks``).
 
         Args:
@@ -223,7 +238,7 @@ class GPTModel(nn.Module):
             kv_cache: inference only (eval mode, the whole model on one rank: tp 1, no context
                 parallelism, no packed documents): ``tokens`` are the next tokens after the
                 ``kv_cache.length`` cached ones; their keys/values are appended to the cache and
-                ``position_ids`` default to ``kv_cache.length + arange(s)``. See ``KVCache``.
+                ``position_ids`` default to ``kv_cache.length + arange(s)``. See ``inference.KVCache``.
 
         Returns:
             last stage: logits ``[b, s, padded_vocab]`` when ``labels`` is None, else per-token
@@ -287,7 +302,7 @@ class GPTModel(nn.Module):
                                             vocab_size=self.vocab_size, z_loss=self.z_loss).t()  # [b, s]
 
     def kv_cache_unsupported(self) -> str | None:
-        """Why this model cannot decode with a ``KVCache`` (None when it can)."""
+        """Why this model cannot decode with a ``inference.KVCache`` (None when it can)."""
         if self.tp.size > 1:
             return f"tensor parallelism (tp={self.tp.size})"
         if comm.group_size(self.cp_group) > 1:
@@ -359,94 +374,3 @@ def flops_per_token(cfg: ModelConfig) -> float:
     """
     n = count_parameters(cfg, exclude_embeddings=True)
     return 6.0 * n + 6.0 * cfg.num_layers * cfg.num_heads * head_dim(cfg) * cfg.seq_length
-
-
-def sample_next(logits: torch.Tensor, greedy: bool = True, temperature: float = 1.0, top_k: int = 0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> int:
-    """One token id from ``logits`` ``[V]`` (already cut to the real vocabulary).
-
-    ``greedy``: the argmax. Otherwise sample from ``softmax(logits / temperature)`` restricted to
-    the ``top_k`` most likely ids (0: all) and then to the smallest set of most likely ids whose
-    probability reaches ``top_p`` (nucleus; 1.0: all). The draw runs on the CPU with ``generator``
-    (default: torch's global generator), so a seeded generator gives the same ids on any device.
-    """
-    if greedy:
-        return int(logits.argmax())
-    scores = logits.detach().float().cpu() / temperature  # [V]
-    if 0 < top_k < scores.numel():
-        kth = torch.topk(scores, top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the more likely ids
-        drop = before >= top_p  # the first id is always kept (before = 0)
-        scores = scores.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def check_sampling(greedy: bool, temperature: float, top_k: int, top_p: float) -> None:
-    """Raise ValueError naming the bad sampling setting."""
-    if greedy:
-        return
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature} (use greedy for argmax)")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0: no limit), got {top_k}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-
-
-def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, eod: int | None, *,
-             greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None, use_cache: bool = True) -> list[int]:
-    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens; returns prompt + new tokens.
-
-    Each token is the argmax (``greedy``, the default) or a sample with ``temperature``,
-    ``top_k`` and ``top_p`` drawn with ``generator`` (see ``sample_next``). Generation stops early
-    when the model picks ``eod`` (which is not appended). Padded vocab rows beyond
-    ``cfg.vocab_size`` (when known) are never chosen. Runs in ``no_grad`` and eval mode; the
-    model's train/eval mode is restored afterwards. ``model`` must hold the embedding and the
-    output layer. The new tokens are ``result[len(prompt_ids):]``.
-
-    Context: the model sees the last ``seq_length`` tokens (positions from 0), as in training.
-    With ``use_cache`` (and a model that supports it: tp 1, no context parallelism, one stage)
-    the prompt is run once and each new token reuses the keys/values of the earlier ones
-    (``KVCache``). The logits are the same as without the cache while the whole context fits in
-    ``seq_length``; past that, cropping shifts every position, so each further token re-runs the
-    cropped window without the cache, exactly like ``use_cache=False``. A model that cannot use
-    the cache (e.g. tensor parallel during training) silently decodes without it.
-    """
-    if not prompt_ids:
-        raise ValueError("generate needs at least one prompt token")
-    if model.embedding is None or not model.post_process:
-        raise ValueError("generate needs a model with both the embedding and the output layer")
-    check_sampling(greedy, temperature, top_k, top_p)
-    dev = next(model.parameters()).device
-    limit = model.cfg.vocab_size or model.padded_vocab_size
-    seq_length = model.cfg.seq_length
-    tokens = list(prompt_ids)
-    cache = KVCache(seq_length) if use_cache and model.kv_cache_unsupported() is None else None
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for _ in range(max_new_tokens):
-                if cache is not None and len(tokens) <= seq_length:
-                    new = torch.tensor([tokens[cache.length:]], dtype=torch.long, device=dev)  # [1, s_new]
-                    last_logits = model(new, kv_cache=cache)[0, -1]  # [V]
-                else:
-                    window = tokens[-seq_length:]
-                    # Sequence parallelism splits s over TP: pad on the right (causal: earlier logits unchanged).
-                    multiple = model.tp.size if model.tp.sequence_parallel else 1
-                    padded = window + [0] * (-len(window) % multiple)
-                    context = torch.tensor([padded], dtype=torch.long, device=dev)  # [1, s]
-                    last_logits = model(context)[0, len(window) - 1]  # [V]
-                next_id = sample_next(last_logits[:limit], greedy, temperature, top_k, top_p, generator)
-                if eod is not None and next_id == eod:
-                    break
-                tokens.append(next_id)
-    finally:
-        model.train(was_training)
-    return tokens

@@ -33,11 +33,12 @@ conversion is a reshape, and a contiguous slice of the output rows is a whole nu
 (tensor parallelism needs ``num_kv_heads % tp == 0``). The forward pass infers the number of
 local groups from the projection's output width, so a column-parallel ``qkv`` just works.
 
-The attention kernel is the module-level function ``dot_product_attention`` held in
+No kernels live here: the attention kernel is ``attention.kernels.dot_product_attention``, held in
 ``SelfAttention.attention_fn`` (context parallelism and packed documents call
 ``context_parallel_attention`` instead). ``SelfAttention.register_kernel_hook`` wraps one layer's
 kernel call, e.g. to see q, k, v and the output (the activation-memory benchmark); nothing needs
-to replace the attribute.
+to replace the attribute. Decoding with a KV cache (``model.inference``) passes each layer its
+cache (``LayerKV``) and attends with ``attention.kernels.cached_attention``.
 """
 from __future__ import annotations
 
@@ -47,17 +48,17 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from megatron_sp import device as device_mod
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.mpu import comm
 from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
+from megatron_sp.model.attention.kernels import cached_attention, dot_product_attention
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.random import TP_DIFFERENT, RNGTracker, checkpoint, get_tracker
@@ -234,174 +235,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated if x_pass is None else torch.cat([rotated, x_pass], dim=-1)
 
 
-MATH_ATTENTION_MAX_SCORES = 1 << 24
-"""CPU attention in ``MATH_ATTENTION_DTYPES`` materialises the scores when ``b · n · s²`` is at most this.
-
-Trade-off: in bf16 on CPU, ``baddbmm → softmax → bmm`` is about 1.6–2× faster (forward + backward)
-than torch's CPU flash kernel, which recomputes the scores in backward with small tiles; in fp32
-the two are on par, so fp32 keeps the flash kernel. The price is keeping the ``[b·n, s, s]``
-probabilities for backward: at most 32 MiB per layer in bf16 with this bound; longer sequences use
-the O(s)-memory flash kernel. Set to 0 to always use SDPA.
-"""
-
-_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
-
-MATH_ATTENTION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-"""Dtypes for which the explicit-scores CPU kernel is used (see ``MATH_ATTENTION_MAX_SCORES``)."""
-
-
-@functools.lru_cache(maxsize=16)
-def _causal_bias(s: int, repeats: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-    """Additive causal mask ``[repeats·s, s]``: 0 where key j <= query i, -inf above the diagonal."""
-    with torch.inference_mode(False):  # cached: must stay usable outside inference mode
-        bias = torch.full((s, s), float("-inf"), dtype=dtype, device=dev).triu(1)
-        return bias.repeat(repeats, 1)
-
-
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal attention with explicit scores; q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` → ``[s, b, n, d]``.
-
-    The ``n / g`` query heads of a group are stacked along the rows, so GQA needs no k/v copies.
-    """
-    s, b, n, d = q.shape
-    g = k.shape[2]
-    r = n // g
-    q_grouped = q.permute(1, 2, 0, 3).reshape(b * g, r * s, d)  # [b·g, r·s, d]
-    k_grouped = k.permute(1, 2, 0, 3).reshape(b * g, s, d)  # [b·g, s, d]
-    v_grouped = v.permute(1, 2, 0, 3).reshape(b * g, s, d)  # [b·g, s, d]
-    bias = _causal_bias(s, r, q.dtype, q.device)  # [r·s, s]
-    scores = torch.baddbmm(bias, q_grouped, k_grouped.transpose(1, 2), alpha=1.0 / math.sqrt(d))  # [b·g, r·s, s]
-    probs = torch.softmax(scores, dim=-1)
-    if dropout_p > 0:
-        probs = F.dropout(probs, dropout_p)
-    out = torch.bmm(probs.to(v_grouped.dtype), v_grouped)  # [b·g, r·s, d]
-    return out.view(b, n, s, d).permute(2, 0, 1, 3)  # [s, b, n, d]
-
-
-def _kv_for_sdpa(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k/v ``[s, b, g, d]`` as SDPA takes them for n query heads: as is, or (torch < 2.5, no GQA
-    support) each kv head repeated for its ``n/g`` query heads."""
-    s, b, g, d = k.shape
-    if g == n or _SDPA_HAS_GQA:
-        return k, v
-    return (k[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d),
-            v[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d))
-
-
-def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal softmax(q kᵀ / √d) v. q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` with g | n → ``[s, b, n, d]``.
-
-    Query head ``j`` attends with key/value head ``j // (n / g)``. Kernels: on CUDA, flash-attn
-    when ``device.flash_attn_func()`` provides it (half precision, head dim <= 256); on CPU in bf16,
-    explicit scores for short sequences (see ``MATH_ATTENTION_MAX_SCORES``); otherwise torch's
-    ``scaled_dot_product_attention`` with ``is_causal=True`` on strided ``[b, n, s, d]`` views.
-    """
-    s, b, n, d = q.shape
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256:
-        flash = device_mod.flash_attn_func()
-        if flash is not None:
-            out_bsnd = flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                             dropout_p=dropout_p, causal=True)  # [b, s, n, d]
-            return out_bsnd.transpose(0, 1)
-    if (not q.is_cuda and q.dtype in MATH_ATTENTION_DTYPES and k.shape[0] == s
-            and b * n * s * s <= MATH_ATTENTION_MAX_SCORES):
-        return _math_attention(q, k, v, dropout_p)
-    k, v = _kv_for_sdpa(k, v, n)
-    q_bnsd = q.permute(1, 2, 0, 3)
-    k_bgsd = k.permute(1, 2, 0, 3)
-    v_bgsd = v.permute(1, 2, 0, 3)
-    gqa = {"enable_gqa": True} if k.shape[2] != n else {}
-    out_bnsd = F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout_p, is_causal=True, **gqa)
-    return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
-
-
-class KVCache:
-    """Keys and values of the tokens seen so far, per layer, for incremental decoding (inference only).
-
-    Each layer keeps ``[max_length, b, g, d]`` key and value buffers (after rotary), allocated at
-    its first ``append``; ``length`` tokens of them are filled. ``GPTModel.forward(...,
-    kv_cache=cache)`` runs the new tokens, appends their keys/values in every layer, then calls
-    ``advance``. Invariant: all layers hold the same ``length`` tokens, at rotary positions
-    ``0..length-1`` unless the caller passed other ``position_ids``. Only for the plain model (tp 1,
-    no sequence or context parallelism) in eval mode; ``GPTModel.forward`` checks that.
-
-    Trade-off: preallocating ``max_length`` rows costs ``2 · layers · max_length · b · g · d``
-    elements up front but makes each step a slice write instead of a concatenation of the history.
-    """
-
-    def __init__(self, max_length: int) -> None:
-        if max_length < 1:
-            raise ValueError(f"KVCache max_length must be positive, got {max_length}")
-        self.max_length = max_length
-        self.length = 0
-        self._layers: dict[int, LayerKVCache] = {}
-
-    def layer(self, index: int) -> LayerKVCache:
-        """The cache of layer ``index`` (global layer number), created on first use."""
-        if index not in self._layers:
-            self._layers[index] = LayerKVCache(self)
-        return self._layers[index]
-
-    def check_room(self, new_tokens: int) -> None:
-        """Raise ValueError if ``new_tokens`` more tokens do not fit."""
-        if self.length + new_tokens > self.max_length:
-            raise ValueError(f"KV cache full: {self.length} cached + {new_tokens} new tokens exceed max_length "
-                             f"{self.max_length}; start a new cache (generate crops the context and re-runs it)")
-
-    def advance(self, new_tokens: int) -> None:
-        """Mark ``new_tokens`` more tokens as filled (after every layer appended them)."""
-        self.check_room(new_tokens)
-        self.length += new_tokens
-
-
-class LayerKVCache:
-    """One layer's key/value buffers inside a ``KVCache`` (which owns the filled length)."""
-
-    def __init__(self, owner: KVCache) -> None:
-        self.owner = owner
-        self.k: torch.Tensor | None = None  # [max_length, b, g, d]
-        self.v: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new ``k``/``v`` ``[s, b, g, d]`` after the cached ones; return all ``[past + s, b, g, d]``."""
-        start, s = self.owner.length, k.shape[0]
-        self.owner.check_room(s)
-        if self.k is None or self.v is None:
-            self.k = k.new_empty((self.owner.max_length, *k.shape[1:]))
-            self.v = v.new_empty((self.owner.max_length, *v.shape[1:]))
-        elif self.k.shape[1:] != k.shape[1:] or self.k.dtype != k.dtype:
-            raise ValueError(f"KV cache holds {tuple(self.k.shape[1:])} {self.k.dtype} per token, got "
-                             f"{tuple(k.shape[1:])} {k.dtype}: use one cache per batch and dtype")
-        self.k[start:start + s] = k
-        self.v[start:start + s] = v
-        return self.k[:start + s], self.v[:start + s]
-
-
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of the new queries q ``[s, b, n, d]`` over cached + new keys k/v ``[past + s, b, g, d]``.
-
-    New query ``i`` sits at position ``past + i`` and sees keys ``0..past + i`` (the causal mask is
-    bottom-right aligned; torch SDPA's ``is_causal`` with ``Lq != Lk`` is top-left aligned, so it is
-    not used here). Without a past this is ``dot_product_attention``; a single new token sees every
-    key and needs no mask; a block of new tokens gets an explicit boolean mask. → ``[s, b, n, d]``.
-    """
-    s, b, n, d = q.shape
-    total = k.shape[0]
-    past = total - s
-    if past == 0:
-        return dot_product_attention(q, k, v, 0.0)
-    k, v = _kv_for_sdpa(k, v, n)
-    mask = None
-    if s > 1:
-        key_pos = torch.arange(total, device=q.device)
-        query_pos = torch.arange(past, total, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [s, past + s], True = attend
-    gqa = {"enable_gqa": True} if k.shape[2] != n else {}
-    out_bnsd = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                                              attn_mask=mask, **gqa)
-    return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
-
-
 class ReplicatedGroupQKV(nn.Module):
     """The fused QKV projection when tp > num_kv_heads: each rank computes one kv group's share.
 
@@ -437,6 +270,14 @@ class ReplicatedGroupQKV(nn.Module):
         x_full = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)
         bias = self._rows(self.bias) if self.bias is not None else None
         return linear(x_full, self._rows(self.weight), bias)  # weight grad deferrable (zero-bubble W)
+
+
+class LayerKV(Protocol):
+    """What a layer needs of its KV cache (``model.inference.LayerKVCache``; the model does not import it)."""
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new ``k``/``v`` ``[s, b, g, d]``; return cached + new ``[past + s, b, g, d]``."""
+        ...
 
 
 KernelHook = Callable[..., torch.Tensor]
@@ -507,7 +348,7 @@ class SelfAttention(nn.Module):
         return self._kernel(q, k, v, 0.0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMeta | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+                meta: AttentionMeta | None = None, kv_cache: LayerKV | None = None) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]``, cos/sin ``[s, b|1, rd/2]`` → same shape as x.
 
         Under context parallelism ``s`` is this rank's ``s/cp`` tokens and ``meta`` says which.
@@ -588,7 +429,7 @@ class TransformerLayer(nn.Module):
         return self.tp.hidden_dropout(x, self.hidden_dropout, self.training)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMeta | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+                meta: AttentionMeta | None = None, kv_cache: LayerKV | None = None) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape (``meta``, ``kv_cache``: see ``SelfAttention.forward``)."""
         if self.parallel_residual:
             attn = self._dropout(self.attention(self.attn_norm(x), cos, sin, meta, kv_cache))

@@ -99,9 +99,3 @@ def local_shard_of(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_siz
         return full.detach().clone()
     return shard(full, param.partition_dim, tp_rank, tp_size)
 
-
-def local_shard(full: torch.Tensor, param: nn.Parameter, state: ParallelState | None) -> torch.Tensor:
-    """``local_shard_of`` with this rank's TP coordinates from ``state`` (None: unsharded)."""
-    if state is None:
-        return local_shard_of(full, param, 0, 1)
-    return local_shard_of(full, param, state.tp_rank, state.tp_size)

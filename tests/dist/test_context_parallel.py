@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import AttentionMeta, attention_with_lse, context_parallel_attention
-from megatron_sp.model.attention.layout import layout_of, shard, unshard
+from megatron_sp.model.attention.layout import sequence_layout, shard, unshard
 from megatron_sp.mpu import comm
 from megatron_sp.testing import run_distributed
 
@@ -114,7 +114,7 @@ def _run(algo: str, stride: int, heads: str, docs: str, dtype: str, cp: int, ran
          ) -> dict[str, torch.Tensor]:
     """This rank's out, lse and input grads for one case (shards in the algorithm's layout)."""
     q, k, v, dout, pos, doc = _inputs(heads, docs, dtype)
-    lay = layout_of(algo)
+    lay = sequence_layout(algo)
     ql, kl, vl = (shard(x, cp, rank, lay, dim=0).requires_grad_(True) for x in (q, k, v))
     sub = _usp_groups(cp, rank, stride) if algo == "usp" else (None, None)
     meta = AttentionMeta.build(shard(pos, cp, rank, lay, dim=1), None if doc is None else shard(doc, cp, rank, lay, dim=1),
@@ -187,7 +187,7 @@ def _launch(cp: int) -> dict[str, Any]:
     errors: dict[Case, dict[str, float]] = {}
     for i, case in enumerate(cases):
         name, heads, docs, dtype = case
-        lay = layout_of(ALGO_OF[name])
+        lay = sequence_layout(ALGO_OF[name])
         ref = _oracle(*_inputs(heads, docs, dtype))
         errors[case] = {t: _rel(unshard([r["results"][i][t] for r in per_rank], lay, dim=2 if t == "lse" else 0), ref[t])
                         for t in TENSORS}

@@ -8,8 +8,8 @@ import torch
 from megatron_sp.data import collate
 from megatron_sp.model.attention.layout import (
     LAYOUTS,
-    layout_of,
     required_divisor,
+    sequence_layout,
     shard,
     shard_batch,
     shard_indices,
@@ -127,10 +127,10 @@ def test_divisibility_errors() -> None:
         unshard([torch.zeros(1, 4), torch.zeros(1, 2)], "contiguous")
 
 
-def test_layout_of_and_required_divisor() -> None:
-    assert {algo: layout_of(algo) for algo in LAYOUTS} == LAYOUTS
+def test_sequence_layout_and_required_divisor() -> None:
+    assert {algo: sequence_layout(algo) for algo in LAYOUTS} == LAYOUTS
     with pytest.raises(ValueError, match="parallel.cp_algo"):
-        layout_of("stripe")
+        sequence_layout("stripe")
     assert required_divisor("ring", 4) == 4
     assert required_divisor("llama3", 4) == 4
     assert required_divisor("ulysses", 4) == 4
@@ -142,7 +142,7 @@ def test_layout_of_and_required_divisor() -> None:
     for algo in LAYOUTS:
         for cp in (1, 2, 4):
             d = required_divisor(algo, cp)
-            [shard_indices(3 * d, cp, r, layout_of(algo)) for r in range(cp)]  # accepted
+            [shard_indices(3 * d, cp, r, sequence_layout(algo)) for r in range(cp)]  # accepted
 
 
 def _visible_pairs(index: torch.Tensor) -> int:

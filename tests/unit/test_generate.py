@@ -13,9 +13,9 @@ import torch
 from megatron_sp import checkpointing, config
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.data.tokenizer import build_tokenizer
-from megatron_sp.model.gpt import GPTModel, generate, sample_next
+from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.hf_names import build_hf_model
-from megatron_sp.model.transformer import KVCache
+from megatron_sp.model.inference import KVCache, generate, sample_next
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 from test_model import PADDED, VOCAB
 from test_model import make_cfg as model_cfg

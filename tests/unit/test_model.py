@@ -15,8 +15,8 @@ from megatron_sp.model import (
     flops_per_token,
     generate,
     init_full_tensor,
-    transformer,
 )
+from megatron_sp.model.attention import kernels
 from megatron_sp.model.gpt import name_seed
 from megatron_sp.model.hf_names import (
     from_hf_state_dict,
@@ -47,9 +47,9 @@ def tokens_for(b: int, s: int, seed: int = 0) -> torch.Tensor:
 def attention_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test once with the explicit-scores CPU kernel (forced for every dtype) and once with SDPA."""
     if request.param == "sdpa":
-        monkeypatch.setattr(transformer, "MATH_ATTENTION_MAX_SCORES", 0)
+        monkeypatch.setattr(kernels, "MATH_ATTENTION_MAX_SCORES", 0)
     else:
-        monkeypatch.setattr(transformer, "MATH_ATTENTION_DTYPES", (torch.float64, torch.float32, torch.bfloat16))
+        monkeypatch.setattr(kernels, "MATH_ATTENTION_DTYPES", (torch.float64, torch.float32, torch.bfloat16))
     return request.param
 
 
@@ -205,8 +205,8 @@ def test_attention_kernels_agree_with_hand(n: int, g: int, monkeypatch: pytest.M
     expected = hand_attention(q, k, v)
     expected_grads = torch.autograd.grad(expected, (q, k, v), upstream)
     for kernel_dtypes in [(torch.float64,), ()]:  # explicit scores, then SDPA
-        monkeypatch.setattr(transformer, "MATH_ATTENTION_DTYPES", kernel_dtypes)
-        out = transformer.dot_product_attention(q, k, v)
+        monkeypatch.setattr(kernels, "MATH_ATTENTION_DTYPES", kernel_dtypes)
+        out = kernels.dot_product_attention(q, k, v)
         torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
         for grad, ref in zip(torch.autograd.grad(out, (q, k, v), upstream), expected_grads):
             torch.testing.assert_close(grad, ref, atol=1e-12, rtol=0)

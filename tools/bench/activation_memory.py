@@ -7,10 +7,10 @@ autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``), coun
 storage (``untyped_storage().data_ptr()``), without the layer's parameters and without bf16 copies
 of them made by autocast (weights, not activations).
 
-Formula: Table 2 (see /work/shared/ALGORITHMS.md) built term by term, then converted to the dtype
-used: every 16-bit activation term × (bytes per element / 2), so fp32 doubles it; dropout masks
-stay 1 byte per element as in Table 2. Terms that cannot exist in the run are left out, and the
-printed terms column says so:
+Formula: Table 2 (Korthikanti et al. 2022; see docs/activation_memory.md) built term by term,
+then converted to the dtype used: every 16-bit activation term × (bytes per element / 2), so fp32
+doubles it; dropout masks stay 1 byte per element as in Table 2. Terms that cannot exist in the
+run are left out, and the printed terms column says so:
 
 * dropout 0 (the default): no masks, so the 34 of Table 2 becomes 32 (10 → 8 in the replicated
   part) and the score term 5as/h becomes 2as/h (softmax output only);
@@ -50,8 +50,8 @@ except ImportError:
 from megatron_sp import config
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.gpt import GPTModel
+from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES
 from megatron_sp.model.transformer import (
-    MATH_ATTENTION_MAX_SCORES,
     RotaryEmbedding,
     SelfAttention,
     TensorParallel,

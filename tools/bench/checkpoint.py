@@ -111,7 +111,7 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace, root: str) ->
         out["gather to rank 0"].append(_timed(gather))
         ckpt = checkpointing.resolve(f"{root}/ckpt")
         out["load same layout"].append(_timed(lambda ckpt=ckpt: checkpointing.load(
-            ckpt, model, opt, state, torch.device("cpu"), seed=1, layout=checkpointing.layout_of(cfg))))
+            ckpt, model, opt, state, torch.device("cpu"), seed=1, layout=checkpointing.writer_layout(cfg))))
     result: dict[str, Any] = {k: statistics.median(v) for k, v in out.items()}
     ckpt = checkpointing.resolve(f"{root}/ckpt")
     result["file_bytes"] = (ckpt / checkpointing.store.rank_file(rank)).stat().st_size

@@ -48,9 +48,10 @@ ulysses    all_to_all ``(N−1)/N²·(2Q + KV')·e``             all_to_all ``(N
 =========  ===============================================  ==============================================
 
 ``KV' = KV`` when ``g % N == 0``, else each kv head is repeated to N heads first (``KV' = 2·s·b·N·d``).
-ALGORITHMS.md's table (in elements × e): ring/zigzag ``2·s·h_kv·(N−1)/N`` forward, the same + dK,dV
-(read as ``(N−1)/N`` of them again) backward; llama3 ``2·s·h_kv·(N−1)/N`` / ``4·s·h_kv·(N−1)/N``;
-Ulysses ``(2sh + 2s·h_kv)·(N−1)/N²`` each way. The report gives ours beside it and the ratio.
+docs/attention.md's table, "Communication per layer per rank" (in elements × e): ring/zigzag
+``2·s·h_kv·(N−1)/N`` forward, the same + dK,dV (read as ``(N−1)/N`` of them again) backward;
+llama3 ``2·s·h_kv·(N−1)/N`` / ``4·s·h_kv·(N−1)/N``; Ulysses ``(2sh + 2s·h_kv)·(N−1)/N²`` each way.
+The report gives ours beside it and the ratio.
 
 Longest sequence at a fixed per-rank budget (``--long-algo``, ``--long-cp``): the budget is the
 activation bytes of the first ``--long-cp`` size at ``--seq`` (or ``--budget-mib``). Per cp size
@@ -88,7 +89,7 @@ from megatron_sp import config
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import ALGORITHMS, AttentionMeta
-from megatron_sp.model.attention.layout import layout_of, required_divisor, shard, shard_indices
+from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard, shard_indices
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.transformer import TensorParallel
 from megatron_sp.mpu import comm
@@ -282,7 +283,7 @@ class LayerRun:
         tp = TensorParallel(cp_group=group, cp_algo=algo, cp_heads_k_stride=args.heads_k_stride, tracker=tracker)
         self.stage = GPTModel(model_config(args, seq), args.seed, layer_range=range(1), pre_process=False,
                               post_process=False, tp=tp).train()
-        self.layout = layout_of(algo) if n > 1 else "contiguous"
+        self.layout = sequence_layout(algo) if n > 1 else "contiguous"
         gen = torch.Generator().manual_seed(args.seed)
         x_full = torch.randn(seq, args.batch, args.hidden, generator=gen)  # [s, b, h]
         grad_full = torch.randn(seq, args.batch, args.hidden, generator=gen)
@@ -408,7 +409,7 @@ def expected_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[
 
 
 def table_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[str, float]:
-    """ALGORITHMS.md's per-layer per-rank numbers, in elements × element size: ``{forward, backward}``."""
+    """docs/attention.md's per-layer per-rank numbers, in elements × element size: ``{forward, backward}``."""
     if n == 1:
         return {"forward": 0.0, "backward": 0.0}
     b, h, e = args.batch, args.hidden, ELEMENT_BYTES

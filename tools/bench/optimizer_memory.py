@@ -20,7 +20,7 @@ moments, the optimizer state (master + moments) sharded over d_z = d ranks under
 (d_z = 1 without)::
 
     bytes/param = P + 4 + (M + 8) / d_z
-    bf16 (P = 2, M = 4):  18 without ZeRO,  6 + 12/d with ZeRO-1   (ALGORITHMS.md)
+    bf16 (P = 2, M = 4):  18 without ZeRO,  6 + 12/d with ZeRO-1   (docs/optimizer.md)
     fp32 (P = 4, M = 0):  16 without ZeRO,  8 +  8/d with ZeRO-1
 
 Parameters and gradients are NOT sharded (ZeRO-1 shards only the optimizer state; the full fp32

@@ -20,7 +20,7 @@ everything that is not compute (waiting for a neighbour, posting sends/receives,
 checking the schedule table). The first ``--warmup`` steps are dropped; the median over the other
 ``--steps`` is reported. The events are checked (per rank m·v F and m·v B, or m each of F, I, W).
 
-Theory (``megatron_sp.pipeline.theory_bubble``; ALGORITHMS.md, "Pipeline bubble"), with equal
+Theory (``megatron_sp.pipeline.theory_bubble``; docs/pipeline.md, "Bubble (theory)"), with equal
 per-stage costs and free communication:
 
 * ``1f1b``: a step lasts (m+p−1)·(t_f+t_b), each stage computes m·(t_f+t_b): idle (p−1)/(m+p−1);

@@ -20,7 +20,7 @@ import torch
 from ...mpu import comm
 from ...mpu.mappings import all_to_all
 from . import kernels
-from .layout import layout_of
+from .layout import sequence_layout
 
 ALGORITHMS = ("ring", "zigzag", "llama3", "ulysses", "usp")
 
@@ -75,7 +75,7 @@ class AttentionMeta:
         """Chunks per rank's block, classified separately (2 for the zigzag layout)."""
         if self.chunks is not None:
             return self.chunks
-        return 2 if self.algo != "local" and layout_of(self.algo) == "zigzag" else 1
+        return 2 if self.algo != "local" and sequence_layout(self.algo) == "zigzag" else 1
 
     def doc(self, r: int) -> torch.Tensor | None:
         return None if self.documents is None else self.documents[r]

@@ -9,6 +9,10 @@ ids (``visible``); ``classify`` names a block empty/full/causal/masked and ``ker
 (CUDA). Pure tensor functions, no autograd. Layouts: q/out/dout ``[sq, b, n, d]``, k/v
 ``[sk, b, g, d]`` with ``g | n``, lse ``[b, n, sq]``.
 
+The layer's own causal kernel (no LSE, differentiated by autograd) lives here too:
+``dot_product_attention`` (flash-attn, explicit CPU scores or SDPA) and ``cached_attention``
+(new queries over a KV cache, for decoding).
+
 Theory and invariants (merge and block-backward math, the block kinds, each kernel's quirks):
 docs/attention.md.
 """
@@ -18,10 +22,12 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from megatron_sp import device as device_mod
 
@@ -465,3 +471,114 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                      out=out.to(q.dtype).transpose(0, 1).contiguous(), softmax_lse=_dense(lse, torch.float32),
                      dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal)
     return tuple(_dense(x.transpose(0, 1), torch.float32) for x in (dq, dk, dv))  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer's causal kernel (no LSE): dot_product_attention, and cached_attention for decoding
+# ----------------------------------------------------------------------------------------------
+
+MATH_ATTENTION_MAX_SCORES = 1 << 24
+"""CPU attention in ``MATH_ATTENTION_DTYPES`` materialises the scores when ``b · n · s²`` is at most this.
+
+Trade-off: in bf16 on CPU, ``baddbmm → softmax → bmm`` is about 1.6–2× faster (forward + backward)
+than torch's CPU flash kernel, which recomputes the scores in backward with small tiles; in fp32
+the two are on par, so fp32 keeps the flash kernel. The price is keeping the ``[b·n, s, s]``
+probabilities for backward: at most 32 MiB per layer in bf16 with this bound; longer sequences use
+the O(s)-memory flash kernel. Set to 0 to always use SDPA.
+"""
+
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+MATH_ATTENTION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+"""Dtypes for which the explicit-scores CPU kernel is used (see ``MATH_ATTENTION_MAX_SCORES``)."""
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_bias(s: int, repeats: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """Additive causal mask ``[repeats·s, s]``: 0 where key j <= query i, -inf above the diagonal."""
+    with torch.inference_mode(False):  # cached: must stay usable outside inference mode
+        bias = torch.full((s, s), float("-inf"), dtype=dtype, device=dev).triu(1)
+        return bias.repeat(repeats, 1)
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal attention with explicit scores; q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` → ``[s, b, n, d]``.
+
+    The ``n / g`` query heads of a group are stacked along the rows, so GQA needs no k/v copies.
+    """
+    s, b, n, d = q.shape
+    g = k.shape[2]
+    r = n // g
+    q_grouped = q.permute(1, 2, 0, 3).reshape(b * g, r * s, d)  # [b·g, r·s, d]
+    k_grouped = k.permute(1, 2, 0, 3).reshape(b * g, s, d)  # [b·g, s, d]
+    v_grouped = v.permute(1, 2, 0, 3).reshape(b * g, s, d)  # [b·g, s, d]
+    bias = _causal_bias(s, r, q.dtype, q.device)  # [r·s, s]
+    scores = torch.baddbmm(bias, q_grouped, k_grouped.transpose(1, 2), alpha=1.0 / math.sqrt(d))  # [b·g, r·s, s]
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    out = torch.bmm(probs.to(v_grouped.dtype), v_grouped)  # [b·g, r·s, d]
+    return out.view(b, n, s, d).permute(2, 0, 1, 3)  # [s, b, n, d]
+
+
+def _kv_for_sdpa(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v ``[s, b, g, d]`` as SDPA takes them for n query heads: as is, or (torch < 2.5, no GQA
+    support) each kv head repeated for its ``n/g`` query heads."""
+    s, b, g, d = k.shape
+    if g == n or _SDPA_HAS_GQA:
+        return k, v
+    return (k[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d),
+            v[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d))
+
+
+def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal softmax(q kᵀ / √d) v. q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` with g | n → ``[s, b, n, d]``.
+
+    Query head ``j`` attends with key/value head ``j // (n / g)``. Kernels: on CUDA, flash-attn
+    when ``device.flash_attn_func()`` provides it (half precision, head dim <= 256); on CPU in bf16,
+    explicit scores for short sequences (see ``MATH_ATTENTION_MAX_SCORES``); otherwise torch's
+    ``scaled_dot_product_attention`` with ``is_causal=True`` on strided ``[b, n, s, d]`` views.
+    """
+    s, b, n, d = q.shape
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256:
+        flash = device_mod.flash_attn_func()
+        if flash is not None:
+            out_bsnd = flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                             dropout_p=dropout_p, causal=True)  # [b, s, n, d]
+            return out_bsnd.transpose(0, 1)
+    if (not q.is_cuda and q.dtype in MATH_ATTENTION_DTYPES and k.shape[0] == s
+            and b * n * s * s <= MATH_ATTENTION_MAX_SCORES):
+        return _math_attention(q, k, v, dropout_p)
+    k, v = _kv_for_sdpa(k, v, n)
+    q_bnsd = q.permute(1, 2, 0, 3)
+    k_bgsd = k.permute(1, 2, 0, 3)
+    v_bgsd = v.permute(1, 2, 0, 3)
+    gqa = {"enable_gqa": True} if k.shape[2] != n else {}
+    out_bnsd = F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout_p, is_causal=True, **gqa)
+    return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
+
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of the new queries q ``[s, b, n, d]`` over cached + new keys k/v ``[past + s, b, g, d]``.
+
+    New query ``i`` sits at position ``past + i`` and sees keys ``0..past + i`` (the causal mask is
+    bottom-right aligned; torch SDPA's ``is_causal`` with ``Lq != Lk`` is top-left aligned, so it is
+    not used here). Without a past this is ``dot_product_attention``; a single new token sees every
+    key and needs no mask; a block of new tokens gets an explicit boolean mask. → ``[s, b, n, d]``.
+    """
+    s, b, n, d = q.shape
+    total = k.shape[0]
+    past = total - s
+    if past == 0:
+        return dot_product_attention(q, k, v, 0.0)
+    k, v = _kv_for_sdpa(k, v, n)
+    mask = None
+    if s > 1:
+        key_pos = torch.arange(total, device=q.device)
+        query_pos = torch.arange(past, total, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [s, past + s], True = attend
+    gqa = {"enable_gqa": True} if k.shape[2] != n else {}
+    out_bnsd = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                              attn_mask=mask, **gqa)
+    return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]

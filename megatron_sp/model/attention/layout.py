@@ -21,7 +21,7 @@ LAYOUTS = {"ring": "contiguous", "zigzag": "zigzag", "llama3": "contiguous", "ul
 _LAYOUT_NAMES = ("contiguous", "zigzag")
 
 
-def layout_of(algo: str) -> str:
+def sequence_layout(algo: str) -> str:
     """The layout (``contiguous`` | ``zigzag``) of context-parallel algorithm ``algo``."""
     try:
         return LAYOUTS[algo]
@@ -33,7 +33,7 @@ def layout_of(algo: str) -> str:
 def _check_layout(layout: str) -> None:
     if layout not in _LAYOUT_NAMES:
         raise ValueError(f"unknown sequence layout {layout!r}; expected one of {' | '.join(_LAYOUT_NAMES)} "
-                         f"(layout_of(parallel.cp_algo) gives it)")
+                         f"(sequence_layout(parallel.cp_algo) gives it)")
 
 
 def _chunks_per_rank(layout: str, cp: int) -> int:
@@ -132,5 +132,5 @@ def required_divisor(algo: str, cp: int, tp: int = 1, sequence_parallel: bool = 
     """
     if cp < 1 or tp < 1:
         raise ValueError(f"cp and tp must be >= 1, got cp={cp}, tp={tp}")
-    divisor = cp * _chunks_per_rank(layout_of(algo), cp)
+    divisor = cp * _chunks_per_rank(sequence_layout(algo), cp)
     return divisor * tp if sequence_parallel else divisor
