@@ -31,34 +31,17 @@ step agrees over the world whether every rank is done (one tiny all-reduce while
 flight) and then finalises (index, rename, ``latest``, ``keep``). The next save, the end of
 training and a preemption wait for it.
 
-Ownership (nothing the user did not ask for is overwritten or deleted): every run has a random
-``run_id``; meta.json records it and the ``lineage`` ``[[run_id, start step], ...]`` (fresh run:
-``[[id, 0]]``; resumed: the loaded checkpoint's lineage + ``[id, its step]``). A checkpoint is in a
-run's *history* if this run wrote it, or an earlier run of its lineage did at a step ≤ the step the
-next run of the lineage started from. Unless ``checkpoint.overwrite``, ``check_save_dir`` refuses
-before training a save directory holding ``iter_*`` when the run does not resume from a checkpoint
-in it, and a resume whose planned saves (interval, end) would replace a checkpoint outside its
-history (a rollback's abandoned later steps); a save that still would (SIGTERM/SIGINT at such a
-step) fails on every rank before writing. ``keep`` deletes only the older checkpoints of the run's
-history beyond the newest ``keep``, never the one ``latest`` names (written first) nor the one the
-run loaded; other runs' checkpoints (pre-run-id ones too) are never deleted, even with
-``overwrite``, which only lets the run replace the step directories it saves. Global rank 0 holds
-an ``fcntl`` lock on ``SAVE_DIR/.lock`` for the whole run (``claim_save_dir``): a second run is refused.
+Ownership (``ownership.py``; docs/checkpoints.md, "Run ownership"): meta.json records the run's
+``run_id`` and ``lineage``; ``check_save_dir``/``claim_save_dir`` refuse, before training, a save
+directory the run may not write into; a save that would replace another run's step directory fails
+on every rank before writing; ``keep`` deletes only the run's own older checkpoints.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
-import os
-import re
 import shutil
-import socket
 import threading
-import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,15 +51,20 @@ from torch import nn
 
 from .. import device as device_mod
 from ..config import Config, to_dict
-from ..errors import ConfigError, DataError, TrainingError
+from ..errors import DataError, TrainingError
 from ..mpu import ParallelState, comm
 from ..mpu.random import RNGTracker
 from ..mpu.sharding import is_sharded, is_tied_copy, stored_name, stored_shape
 from ..optim import DistributedOptimizer, named_trainable
 from . import store
-from .store import INDEX, Reader
+from .ownership import FORMAT_VERSION as FORMAT_VERSION, LOCK_FILE as LOCK_FILE, Lineage as Lineage
+from .ownership import SaveDirLock as SaveDirLock, check_output_dir as check_output_dir
+from .ownership import check_save_dir as check_save_dir, claim_save_dir as claim_save_dir
+from .ownership import lineage_of as lineage_of, read_meta as read_meta, resolve as resolve
+from .ownership import resume_source as resume_source
+from .ownership import _peek_meta, _step_of, expired
+from .store import INDEX as INDEX, Reader as Reader
 
-FORMAT_VERSION = 2
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
 log = logging.getLogger("megatron_sp")
 
@@ -91,212 +79,6 @@ def writer_layout(cfg: Config) -> dict[str, int]:
     ``model.attention.layout.sequence_layout``.)"""
     p = cfg.parallel
     return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": int(p.dp or 1), "virtual_stages": p.virtual_stages}
-
-
-# ------------------------------------------------------------------------------------- ownership
-
-LOCK_FILE = ".lock"
-
-
-@dataclass(frozen=True)
-class Lineage:
-    """The history a run continues: ``runs`` = ((run id, start step), ...), oldest first, this run last.
-
-    ``loaded``: the name of the checkpoint directory this run resumed from when it lies in
-    ``checkpoint.save`` (``keep`` never deletes it). Only global rank 0 uses it (meta.json, ``keep``,
-    the refusal of a foreign step directory).
-    """
-
-    runs: tuple[tuple[str, int], ...]
-    loaded: str | None = None
-
-    @classmethod
-    def start(cls, meta: dict[str, Any] | None = None, ckpt: Path | None = None,
-              save: str | Path | None = None) -> Lineage:
-        """A new run's lineage: fresh, or continuing the checkpoint ``ckpt`` (with ``meta``) it loaded."""
-        run_id = uuid.uuid4().hex
-        if meta is None:
-            return cls(((run_id, 0),))
-        loaded = ckpt.name if ckpt is not None and save and _same_dir(ckpt.parent, Path(save)) else None
-        return cls((*lineage_of(meta), (run_id, int(meta["step"]))), loaded)
-
-    @property
-    def run_id(self) -> str:
-        return self.runs[-1][0]
-
-    def holds(self, meta: dict[str, Any]) -> bool:
-        """Is the checkpoint of ``meta`` part of this run's history (this run's, or an ancestor's up to its branch point)?"""
-        run_id, step = meta.get("run_id"), meta.get("step")
-        for i, (rid, _) in enumerate(self.runs):
-            if rid == run_id:
-                return i == len(self.runs) - 1 or (isinstance(step, int) and step <= self.runs[i + 1][1])
-        return False
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "lineage": [[rid, start] for rid, start in self.runs]}
-
-
-def lineage_of(meta: dict[str, Any]) -> tuple[tuple[str, int], ...]:
-    """The ``lineage`` a checkpoint's meta.json records (() for one written before run ids, or converted)."""
-    runs = meta.get("lineage")
-    if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str)
-                                             and isinstance(r[1], int) for r in runs):
-        return ()
-    return tuple((r[0], r[1]) for r in runs)
-
-
-def _same_dir(a: Path, b: Path) -> bool:
-    return a.resolve() == b.resolve()
-
-
-def _peek_meta(ckpt: Path) -> dict[str, Any] | None:
-    """meta.json of a checkpoint directory, or None when it is missing or unreadable (no checks)."""
-    try:
-        meta = json.loads((ckpt / "meta.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def _step_of(name: str) -> int | None:
-    try:
-        return int(name[len("iter_"):])
-    except ValueError:
-        return None
-
-
-def _names(names: list[str], most: int = 3) -> str:
-    return ", ".join(names[:most]) + (f" … ({len(names)} in all)" if len(names) > most else "")
-
-
-def check_output_dir(path: str | Path, key: str) -> None:
-    """Refuse (one ``ConfigError`` naming ``key``) a directory path that is, or lies under, a regular file,
-    or whose nearest existing folder is not writable."""
-    target = Path(path)
-    probe = target
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    if not probe.is_dir():
-        where = "is a file" if probe == target else f"lies under the file '{probe}'"
-        raise ConfigError(f"{key} '{target}' {where}, not a directory; point {key} at a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} '{target}': '{probe}' is not writable; choose a directory you can write to")
-
-
-def resume_source(cfg: Config) -> Path | None:
-    """The checkpoint a run starts from: checkpoint.save's ``latest`` under auto_resume when it exists,
-    else checkpoint.load's; None for a fresh run."""
-    c = cfg.checkpoint
-    if c.auto_resume and c.save and (Path(c.save) / "latest").is_file():
-        return resolve(c.save)
-    return resolve(c.load) if c.load else None
-
-
-def _saves(cfg: Config, step: int) -> bool:
-    """Does the run plan to save ``step`` (interval or end of training; preemption saves are not planned)?"""
-    c, iters = cfg.checkpoint, cfg.train.iters
-    return step <= iters and bool((c.interval and step % c.interval == 0) or (c.save_at_end and step == iters))
-
-
-def check_save_dir(cfg: Config, lock: SaveDirLock | None = None) -> None:
-    """Refuse, before training, a ``checkpoint.save`` this run may not write into (one ``ConfigError``).
-
-    A path that is a file; a directory another run has locked (skipped when ``lock`` is ours); one
-    holding checkpoints the run does not resume from; a resume that would save a step directory
-    outside its history. ``checkpoint.overwrite`` lifts the last two (see the module docstring).
-    """
-    c = cfg.checkpoint
-    if not c.save:
-        return
-    root = Path(c.save)
-    check_output_dir(root, "checkpoint.save")
-    if lock is None:
-        SaveDirLock.check(root)
-    existing = sorted(p.name for p in root.glob("iter_*") if p.is_dir()) if root.is_dir() else []
-    if not existing or c.overwrite:
-        return
-    source = resume_source(cfg)
-    if source is None:
-        hint = f"checkpoint.load={root} (or checkpoint.auto_resume=true)" if (root / "latest").is_file() \
-            else f"checkpoint.load={root / existing[-1]}"
-        raise ConfigError(f"checkpoint.save '{root}' holds checkpoints of another run ({_names(existing)}); resume "
-                          f"with {hint}, choose another directory, or set checkpoint.overwrite=true")
-    if not _same_dir(source.parent, root):
-        raise ConfigError(f"checkpoint.save '{root}' holds checkpoints ({_names(existing)}) that checkpoint.load "
-                          f"'{c.load}' does not continue; choose another checkpoint.save, resume from a checkpoint "
-                          "in it, or set checkpoint.overwrite=true")
-    start = int(read_meta(source)["step"])
-    clash = [n for n in existing if (s := _step_of(n)) is not None and s > start and _saves(cfg, s)]
-    if clash:
-        raise ConfigError(f"checkpoint.save '{root}': this run resumes from {source.name} and would save "
-                          f"{_names(clash)} again, replacing checkpoints of another branch (later steps it does not "
-                          "continue); set checkpoint.overwrite=true to replace them, or choose another checkpoint.save")
-
-
-class SaveDirLock:
-    """Exclusive use of a save directory: a non-blocking ``fcntl.flock`` on ``SAVE_DIR/.lock``, which
-    records the holder (pid, host, time). Released on ``release``/exit of the ``with`` block, or by the
-    kernel when the process ends however it ends. The file stays (deleting a lock file races)."""
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        self.fd: int | None = None
-
-    def acquire(self) -> SaveDirLock:
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise self._refusal(holder) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-                  .encode(), 0)
-        self.fd = fd
-        return self
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the only descriptor releases the flock
-            self.fd = None
-
-    def __enter__(self) -> SaveDirLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def _refusal(self, holder: str) -> ConfigError:
-        return ConfigError(f"checkpoint.save '{self.root}' is in use by another run ({holder or 'holder unknown'}, "
-                           f"lock file {self.root / LOCK_FILE}); wait for it to end or choose another checkpoint.save")
-
-    @classmethod
-    def check(cls, root: str | Path) -> None:
-        """Raise the refusal if another process holds the lock now; creates nothing."""
-        lock = cls(root)
-        try:
-            fd = os.open(lock.root / LOCK_FILE, os.O_RDONLY)
-        except OSError:
-            return  # no lock file: nobody holds it
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise lock._refusal(os.pread(fd, 200, 0).decode(errors="replace").strip()) from None
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def claim_save_dir(cfg: Config) -> Iterator[None]:
-    """Global rank 0, around the whole run: lock ``checkpoint.save`` and check it again under the lock."""
-    if not cfg.checkpoint.save:
-        yield
-        return
-    with SaveDirLock(cfg.checkpoint.save) as lock:
-        check_save_dir(cfg, lock)
-        yield
 
 
 # ------------------------------------------------------------------------------------------ save
@@ -490,12 +272,8 @@ def _publish(tmp: Path, final: Path, keep: int, lineage: Lineage) -> None:
     latest_tmp.replace(root / "latest")
     if old.exists():
         shutil.rmtree(old)
-    if keep > 0:
-        history = sorted((m["step"], p.name) for p in root.glob("iter_*") if p.is_dir()
-                         and (m := _peek_meta(p)) is not None and isinstance(m.get("step"), int) and lineage.holds(m))
-        for _, name in history[:-keep]:
-            if name not in (final.name, lineage.loaded):  # never what `latest` names, nor the resume source
-                shutil.rmtree(root / name)
+    for name in expired(root, keep, lineage, final.name):  # never what `latest` names, nor the resume source
+        shutil.rmtree(root / name)
 
 
 def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
@@ -523,41 +301,6 @@ def write_weights(ckpt: Path, meta: dict[str, Any], weights: dict[str, torch.Ten
 
 
 # ------------------------------------------------------------------------------------------ load
-
-
-def resolve(load_dir: str | Path) -> Path:
-    """The checkpoint directory a ``checkpoint.load`` path names (its ``latest``, or itself)."""
-    root = Path(load_dir)
-    if (root / "meta.json").is_file():
-        return root
-    latest = root / "latest"
-    if not latest.is_file():
-        raise DataError(f"checkpoint.load: no checkpoint in '{root}' (no 'latest' file); point it at a directory "
-                        "written by checkpoint.save")
-    try:
-        name = latest.read_bytes().decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        name = ""
-    if not re.fullmatch(r"iter_\d+", name):
-        raise DataError(f"checkpoint.load: '{latest}' does not name a checkpoint (expected one line like "
-                        "iter_0000100); point checkpoint.load at an iter_* directory instead")
-    target = root / name
-    if not (target / "meta.json").is_file():
-        raise DataError(f"checkpoint.load: '{latest}' names '{target.name}', which is missing or incomplete")
-    return target
-
-
-def read_meta(ckpt: Path) -> dict[str, Any]:
-    path = ckpt / "meta.json"
-    try:
-        meta = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as exc:  # ValueError: JSON and UTF-8 decoding errors
-        raise DataError(f"checkpoint file '{path}' is unreadable ({type(exc).__name__}: {exc})") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        version = meta.get("format_version") if isinstance(meta, dict) else None
-        raise DataError(f"checkpoint '{ckpt}' has format version {version}; this version of megatron_sp reads "
-                        f"version {FORMAT_VERSION} (sharded safetensors + index.json)")
-    return meta
 
 
 def read_full(ckpt: Path, prefix: str = "model/") -> dict[str, torch.Tensor]:

@@ -1,0 +1,91 @@
+"""The AdamW side of ``DistributedOptimizer``, on this rank's owned shard: fp64-accumulated grad norm, clip, step.
+
+``NormBatches`` packs the gradient elements this rank counts into fp64 batches; ``clip_`` scales
+the owned grads by a coefficient computed in fp64; ``adamw_`` is exact ``torch.optim.AdamW``
+arithmetic on per-bucket flat pieces. Theory (norm ownership, the update): docs/optimizer.md.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..config import TrainConfig
+from ..mpu import ParallelState, comm
+
+NORM_CHUNK = 2**20  # elements per fp64 batch of the grad norm: an 8 MiB scratch buffer
+_NormBatch = tuple[list[torch.Tensor], list[torch.Tensor], int]  # fp32 sources, their fp64 scratch slices, numel
+
+
+class NormBatches:
+    """An fp64 scratch buffer, and ``views`` packed into batches of at most ``NORM_CHUNK`` elements.
+
+    ``sum_of_squares`` copies a batch's fp32 sources into consecutive slices of the scratch buffer
+    and takes its dot product with itself. Invariant: the batches are processed one after the
+    other, so one scratch buffer serves them all; memory stays at ``NORM_CHUNK`` fp64 elements
+    whatever the model size.
+    """
+
+    def __init__(self, views: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.device = device
+        total = sum(v.numel() for v in views)
+        self.scratch = torch.empty(min(total, NORM_CHUNK), dtype=torch.float64, device=device)
+        self.batches: list[_NormBatch] = []
+        sources: list[torch.Tensor] = []
+        slices: list[torch.Tensor] = []
+        fill = 0
+        for view in views:
+            for a in range(0, view.numel(), NORM_CHUNK):
+                piece = view[a:a + NORM_CHUNK]
+                if fill + piece.numel() > NORM_CHUNK:
+                    self.batches.append((sources, slices, fill))
+                    sources, slices, fill = [], [], 0
+                sources.append(piece)
+                slices.append(self.scratch[fill:fill + piece.numel()])
+                fill += piece.numel()
+        if sources:
+            self.batches.append((sources, slices, fill))
+
+    def sum_of_squares(self) -> torch.Tensor:
+        """This rank's fp64 sum of squares (squares of fp32 values are exact in fp64). No communication."""
+        partials = torch.zeros(len(self.batches), dtype=torch.float64, device=self.device)
+        for i, (sources, slices, numel) in enumerate(self.batches):
+            torch._foreach_copy_(slices, sources)  # fp32 → fp64
+            batch = self.scratch[:numel]
+            torch.dot(batch, batch, out=partials[i])
+        return partials.sum()
+
+
+def global_norm(batches: NormBatches, state: ParallelState | None, sharded: bool, dp_group: object) -> torch.Tensor:
+    """The global L2 norm (fp64 scalar): local sums all-reduced in fp64 over dp_cp (ZeRO) and mp."""
+    total = batches.sum_of_squares()
+    if state is not None:
+        if sharded:
+            comm.all_reduce(total, dp_group)
+        if state.tp_size * state.pp_size > 1:
+            comm.all_reduce(total, state.mp_group)
+    return total.sqrt()
+
+
+def clip_(grad_pieces: list[torch.Tensor], norm: torch.Tensor, clip: float) -> None:
+    """Scale the grads so their global norm is at most ``clip`` (coefficient computed in fp64)."""
+    if clip > 0 and grad_pieces:
+        coeff = torch.clamp(clip / (norm + 1e-6), max=1.0)  # fp64, from the fp64 norm
+        torch._foreach_mul_(grad_pieces, coeff.to(torch.float32))
+
+
+def adamw_(cfg: TrainConfig, lr: float, step: int, grads: list[torch.Tensor], avgs: list[torch.Tensor],
+           avg_sqs: list[torch.Tensor], masters: list[torch.Tensor], decay_views: list[torch.Tensor]) -> None:
+    """One AdamW update (``step`` counted from 1) of the masters, in place: torch's arithmetic, per flat piece."""
+    beta1, beta2, eps = cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps
+    if not grads:
+        return
+    if decay_views and lr * cfg.weight_decay != 0:
+        torch._foreach_mul_(decay_views, 1 - lr * cfg.weight_decay)
+    step_size = lr / (1 - beta1 ** step)
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    for g, m, v, w in zip(grads, avgs, avg_sqs, masters):
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)  # temporary: one bucket chunk
+        w.addcdiv_(m, denom, value=-step_size)
