@@ -7,6 +7,7 @@ traceback. Programming errors stay ordinary exceptions and keep their traceback.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -29,6 +30,21 @@ class UserError(Exception):
 
     def __str__(self) -> str:
         return one_line(super().__str__())
+
+
+def read_utf8(path: Path, what: str, hint: str, error: type[UserError] | None = None) -> str:
+    """The text of a UTF-8 file; else one ``error`` (default ``DataError``) line naming ``what``, the file, the
+    line of the first bad byte and ``hint`` (a binary file passed where a text file belongs)."""
+    error = error or DataError
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise error(f"{what} {path}: cannot be read ({exc.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise error(f"{what} {path}:{line}: not UTF-8 text (byte {exc.start}); {hint}") from None
 
 
 class ConfigError(UserError):

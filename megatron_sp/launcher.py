@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .errors import UserError
+from .errors import UserError, read_utf8
 
 LAUNCHERS = ("ssh", "pdsh", "slurm", "local")
 DEFAULT_MASTER_PORT = 29500
@@ -176,26 +176,14 @@ def check_hostname(name: str, where: str) -> str:
     return normal
 
 
-def read_text_lines(path: Path, what: str) -> list[str]:
-    """The lines of a UTF-8 text file; a LaunchError naming the file (and line) when it is not text."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise LaunchError(f"{what} {path}: cannot be read ({exc.strerror})") from None
-    try:
-        return data.decode("utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise LaunchError(f"{what} {path}:{line}: not UTF-8 text (byte {exc.start}); is this the right file?") from None
-
-
 def parse_hostfile(path: str | Path) -> dict[str, int]:
     """``{host: slots}`` in file order from lines ``host slots=N`` (blank lines and ``#`` comments skipped)."""
     p = Path(path)
     if not p.is_file():
         raise LaunchError(f"--hostfile {p}: file not found; write one 'host slots=N' line per host")
     hosts: dict[str, int] = {}
-    for lineno, raw in enumerate(read_text_lines(p, "--hostfile"), start=1):
+    lines = read_utf8(p, "--hostfile", "is this the right file?", LaunchError).splitlines()
+    for lineno, raw in enumerate(lines, start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -314,7 +302,8 @@ def collect_env(user: list[str], environ: Mapping[str, str], env_file: Path | No
     spec = EnvSpec(auto={k: environ[k] for k in sorted(environ)
                          if k in AUTO_ENV_NAMES or k.startswith(AUTO_ENV_PREFIXES)})
     if env_file is not None and env_file.is_file():
-        for lineno, raw in enumerate(read_text_lines(env_file, "environment file"), start=1):
+        lines = read_utf8(env_file, "environment file", "is this the right file?", LaunchError).splitlines()
+        for lineno, raw in enumerate(lines, start=1):
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue

@@ -220,7 +220,7 @@ class MetricsLogger:
         if resume_step:
             kept = [line for line in lines if self._step_of(line) <= resume_step]
             if len(kept) < len(lines):
-                rotated = self.path.with_name(f"{self.path.name}.{self._next_suffix()}")
+                rotated = self.path.with_name(f"{self.path.name}.{next_run_suffix(self.path.parent)}")
                 tmp = self.path.with_name(self.path.name + ".tmp")
                 tmp.write_text("".join(line + "\n" for line in kept))
                 shutil.copyfile(self.path, rotated)  # the whole file under its new name, then the trimmed one
@@ -228,7 +228,7 @@ class MetricsLogger:
                 log.info("metrics.jsonl: %d records past step %d moved aside, the full file kept as %s",
                          len(lines) - len(kept), resume_step, rotated)
             return
-        n = self._next_suffix()
+        n = next_run_suffix(self.path.parent)
         if lines:
             self.path.rename(self.path.with_name(f"{self.path.name}.{n}"))
             log.info("metrics.jsonl of an earlier run kept as %s.%d", self.path.name, n)
@@ -245,9 +245,6 @@ class MetricsLogger:
         except (ValueError, AttributeError):
             return math.inf
         return step if isinstance(step, (int, float)) else math.inf
-
-    def _next_suffix(self) -> int:
-        return next_run_suffix(self.path.parent)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -78,14 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torchrun = _under_torchrun()
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    cfg = None
     try:
         world = int(os.environ["WORLD_SIZE"]) if torchrun else None
-        try:
-            cfg = config_mod.load(args.conf, args.overrides, world_size=world)
-        except UserError as exc:
-            if rank == 0:  # every rank reads the same config and fails alike: one line, not one per rank
-                print(f"error: {exc}", file=sys.stderr)
-            return exc.exit_code
+        cfg = config_mod.load(args.conf, args.overrides, world_size=world)
         setup_logging(cfg.logging.level, rank)
         metrics_mod.check_sinks(cfg)  # a missing wandb/tensorboard: one line now, not a rank failing later
         checkpointing.check_output_dir(cfg.logging.dir, "logging.dir")  # a file there: one line, not after training
@@ -102,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         with checkpointing.claim_save_dir(cfg) if rank == 0 else contextlib.nullcontext():
             run(cfg)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if cfg is not None or rank == 0:  # every rank reads the same config and fails alike: rank 0 says it
+            print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:  # Ctrl-C: a first one saves (faults.Preemption), a second one lands here at once
         if rank == 0:

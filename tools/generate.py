@@ -30,12 +30,10 @@ import torch
 
 from megatron_sp import checkpointing
 from megatron_sp.config import ModelConfig, TokenizerConfig
+from megatron_sp.config.loader import MAX_NEW_TOKENS  # past the context window every token re-runs it
 from megatron_sp.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_sp.errors import DataError, OneLineArgumentParser, UserError
 from megatron_sp.model import GPTModel, generate
-
-MAX_NEW_TOKENS = 100_000  # per prompt: past the context window every token re-runs the window (minutes, silently)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -18,13 +18,13 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, read_utf8
 from .schema import SECTIONS, Config
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 MAX_INT = 2**53  # every integer key below this (exact in a float and in JSON); 1e21 iterations is a typo
-MAX_SAMPLE_TOKENS = 100_000  # the end-of-training sample (tools/generate.py has the same bound)
+MAX_NEW_TOKENS = 100_000  # tokens generated per prompt: train.sample_tokens and tools/generate.py --max-new-tokens
 MAX_NODES = 100_000  # values a config file may expand to (YAML aliases share, a printed or walked tree does not)
 
 
@@ -184,13 +184,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file '{p}' not found; pass an existing file to --conf (see configs/)")
-    raw = p.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"config file '{p}' is not UTF-8 text (line {line}, byte {exc.start}); pass a YAML or JSON "
-                          "config to --conf") from None
+    text = read_utf8(p, "config file", "pass a YAML or JSON config to --conf", ConfigError)
     kind = "JSON" if p.suffix == ".json" else "YAML"
     try:
         if kind == "JSON":
@@ -294,8 +288,8 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(t, key) < 1.0:
             raise ConfigError(f"train.{key}: {getattr(t, key)} must be in [0, 1) (AdamW's moment decay)")
-    if t.sample_tokens > MAX_SAMPLE_TOKENS:
-        raise ConfigError(f"train.sample_tokens: {t.sample_tokens} is more than {MAX_SAMPLE_TOKENS} tokens for the "
+    if t.sample_tokens > MAX_NEW_TOKENS:
+        raise ConfigError(f"train.sample_tokens: {t.sample_tokens} is more than {MAX_NEW_TOKENS} tokens for the "
                           "end-of-training sample; use tools/generate.py for long generations")
     if not 0.0 <= t.label_smoothing < 1.0:  # also refuses nan
         raise ConfigError(f"train.label_smoothing: {t.label_smoothing} must be in [0, 1) (0 disables it)")
