@@ -1,64 +1,14 @@
-"""The one wrapper layer every collective, point-to-point transfer and barrier goes through (gloo and NCCL alike).
+"""The one layer every collective, point-to-point transfer and barrier goes through (gloo and NCCL).
 
 No other module of ``megatron_sp`` or ``tools`` calls a ``torch.distributed`` collective
-(``tests/unit/test_comm_rules.py`` keeps it so). What stays outside, because it communicates
-nothing itself: process-group creation and teardown (``new_group``, ``destroy_process_group``,
-``init_process_group`` and its store) in ``mpu/parallel_state.py`` and the test/launch helpers
-that initialise the default group, and queries (``is_initialized``, ``get_rank``,
-``get_world_size``, ``get_process_group_ranks``).
+(``tests/unit/test_comm_rules.py`` keeps it so); group creation stays in ``parallel_state``.
+Every function takes its group explicitly and is the identity for a group of one (``LOCAL``, or a
+process without ``torch.distributed``); ``group=None`` is the default group. Outputs are fresh
+contiguous tensors (``all_reduce`` alone works in place).
 
-Each function takes its process group explicitly and is a no-op (or the identity) when the group
-has one rank; ``group=None`` means the default group, and a process that never initialised
-``torch.distributed`` behaves as a group of one, so single-process code needs no special case.
-Inputs are made contiguous as needed; outputs are fresh contiguous tensors (``all_reduce`` is the
-only in-place operation).
-
-Functions (``n`` = group size):
-
-=================================  ================================================================
-``all_reduce(t, group, op)``       in place, returns ``t``
-``all_gather(t, group, dim)``      ``n`` inputs concatenated along ``dim``
-``reduce_scatter(t, group, dim)``  sum over ranks, then this rank's ``1/n`` chunk along ``dim``
-``split(t, group, dim)``           this rank's ``1/n`` chunk along ``dim`` (no communication)
-``all_to_all(t, group, s, g)``     chunk ``j`` along ``s`` goes to rank ``j``; received chunks
-                                   concatenated along ``g``
-``all_gather_async`` /             dim-0 variants that return a ``Pending`` handle, so the caller
-``reduce_scatter_async``           can overlap the transfer with computation
-``all_reduce_async``               SUM all-reduce in place, returning a ``Pending``
-``broadcast(t, src, group)``       in place from global rank ``src``, returns ``t``
-``barrier(group)``                 wait until every rank of ``group`` arrives
-``all_gather_object(obj, group)``  the ``n`` ranks' picklable objects, in rank order
-``broadcast_object(obj, src, g)``  global rank ``src``'s object, on every rank
-``isend(t, dst, group)`` /         point-to-point with global rank ``dst`` / ``src`` (a ``Pending``;
-``irecv(buf, src, group)``         the pipeline's stage-to-stage transfers)
-``ring_exchange_async(t, group)``  send to the next rank, receive from the previous one
-=================================  ================================================================
-
-Byte accounting for the communication-volume benchmark::
-
-    with comm.count() as c:
-        ...
-    c.calls["all_gather"], c.bytes["all_gather"], c.total_bytes
-
-records, per operation, the number of calls and the bytes *this rank sends* under the standard
-ring algorithms: all-reduce ``2·(n−1)/n·bytes``; all-gather ``(n−1)/n·output bytes``;
-reduce-scatter ``(n−1)/n·input bytes``; all-to-all ``(n−1)/n·bytes``; broadcast
-``(n−1)/n·bytes`` (a pipelined ring's per-rank average); ``send`` and ``p2p`` (ring exchange) the
-tensor's bytes; ``barrier`` and the object collectives a call with 0 bytes (their pickled size is
-not known without pickling twice: left out). Receives are the other end of a send: not recorded.
-Groups of one send nothing and are not recorded.
-
-Observing, for the planner and the benchmarks (no function is ever replaced)::
-
-    with comm.observe(callback):
-        ...
-
-calls ``callback(event)`` once per collective, send or receive issued inside the block, right
-after the ``torch.distributed`` call returned: a ``CommEvent`` with the op name (the counter's,
-plus ``recv``), the counted bytes, the group, the tensor, ``called``/``issued`` ``perf_counter``
-stamps and, for an asynchronous call, torch's ``work`` (its future completes with the transfer,
-where the backend provides one); ``Pending.wait()`` later fills ``wait_start``/``wait_end``.
-With no counter or observer active the cost is one truthiness test per call.
+``count()`` records calls and the bytes this rank sends per op (ring algorithms);
+``observe(callback)`` sees one ``CommEvent`` per call (op, bytes, group, times, async handle).
+The function table and the byte formulas: docs/communication.md.
 """
 from __future__ import annotations
 
@@ -119,13 +69,7 @@ def _record(op: str, nbytes: float) -> None:
 
 @dataclass
 class CommEvent:
-    """One issued collective or point-to-point call, as ``observe`` callbacks see it.
-
-    ``nbytes`` is what the counters record (0 for ``recv``); ``work`` is torch's handle of an
-    asynchronous call (None for a blocking one); the times are ``time.perf_counter`` seconds:
-    ``called`` when comm's function began, ``issued`` when the torch call returned, and for a
-    ``Pending`` the bounds of its first ``wait()`` (None until then).
-    """
+    """One issued call as ``observe`` callbacks see it (``perf_counter`` times; ``work`` None if blocking)."""
 
     op: str
     nbytes: float
@@ -154,10 +98,7 @@ def observe(callback: Observer) -> Iterator[None]:
 
 def _issue(op: str, nbytes: float, group: Any, tensor: Any, call: Callable[[], Any],
            counted: bool = True) -> tuple[Any, CommEvent | None]:
-    """Run ``call()`` (the ``torch.distributed`` call; returns its work or None): record ``nbytes`` under
-    ``op`` in the active counters (unless not ``counted``), then tell the observers.
-
-    Returns the work and the event (None when nobody observes), which a ``Pending`` stamps on ``wait()``."""
+    """Run the ``torch.distributed`` ``call()``, count ``nbytes`` under ``op``, tell the observers."""
     if counted and _ACTIVE_COUNTERS:
         _record(op, nbytes)
     if not _OBSERVERS:
@@ -171,10 +112,7 @@ def _issue(op: str, nbytes: float, group: Any, tensor: Any, call: Callable[[], A
 
 
 LOCAL = "local"
-"""A group of this process alone: every collective over it is the identity, whatever the world.
-
-(``None`` means torch's default group, i.e. every rank.) A model built without tensor parallelism
-uses it, so that building one inside a data-parallel job does not shard it over the world."""
+"""A group of this process alone (``None`` is torch's default group): every collective over it is the identity."""
 
 
 def group_size(group: Any) -> int:
@@ -275,11 +213,7 @@ def _gather_dim0(t: torch.Tensor, group: Any, n: int, out: torch.Tensor | None,
 
 
 def all_gather(t: torch.Tensor, group: Any, dim: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``n`` ranks' ``t`` concatenated along ``dim`` (rank order).
-
-    ``out`` (dim 0 only): a contiguous tensor of the gathered shape to receive the result (e.g.
-    from a ``GatherBuffer``). Other dims are gathered into dim 0 and then rearranged (one copy).
-    """
+    """The ``n`` ranks' ``t`` concatenated along ``dim``; ``out``: a dim-0 receive buffer."""
     n = group_size(group)
     if n == 1:
         return t
@@ -339,11 +273,8 @@ def reduce_scatter(t: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
 def reduce_scatter_async(t: torch.Tensor, group: Any) -> Pending:
     """Start a dim-0 reduce-scatter of ``t``; ``wait()`` returns this rank's chunk.
 
-    On gloo it is done the way gloo does it internally (``ProcessGroupGloo``'s reduce-scatter is a
-    clone of the input on the calling thread, an asynchronous all-reduce of the clone, and a copy
-    of this rank's chunk inside ``wait()``), in the open: the same transfer and the same bits
-    (``tests/dist/test_comm_observe.py``), but the work is the all-reduce's, whose future completes
-    with the transfer, so observers can time it (gloo's own work has no future).
+    On gloo: clone + async all-reduce + copy of the chunk in ``wait()`` — what gloo does inside,
+    same bits, but with a work whose future observers can time (docs/communication.md).
     """
     n = group_size(group)
     if n == 1:
@@ -374,10 +305,7 @@ def split(t: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
 
 
 def all_to_all(t: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """Send chunk ``j`` of ``t`` along ``scatter_dim`` to rank ``j``; concatenate what arrives along ``gather_dim``.
-
-    E.g. Ulysses: ``[s/n, b, heads, d]`` with ``scatter_dim=2, gather_dim=0`` → ``[s, b, heads/n, d]``.
-    """
+    """Send chunk ``j`` of ``t`` along ``scatter_dim`` to rank ``j``; concatenate what arrives along ``gather_dim``."""
     n = group_size(group)
     if n == 1:
         return t
@@ -462,12 +390,9 @@ def irecv(buf: torch.Tensor, src: int, group: Any) -> Pending:
 
 
 def ring_exchange_async(t: torch.Tensor, group: Any) -> Pending:
-    """Send ``t`` to the next rank of ``group`` and receive the previous rank's tensor of the same shape.
+    """Send ``t`` to the next rank and receive the previous rank's tensor, posted together (``p2p``).
 
-    Both transfers are posted together (``batch_isend_irecv``: on NCCL the pair never deadlocks, also
-    when next == previous at n = 2); ``wait()`` returns the received tensor. Counted as ``p2p``
-    (the bytes of ``t``). The context-parallel ring calls this once per step and overlaps it with
-    the step's attention.
+    ``batch_isend_irecv`` never deadlocks on NCCL, also when next == previous at n = 2.
     """
     n = group_size(group)
     if n == 1:

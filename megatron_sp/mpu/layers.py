@@ -26,11 +26,7 @@ from .memory import GatherBuffer, default_gather_buffer
 
 
 def shard(full: torch.Tensor, partition_dim: int, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s contiguous ``1/size`` slice of ``full`` along ``partition_dim`` (a new tensor).
-
-    A negative ``partition_dim`` is the project's "not partitioned" marker (replicated
-    parameters): the result is a copy of ``full``.
-    """
+    """Rank ``rank``'s ``1/size`` slice of ``full`` along ``partition_dim`` (a copy; negative dim: replicated)."""
     if partition_dim < 0 or size == 1:
         return full.detach().clone()
     if full.shape[partition_dim] % size:
@@ -67,11 +63,7 @@ class _TPModule(nn.Module):
         self.tp_rank = comm.group_rank(group)
 
     def shard_of(self, full: torch.Tensor, param_name: str) -> torch.Tensor:
-        """This rank's slice of the full (unsharded) value of parameter ``param_name``.
-
-        Use as ``layer.weight.copy_(layer.shard_of(full_weight, "weight"))``. Works for a
-        parameter the layer does not create (``skip_weight``), e.g. to check a tied weight.
-        """
+        """This rank's slice of the full value of parameter ``param_name`` (also one it does not create)."""
         if param_name not in self.partition_dims:
             raise KeyError(f"{type(self).__name__} has no parameter {param_name!r}")
         out = shard(full, self.partition_dims[param_name], self.tp_rank, self.tp_size)
@@ -80,6 +72,12 @@ class _TPModule(nn.Module):
             raise ValueError(f"{type(self).__name__}.{param_name}: the shard of a full {tuple(full.shape)} tensor is "
                              f"{tuple(out.shape)}, the parameter is {tuple(param.shape)}")
         return out
+
+
+def _grad_weight(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad_outᵀ @ x`` over all leading dims: ``[.., out]``, ``[.., in]`` → ``[out, in]``."""
+    grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+    return grad_2d.t().matmul(x.reshape(-1, x.shape[-1]).to(grad_2d.dtype))
 
 
 def _autocast_cast(device_type: str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -137,12 +135,11 @@ class _GatherLinear(torch.autograd.Function):
             grad_x_full = grad_out.matmul(weight.to(grad_out.dtype))  # [s, b, in] (overlaps the gather)
             scatter = comm.reduce_scatter_async(grad_x_full, ctx.group)
         grad_w = grad_b = None
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [s·b, out/t]
         if need_w:
             x_full = gather.wait() if gather is not None else saved  # [s, b, in]
-            grad_w = grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]).to(grad_2d.dtype))  # [out/t, in]
+            grad_w = _grad_weight(grad_out, x_full)  # [out/t, in]
         if need_b and ctx.has_bias:
-            grad_b = grad_2d.sum(0)  # [out/t]
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)  # [out/t]
         grad_x = scatter.wait() if scatter is not None else None  # [s/t, b, in]
         return grad_x, grad_w, grad_b, None, None, None
 
@@ -153,17 +150,12 @@ class _GatherLinear(torch.autograd.Function):
         def grad_w() -> torch.Tensor:
             x_full = (comm.all_gather(saved, group, dim=0, out=buffer.get(full_shape, saved.dtype, saved.device))
                       if recompute else saved)  # [s, b, in]
-            grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-            return grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]).to(grad_2d.dtype))  # [out/t, in]
+            return _grad_weight(grad_out, x_full)  # [out/t, in]
         return grad_w
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose weight gradient can be deferred (``mpu.weight_grad``).
-
-    The same matmuls as autograd's linear: ``grad_x = grad_out @ W``, ``grad_W = grad_outᵀ @ x``,
-    ``grad_b = Σ grad_out``; inside ``weight_grad.deferring`` ``grad_W`` is queued instead.
-    """
+    """``F.linear(x, weight, bias)`` whose weight gradient can be deferred (``mpu.weight_grad``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -179,13 +171,12 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         grad_out = grad_out.contiguous()
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [n, out]
 
         def grad_w() -> torch.Tensor:
-            return grad_2d.t().matmul(x.reshape(-1, x.shape[-1]).to(grad_2d.dtype))  # [out, in]
+            return _grad_weight(grad_out, x)  # [out, in]
         grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if need_x else None
         weight_grad_now = grad_w() if need_w and not weight_grad.defer(grad_w, ctx.weight_input) else None
-        grad_b = grad_2d.sum(0) if need_b and ctx.has_bias else None
+        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if need_b and ctx.has_bias else None
         return grad_x, weight_grad_now, grad_b
 
 
@@ -202,18 +193,9 @@ class ColumnParallelLinear(_TPModule):
     Function (``_GatherLinear``) whose backward reduce-scatters the input grad. Output:
     ``[s, b, out/t]``, or ``[s, b, out]`` with ``gather_output``.
 
-    Args:
-        in_features, out_features: the full (unsharded) sizes; ``out_features % t == 0``.
-        bias: create a bias ``[out/t]`` (partitioned like the weight).
-        group: the TP process group.
-        sequence_parallel: input split along dim 0 (see above).
-        gather_output: all-gather the output along the last dim.
-        recompute_allgather: under SP, save only the local input shard for backward and all-gather it
-            again there (``t×`` less activation memory for one more all-gather, nanotron #203); the
-            forward gather then goes into ``gather_buffer``. ``False`` saves the gathered input.
-        skip_weight: create no weight; ``forward`` must be given one (tied output layer).
-        gather_buffer: the buffer for the gathers (default: the process-wide one).
-        dtype, device: of the parameters.
+    ``in_features``/``out_features`` are full sizes. ``recompute_allgather`` (SP): save only the input
+    shard and gather it again in backward (``t×`` less activation memory for one more all-gather,
+    nanotron #203). ``skip_weight``: ``forward`` is given the weight (tied output layer).
     """
 
     partition_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
@@ -247,10 +229,8 @@ class ColumnParallelLinear(_TPModule):
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[s/t, b, in]`` (SP) or ``[s, b, in]`` → ``[s, b, out/t]`` (``[s, b, out]`` with gather_output).
 
-        ``weight``: an external ``[rows, in]`` weight used instead of ``self.weight`` (required with
-        ``skip_weight``): the vocab-parallel embedding's weight for a tied output layer, or several
-        column layers' local weights concatenated so they share one input all-gather (SwiGLU's
-        gate and up); ``bias`` then goes with it (``self.bias`` is used only with ``self.weight``).
+        An external ``[rows, in]`` ``weight`` (and its ``bias``) replaces ``self.weight``: the tied
+        embedding, or SwiGLU's gate and up concatenated to share one input all-gather.
         """
         if weight is None:
             weight = self.weight
@@ -284,10 +264,8 @@ class RowParallelLinear(_TPModule):
     Input: ``[s, b, in/t]`` (``input_is_parallel``, the output of a column-parallel layer) or
     ``[s, b, in]`` (split here). The partial products are summed over TP by a reduce-scatter along
     dim 0 under SP (output ``[s/t, b, out]``) or an all-reduce (``[s, b, out]``); the bias
-    ``[out]`` is NOT partitioned and is added after the reduction. Under SP each rank adds it to
-    its own sequence slice only, so its grad is a partial sum: the bias is tagged
-    ``sequence_parallel=True`` and the trainer all-reduces its grad over TP. Without SP the bias
-    is replicated and its grad is already identical on every rank.
+    ``[out]`` is replicated and added after the reduction — under SP to each rank's sequence slice
+    only, so it is tagged ``sequence_parallel`` and its grad all-reduced over TP by the trainer.
     """
 
     partition_dims: ClassVar[dict[str, int]] = {"weight": 1, "bias": -1}

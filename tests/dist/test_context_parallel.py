@@ -60,10 +60,12 @@ ALL_DOCS = {**DOCS, **LOCAL_DOCS}
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 # bf16 inputs (cp = 2, GQA, packed documents) against the fp64 oracle on the same bf16-rounded
-# values, error / max|ref|, measured on torch 2.13 CPU (the same for all four algorithms up to lse
-# rounding): out 1.5e-3 (returned in bf16: under one ulp), lse 8.5e-8 (merged in fp32), dq 2.8e-3,
-# dk 3.2e-3, dv 1.6e-3 (accumulated in fp32, rounded to bf16 once). Bounds are ~3x those.
-BF16_BOUND = {"out": 4.5e-3, "lse": 2.5e-7, "dq": 8e-3, "dk": 1e-2, "dv": 5e-3}
+# values, error / max|ref|, measured on torch 2.13 CPU. Packed blocks run document-aligned on the
+# CPU flash op, whose bf16 out is one bf16 rounding and whose lse is host-specific (the same bounds
+# as tests/unit/test_attention_kernels.py): out 4.6e-3, lse 1.4e-5 (AMD EPYC; was 8.5e-8 when
+# packed blocks used the fp32 explicit-scores kernel), dq 2.8e-3, dk 3.2e-3, dv 1.6e-3 (accumulated
+# in fp32, rounded to bf16 once).
+BF16_BOUND = {"out": 8e-3, "lse": 4e-5, "dq": 8e-3, "dk": 1e-2, "dv": 5e-3}
 
 Case = tuple[str, str, str, str]  # (algo name, heads, documents, dtype)
 

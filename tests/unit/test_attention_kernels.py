@@ -156,7 +156,7 @@ def test_cpu_flash_repeated_kv_heads_path(monkeypatch: pytest.MonkeyPatch) -> No
 def test_auto_kernel_choice_on_cpu() -> None:
     q = torch.zeros(2, 1, 4, D)
     assert kernels.kernel_for("full", q) == kernels.kernel_for("causal", q) == "cpu_flash"
-    assert kernels.kernel_for("masked", q) == "reference"
+    assert kernels.kernel_for("masked", q) == "documents"
     assert kernels.kernel_for("full", q, "reference") == "reference"
     with pytest.raises(ValueError, match="cannot apply"):
         kernels.kernel_for("masked", q, "cpu_flash")

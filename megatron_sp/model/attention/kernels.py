@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_sp import device as device_mod
+from megatron_sp.model.attention import documents
 
 log = logging.getLogger("megatron_sp")
 
@@ -43,9 +44,7 @@ FLASH_ATTN_MAX_HEAD_DIM = 256
 _HALF = (torch.float16, torch.bfloat16)
 
 
-# ----------------------------------------------------------------------------------------------
-# Masks
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- Masks
 
 def _check_docs(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None) -> bool:
     """True when document ids are given; both or neither must be."""
@@ -78,8 +77,8 @@ def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | Non
     per row: the lower triangle, where top-left and bottom-right causal alignment agree.
     ``masked``: anything else, e.g. zigzag ``q_pos = [0, 1, 6, 7]`` against ``k_pos = [2, 3, 4, 5]``.
 
-    Cost: a few ``[b]`` reductions and one host sync per test; only when the document ids vary
-    inside a row and their ranges overlap is ``visible`` computed (once) to tell empty from masked.
+    Cost: a few ``[b]`` reductions and one host sync per test, O(s) per-document reductions when
+    documents vary inside a row; never the ``[sq, sk]`` mask.
     """
     has_docs = _check_docs(q_doc, k_doc)
     b, sq = q_pos.shape
@@ -100,9 +99,15 @@ def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | Non
     if bool(no_row_visible.all()):
         return "empty"
     if one_doc is not None and not bool(one_doc.all()):
-        # Some row holds two documents: it cannot be full or causal; whether any pair is visible at
-        # all needs the mask itself.
-        return "masked" if bool(visible(q_pos, k_pos, q_doc, k_doc).any()) else "empty"
+        # Some row holds two documents: it cannot be full or causal; a pair is visible iff some
+        # document's first key here comes at or before its last query here (O(s), no mask).
+        ids, inverse = torch.unique(torch.cat([q_doc, k_doc], 1), return_inverse=True)
+        per_row = (torch.arange(b, device=ids.device) * ids.numel())[:, None]
+        last_q = torch.full((b * ids.numel(),), -1, dtype=q_pos.dtype, device=q_pos.device)
+        last_q = last_q.scatter_reduce(0, (inverse[:, :sq] + per_row).flatten(), q_pos.flatten(), "amax")
+        first_k = torch.full_like(last_q, torch.iinfo(k_pos.dtype).max)
+        first_k = first_k.scatter_reduce(0, (inverse[:, sq:] + per_row).flatten(), k_pos.flatten(), "amin")
+        return "masked" if bool((first_k <= last_q).any()) else "empty"
     # One document per row from here on: the position ranges decide.
     if bool((k_hi <= q_lo).all()):
         return "full"
@@ -111,9 +116,7 @@ def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | Non
     return "masked"
 
 
-# ----------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- Helpers
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp64 for fp64 inputs, else fp32: the dtype of every out/lse/grad this module returns."""
@@ -151,15 +154,14 @@ def _resolve_kind(kind: str | None, q_pos: torch.Tensor, k_pos: torch.Tensor, q_
 def kernel_for(kind: str, q: torch.Tensor, kernel: str | None = None) -> str:
     """The kernel that runs a block of ``kind`` for queries like ``q`` (``kernel`` forces one).
 
-    Auto: ``masked`` -> reference; ``full``/``causal`` -> cpu_flash on CPU, flash_attn on CUDA
-    for fp16/bf16 with a head dim that is a multiple of 8 up to 256 when flash-attn imports,
-    reference otherwise (e.g. fp32 on CUDA). A forced
-    ``cpu_flash``/``flash_attn`` raises ``ValueError`` where it cannot compute the block exactly.
-    ``empty`` blocks never reach a kernel.
+    Auto: ``masked`` -> ``documents`` (full and causal pieces, each on the kernel auto picks for
+    it); ``full``/``causal`` -> cpu_flash on CPU, flash_attn on CUDA for fp16/bf16 with a head dim
+    that is a multiple of 8 up to 256 when flash-attn imports, reference otherwise (e.g. fp32 on
+    CUDA). A forced kernel raises ``ValueError`` where it cannot compute the block exactly.
     """
     if kernel is None:
         if kind == "masked":
-            return "reference"
+            return "documents"
         if q.device.type == "cpu":
             return "cpu_flash"
         if _flash_attn_fits(q) and _flash_attn_ops() is not None:
@@ -191,9 +193,7 @@ def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full((b, n, sq), float("-inf"), dtype=dtype, device=q.device))
 
 
-# ----------------------------------------------------------------------------------------------
-# Public API
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- Public API
 
 BlockObserver = Callable[..., None]
 """``callback(phase, q, k, q_pos, k_pos, q_doc, k_doc, kind)``: see ``observe``."""
@@ -202,10 +202,8 @@ _BLOCK_OBSERVERS: list[BlockObserver] = []
 
 @contextlib.contextmanager
 def observe(callback: BlockObserver) -> Iterator[None]:
-    """Call ``callback(phase, q, k, q_pos, k_pos, q_doc, k_doc, kind)`` at each ``attention_forward``
-    (phase ``"forward"``) and ``attention_backward`` (``"backward"``) inside the block, before the
-    kernel runs; ``kind`` is the caller's (None: not classified yet). For benchmarks that count the
-    attention work per block (``tools/bench/context_parallel.py``); nothing is replaced."""
+    """Call ``callback(phase, q, k, q_pos, k_pos, q_doc, k_doc, kind)`` before each block's kernel runs
+    (phase ``forward``/``backward``; ``kind`` None if the caller did not classify): for benchmarks."""
     _BLOCK_OBSERVERS.append(callback)
     try:
         yield
@@ -239,11 +237,29 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
         return empty_result(q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     name = kernel_for(kind, q, kernel)
+    if name == "documents":
+        return documents.forward(q, k, v, documents.plan(q_pos, k_pos, q_doc, k_doc), compute_dtype(q.dtype),
+                                 lambda qs, ks, vs, causal: _dense_forward(qs, ks, vs, scale, causal))
+    if name == "reference":
+        return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc), scale)
+    return _dense_forward(q, k, v, scale, kind == "causal", name)
+
+
+def _dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                   name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full or causal block on kernel ``name`` (auto: ``kernel_for``)."""
+    name = name or kernel_for("causal" if causal else "full", q)
     if name == "cpu_flash":
-        return _cpu_flash_forward(q, k, v, scale, causal=kind == "causal")
+        return _cpu_flash_forward(q, k, v, scale, causal)
     if name == "flash_attn":
-        return _flash_attn_forward(q, k, v, scale, causal=kind == "causal")
-    return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc), scale)
+        return _flash_attn_forward(q, k, v, scale, causal)
+    return _reference_forward(q, k, v, _dense_mask(q, k, causal), scale)
+
+
+def _dense_mask(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """bool ``[b, sq, sk]``: everything, or the top-left lower triangle."""
+    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+    return (mask.tril() if causal else mask).expand(q.shape[1], -1, -1)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -275,11 +291,23 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                 torch.zeros(v.shape, dtype=dtype, device=v.device))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     name = kernel_for(kind, q, kernel)
+    if name == "documents":
+        return documents.backward(dout, q, k, v, out, lse, documents.plan(q_pos, k_pos, q_doc, k_doc), dtype,
+                                  lambda *args: _dense_backward(*args, scale=scale))
+    if name == "reference":
+        return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc), scale)
+    return _dense_backward(dout, q, k, v, out, lse, kind == "causal", scale=scale, name=name)
+
+
+def _dense_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, *, scale: float,
+                    name: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    name = name or kernel_for("causal" if causal else "full", q)
     if name == "cpu_flash":
-        return _cpu_flash_backward(dout, q, k, v, out, lse, scale, causal=kind == "causal")
+        return _cpu_flash_backward(dout, q, k, v, out, lse, scale, causal)
     if name == "flash_attn":
-        return _flash_attn_backward(dout, q, k, v, out, lse, scale, causal=kind == "causal")
-    return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc), scale)
+        return _flash_attn_backward(dout, q, k, v, out, lse, scale, causal)
+    return _reference_backward(dout, q, k, v, out, lse, _dense_mask(q, k, causal), scale)
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -300,9 +328,7 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return out_a.to(dtype) * weight_a + out_b.to(dtype) * weight_b, lse
 
 
-# ----------------------------------------------------------------------------------------------
-# Reference kernel
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- Reference kernel
 
 def _grouped(x: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
     """``[s, b, n, d]`` -> ``[b, g, n/g, s, d]`` in ``dtype``: query heads grouped by their kv head."""
@@ -353,17 +379,13 @@ def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return _ungrouped(dq), dk.permute(2, 0, 1, 3).contiguous(), dv.permute(2, 0, 1, 3).contiguous()
 
 
-# ----------------------------------------------------------------------------------------------
-# CPU flash kernel
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- CPU flash kernel
 
 @functools.cache
 def _cpu_flash_native_gqa() -> bool:
-    """True when the CPU flash op takes fewer kv heads than query heads.
+    """True when the CPU flash op takes fewer kv heads than query heads (pytorch#157893: 2.9+).
 
-    GQA support landed in July 2025 (pytorch#157893), after the 2.8 branch cut, hence 2.9; checked
-    here on 2.13 only. Older versions are not known to check the head counts, so they always get
-    repeated kv heads (a copy of k/v per block) rather than a probe that might read out of bounds.
+    Older versions get repeated kv heads rather than a probe that might read out of bounds.
     """
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 9)
@@ -406,18 +428,11 @@ def _cpu_flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return _dense(dq.permute(2, 0, 1, 3), dtype), _kv_grad(dk, g, dtype), _kv_grad(dv, g, dtype)
 
 
-# ----------------------------------------------------------------------------------------------
-# flash-attn kernel (CUDA, optional)
-# ----------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------- flash-attn kernel (CUDA, optional)
 
 @functools.cache
 def _flash_attn_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """flash-attn 2's ``(_flash_attn_forward, _flash_attn_backward)``, or None (logged once).
-
-    ``device.flash_attn_func()`` decides whether flash-attn is usable at all (GPU present, package
-    imports); the low-level functions are private API, so their absence is one more reason to
-    fall back to the reference kernel.
-    """
+    """flash-attn 2's private ``(_flash_attn_forward, _flash_attn_backward)``, or None (logged once)."""
     if device_mod.flash_attn_func() is None:
         return None
     try:
@@ -431,12 +446,9 @@ def _flash_attn_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
 
 
 def _flash_attn_call(fn: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call a flash-attn 2.x low-level function by keyword, filling the arguments versions differ in.
-
-    2.0-2.2: no window; 2.3: ``window_size=(l, r)``; 2.4: ``alibi_slopes``, ``deterministic``;
-    2.6: ``softcap``; 2.7+: ``window_size_left``/``window_size_right`` and a ``torch.library``
-    custom op (its Python signature is on ``_init_fn``).
-    """
+    """Call a flash-attn 2.x low-level function by keyword, filling the arguments versions differ in
+    (2.3 ``window_size``, 2.4 ``alibi_slopes``/``deterministic``, 2.6 ``softcap``, 2.7+ split windows and a
+    ``torch.library`` op whose signature is on ``_init_fn``)."""
     params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     if "window_size_left" in params:
         kwargs.update(window_size_left=-1, window_size_right=-1)
@@ -473,9 +485,7 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     return tuple(_dense(x.transpose(0, 1), torch.float32) for x in (dq, dk, dv))  # type: ignore[return-value]
 
 
-# ----------------------------------------------------------------------------------------------
-# The layer's causal kernel (no LSE): dot_product_attention, and cached_attention for decoding
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------ the layer's causal kernel (no LSE), and cached_attention for decoding
 
 MATH_ATTENTION_MAX_SCORES = 1 << 24
 """CPU attention in ``MATH_ATTENTION_DTYPES`` materialises the scores when ``b · n · s²`` is at most this.
@@ -556,7 +566,6 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
     gqa = {"enable_gqa": True} if k.shape[2] != n else {}
     out_bnsd = F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout_p, is_causal=True, **gqa)
     return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
-
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
