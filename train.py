@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_sp.training import main
+from megatron_sp.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

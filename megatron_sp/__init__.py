@@ -1,2 +1,16 @@
 """megatron_sp: Megatron-style GPT pretraining with TP/SP, PP, DP and CP that runs on CPU and GPU."""
+from .config import registry as _registry
+
 __version__ = "0.1.0"
+
+
+def _import_config_checks() -> None:
+    """Each part checks its own config keys (``config.registry.check``); the first ``finalize`` imports them."""
+    from .pipeline import partition  # noqa: F401  parallel.pp_schedule, virtual_stages, pp_partition, micro-batches
+    from .model.attention import layout  # noqa: F401  parallel.cp*, attention dropout
+    from . import device  # noqa: F401  parallel.device, parallel.backend
+    from .optim import reducer  # noqa: F401  parallel.zero, train.precision
+    from .data import gpt_dataset, blending  # noqa: F401  data.split, data.paths
+
+
+_registry.discover(_import_config_checks)

@@ -23,6 +23,10 @@ from collections.abc import Callable
 
 import torch
 
+from .config.registry import check, choice
+from .config.schema import Config
+from .errors import ConfigError
+
 log = logging.getLogger("megatron_sp")
 
 
@@ -39,6 +43,20 @@ def default_device_type() -> str:
 def default_backend(device_type: str) -> str:
     """The torch.distributed backend for a device type: nccl on CUDA, gloo on CPU."""
     return "nccl" if device_type == "cuda" else "gloo"
+
+
+@check
+def check_device_config(cfg: Config) -> None:
+    """``parallel.device`` and ``parallel.backend``: this machine's defaults when unset, and a valid pair."""
+    p = cfg.parallel
+    if p.device is None:
+        p.device = default_device_type()
+    choice("parallel.device", p.device, ("cpu", "cuda"))
+    if p.backend is None:
+        p.backend = default_backend(p.device)
+    choice("parallel.backend", p.backend, ("gloo", "nccl"))
+    if p.backend == "nccl" and p.device != "cuda":
+        raise ConfigError("parallel.backend=nccl needs parallel.device=cuda; use parallel.backend=gloo on CPU")
 
 
 def local_device(device_type: str, local_rank: int = 0) -> torch.device:

@@ -65,6 +65,12 @@ class TrainingError(UserError):
     exit_code = 1
 
 
+class LaunchError(UserError):
+    """A launcher option, hostfile, environment or layout problem (deepy.py). Exit code 2."""
+
+    exit_code = 2
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one ``error:`` line (exit code 2) instead of usage + message,
     like every other user error of train.py and the tools."""

@@ -1,19 +1,17 @@
-"""Multi-node launcher behind ``deepy.py``: one ``torchrun`` per host, started over ssh, pdsh or srun.
+"""The one launcher: ``deepy.py`` (one torchrun per host) and ``train.py``'s start of local ranks.
 
-``python deepy.py [launcher options] train.py --conf a.yml [--hostfile hosts] [script args] [-- script args]``
-
-Pipeline: ``split_argv`` (launcher vs script options) → ``parse_hostfile`` / ``select_hosts`` →
-``collect_env`` (``NCCL_*`` etc., ``.deepy_env``, ``--env``) → ``build_plan`` (exact argv lists;
-``--dry-run`` prints them) → ``execute`` (first failing host stops the others). Nothing runs
-through a local shell; remote command pieces are ``shlex.quote``d and hostnames are restricted to
-``[A-Za-z0-9._-]``. Rendezvous is torchrun's ``c10d`` unless ``--rdzv-backend static``.
-
-Details (argument splitting rules, environment order, safety, rendezvous): docs/launcher.md.
+deepy: ``split_argv`` (launcher vs script options) → hosts and environment (``multinode``) →
+``build_plan`` (exact argv lists; ``--dry-run`` prints them) → ``execute`` (one session per command;
+the first failing host stops the others). Nothing runs through a local shell.
+train.py run plainly with world size > 1: ``start_local`` runs torch.distributed.run in this process
+(first Ctrl-C: the ranks save, exit 130; a second one aborts; a dead rank: one line naming it).
+Both build torchrun's arguments with ``torchrun_args``. Details: docs/launcher.md.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import os
 import re
 import shlex
@@ -24,29 +22,23 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .errors import UserError, read_utf8
+from .errors import LaunchError, UserError
+from .multinode import (MAX_SLOTS, EnvSpec, Host, check_hostname, collect_env, env_prefix, hosts_text,
+                        parse_hostfile, pdsh_escape, remote_command, select_hosts, slurm_hosts, uniform_slots,
+                        with_devices)
 
 LAUNCHERS = ("ssh", "pdsh", "slurm", "local")
 DEFAULT_MASTER_PORT = 29500
 ENV_FILE = ".deepy_env"
-AUTO_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "WANDB_")
-AUTO_ENV_NAMES = ("PYTHONPATH",)
 STOP_GRACE_S = 30.0  # after SIGTERM, how long a launched process may take to stop before SIGKILL
-MAX_SLOTS = 1024  # processes on one host: far above any node's devices (a typo like slots=1e20 is refused)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
-_HOST_RE = re.compile(r"[A-Za-z0-9._-]+")
-_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _OVERRIDE_RE = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*=")
-
-
-class LaunchError(UserError):
-    """A launcher option, hostfile, environment or layout problem: one line, exit code 2."""
-
-    exit_code = 2
+log = logging.getLogger("megatron_sp")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -91,12 +83,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def split_argv(argv: list[str], valued: set[str], known: set[str]) -> tuple[list[str], list[str]]:
-    """Split deepy.py's arguments into (launcher options, [script, *script args]).
-
-    Before the script every ``-x``/``--x`` token is a launcher option; after it only the launcher's
-    exact long options (``--hostfile hosts`` or ``--hostfile=hosts``) are; ``--`` hands every later
-    token to the script (the first one is the script itself if none was given yet).
-    """
+    """Split deepy.py's arguments into (launcher options, [script, *script args]): before the script every
+    option is the launcher's, after it only its exact long options; after ``--`` everything is the script's."""
     own: list[str] = []
     command: list[str] = []
     verbatim = False
@@ -144,184 +132,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                           f"write ./{command[0]}")
     return args, command
 
-
-# ----------------------------------------------------------------------------- hosts
-
-@dataclass(frozen=True)
-class Host:
-    """One host of the launch and the slot (device) indices it uses."""
-
-    name: str
-    slots: tuple[int, ...]
-
-    @property
-    def nproc(self) -> int:
-        return len(self.slots)
-
-    @property
-    def visible_devices(self) -> str | None:
-        """CUDA_VISIBLE_DEVICES for a slot selection other than the first n slots, else None."""
-        return None if self.slots == tuple(range(len(self.slots))) else ",".join(map(str, self.slots))
-
-
-def check_hostname(name: str, where: str) -> str:
-    """``name`` normalised (lower case, no trailing '.': DNS names are case-insensitive and ``node1.`` is
-    ``node1``) if it is a plain host name or IPv4 address; a LaunchError naming ``where`` otherwise."""
-    if not _HOST_RE.fullmatch(name) or name.startswith("-"):
-        raise LaunchError(f"{where}: host name {name!r} is not allowed: use only letters, digits, '.', '_' and '-' "
-                          "and do not start with '-' (for user@host, ports or IPv6 use an alias in ~/.ssh/config)")
-    normal = name.rstrip(".").lower()
-    if not normal:
-        raise LaunchError(f"{where}: host name {name!r} is not allowed: it has no letters or digits")
-    return normal
-
-
-def parse_hostfile(path: str | Path) -> dict[str, int]:
-    """``{host: slots}`` in file order from lines ``host slots=N`` (blank lines and ``#`` comments skipped)."""
-    p = Path(path)
-    if not p.is_file():
-        raise LaunchError(f"--hostfile {p}: file not found; write one 'host slots=N' line per host")
-    hosts: dict[str, int] = {}
-    lines = read_utf8(p, "--hostfile", "is this the right file?", LaunchError).splitlines()
-    for lineno, raw in enumerate(lines, start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        where = f"{p}:{lineno}"
-        parts = line.split()
-        m = re.fullmatch(r"slots=(\S+)", parts[1]) if len(parts) == 2 else None
-        if m is None:
-            raise LaunchError(f"{where}: expected 'host slots=N', got {line!r}")
-        name = check_hostname(parts[0], where)
-        try:
-            slots = int(m.group(1))
-        except ValueError:
-            raise LaunchError(f"{where}: slots={m.group(1)!r} is not an integer; write e.g. '{name} slots=8'") from None
-        if slots < 1:
-            raise LaunchError(f"{where}: slots={slots} for {name}; a host needs at least 1 slot (or delete the line)")
-        if slots > MAX_SLOTS:
-            raise LaunchError(f"{where}: slots={slots} for {name} is more than {MAX_SLOTS} processes on one host; "
-                              "write the number of devices (GPUs) of that host")
-        if name in hosts:
-            raise LaunchError(f"{where}: host {name} is listed twice (host names are case-insensitive and a "
-                              "trailing '.' does not count); keep one line per host")
-        hosts[name] = slots
-    if not hosts:
-        raise LaunchError(f"--hostfile {p}: no hosts; write one 'host slots=N' line per host")
-    return hosts
-
-
-def parse_host_spec(spec: str, flag: str, pool: Mapping[str, int], hostfile: str) -> dict[str, tuple[int, ...] | None]:
-    """``--include``/``--exclude`` value ``a@b:0,2`` → ``{host: slots or None (the whole host)}``."""
-    out: dict[str, tuple[int, ...] | None] = {}
-    for part in spec.split("@"):
-        name, sep, slot_text = part.partition(":")
-        if not name:
-            raise LaunchError(f"{flag} {spec!r}: empty host entry; write host1@host2:0,1")
-        name = check_hostname(name, flag)
-        if name not in pool:
-            raise LaunchError(f"{flag}: host {name} is not in --hostfile {hostfile} (hosts: {', '.join(pool)})")
-        if name in out:
-            raise LaunchError(f"{flag}: host {name} appears twice in {spec!r}")
-        if not sep:
-            out[name] = None
-            continue
-        try:
-            slots = tuple(int(s) for s in slot_text.split(","))
-        except ValueError:
-            raise LaunchError(f"{flag}: slots {slot_text!r} of {name} must be comma-separated integers, "
-                              f"e.g. {name}:0,1") from None
-        bad = [s for s in slots if not 0 <= s < pool[name]]
-        if bad:
-            raise LaunchError(f"{flag}: slot {bad[0]} of {name} is out of range; {hostfile} gives it "
-                              f"slots=0..{pool[name] - 1}")
-        if len(set(slots)) != len(slots):
-            raise LaunchError(f"{flag}: {name} lists a slot twice in {slot_text!r}")
-        out[name] = tuple(sorted(slots))
-    return out
-
-
-def select_hosts(pool: Mapping[str, int], hostfile: str, include: str | None = None, exclude: str | None = None,
-                 num_nodes: int | None = None, nproc_per_node: int | None = None) -> list[Host]:
-    """The hosts and slots of the launch, in hostfile order."""
-    if include and exclude:
-        raise LaunchError("--include and --exclude cannot be combined; use one of them")
-    if include:
-        chosen = parse_host_spec(include, "--include", pool, hostfile)
-        hosts = [Host(h, chosen[h] or tuple(range(pool[h]))) for h in pool if h in chosen]
-    else:
-        dropped = parse_host_spec(exclude, "--exclude", pool, hostfile) if exclude else {}
-        hosts = []
-        for h, n in pool.items():
-            if h in dropped and dropped[h] is None:
-                continue
-            slots = tuple(s for s in range(n) if s not in (dropped.get(h) or ()))
-            if slots:
-                hosts.append(Host(h, slots))
-    if not hosts:
-        raise LaunchError(f"--exclude {exclude!r} leaves no host of {hostfile}")
-    if num_nodes is not None:
-        if num_nodes < 1:
-            raise LaunchError(f"--num-nodes {num_nodes}: must be at least 1")
-        if num_nodes > len(hosts):
-            raise LaunchError(f"--num-nodes {num_nodes}: only {len(hosts)} host(s) available from {hostfile} "
-                              "(after --include/--exclude)")
-        hosts = hosts[:num_nodes]
-    if nproc_per_node is not None:
-        for h in hosts:
-            if nproc_per_node > h.nproc:
-                raise LaunchError(f"--nproc-per-node {nproc_per_node}: host {h.name} has only {h.nproc} slot(s) "
-                                  f"(in {hostfile}, after --include/--exclude)")
-        hosts = [Host(h.name, h.slots[:nproc_per_node]) for h in hosts]
-    return hosts
-
-
-# ----------------------------------------------------------------------------- environment
-
-@dataclass
-class EnvSpec:
-    """Variables for every rank: ``auto`` (copied from this shell; remote launchers only) and
-    ``explicit`` (``.deepy_env`` and ``--env``; every launcher)."""
-
-    auto: dict[str, str] = field(default_factory=dict)
-    explicit: dict[str, str] = field(default_factory=dict)
-
-    def remote(self) -> dict[str, str]:
-        return {**self.auto, **self.explicit}
-
-
-def _check_env_name(name: str, where: str) -> str:
-    if not _ENV_NAME_RE.fullmatch(name):
-        raise LaunchError(f"{where}: {name!r} is not a valid environment variable name (letters, digits, '_'; "
-                          "not starting with a digit)")
-    return name
-
-
-def collect_env(user: list[str], environ: Mapping[str, str], env_file: Path | None) -> EnvSpec:
-    """Automatic variables from ``environ``, then ``env_file`` lines ``KEY=VALUE``, then ``--env`` items."""
-    spec = EnvSpec(auto={k: environ[k] for k in sorted(environ)
-                         if k in AUTO_ENV_NAMES or k.startswith(AUTO_ENV_PREFIXES)})
-    if env_file is not None and env_file.is_file():
-        lines = read_utf8(env_file, "environment file", "is this the right file?", LaunchError).splitlines()
-        for lineno, raw in enumerate(lines, start=1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            key, sep, value = line.partition("=")
-            if not sep:
-                raise LaunchError(f"{env_file}:{lineno}: expected KEY=VALUE, got {line!r}")
-            spec.explicit[_check_env_name(key.strip(), f"{env_file}:{lineno}")] = value.strip()
-    for item in user:
-        key, sep, value = item.partition("=")
-        _check_env_name(key, f"--env {item}")
-        if not sep:
-            if key not in environ:
-                raise LaunchError(f"--env {key}: {key} is not set in this shell; give a value with --env {key}=VALUE")
-            value = environ[key]
-        spec.explicit[key] = value
-    return spec
-
-
 # ----------------------------------------------------------------------------- config
 
 @dataclass(frozen=True)
@@ -335,10 +145,8 @@ class Layout:
 
 
 def config_layout(script_args: list[str]) -> Layout | None:
-    """The layout of train.py's ``--conf`` files and dotted overrides among ``script_args`` (None without --conf).
-
-    Uses the config loader without ``finalize`` (no torch import): only the parallel degrees are read.
-    """
+    """The layout of train.py's ``--conf`` files and dotted overrides among ``script_args`` (None without --conf);
+    the config is loaded without ``finalize`` (no torch import)."""
     confs: list[str] = []
     overrides: list[str] = []
     it = iter(script_args)
@@ -378,6 +186,17 @@ def check_layout(layout: Layout | None, total: int, launched: str) -> None:
                           f"{layout.model_parallel} ({layout.source}); {fix}")
 
 
+# ----------------------------------------------------------------------------- torchrun
+
+def torchrun_args(nnodes: int, nproc: int, rendezvous: list[str], command: list[str], module: bool = False,
+                  max_restarts: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """torch.distributed.run's arguments (what follows ``python -m torch.distributed.run``), for every launch."""
+    args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), *rendezvous, *extra]
+    if max_restarts is not None:
+        args += ["--max-restarts", str(max_restarts)]
+    return args + (["--module"] if module else []) + command
+
+
 # ----------------------------------------------------------------------------- plan
 
 @dataclass
@@ -398,48 +217,6 @@ class LaunchPlan:
     summary: str
 
 
-def _env_prefix(env: Mapping[str, str]) -> list[str]:
-    return ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-
-
-def remote_command(cwd: str, env: Mapping[str, str], argv: list[str]) -> str:
-    """The shell string a remote login shell runs: ``cd CWD && exec env K=V ... argv``, every piece quoted."""
-    return f"cd {shlex.quote(cwd)} && exec {shlex.join([*_env_prefix(env), *argv])}"
-
-
-def pdsh_escape(command: str) -> str:
-    """Double every ``%``: pdsh substitutes ``%h``, ``%u``, ``%n`` in the command it runs and turns ``%%`` into ``%``."""
-    return command.replace("%", "%%")
-
-
-def _uniform(hosts: list[Host], launcher: str) -> tuple[int, str | None]:
-    """pdsh and srun run one command on every host: the slots must agree."""
-    counts = {h.nproc for h in hosts}
-    devices = {h.visible_devices for h in hosts}
-    if len(counts) > 1 or len(devices) > 1:
-        detail = ", ".join(f"{h.name}:{','.join(map(str, h.slots))}" for h in hosts)
-        raise LaunchError(f"--launcher {launcher} runs the same command on every host, but the selected slots differ "
-                          f"({detail}); give every host the same slots or use --launcher ssh")
-    return hosts[0].nproc, hosts[0].visible_devices
-
-
-def _slurm_hosts(environ: Mapping[str, str]) -> list[str]:
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    if not nodelist:
-        raise LaunchError("--launcher slurm without --hostfile needs a Slurm allocation (SLURM_JOB_NODELIST is not "
-                          "set); run inside salloc/sbatch, or give --hostfile or --master-addr and --num-nodes")
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise LaunchError(f"could not expand SLURM_JOB_NODELIST={nodelist!r} with 'scontrol show hostnames' ({exc}); "
-                          "give --master-addr") from None
-    return [check_hostname(h, "SLURM_JOB_NODELIST") for h in out.stdout.split()]
-
-
-def _hosts_text(hosts: list[Host]) -> str:
-    return ", ".join(f"{h.name}×{h.nproc}" for h in hosts)
-
-
 @dataclass
 class _Request:
     """What every launcher's plan is built from (after validation)."""
@@ -458,13 +235,8 @@ class _Request:
         return self.command[0]
 
     def torchrun(self, nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
-        argv = [self.args.python, "-u", "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-                "--nproc-per-node", str(nproc), *rendezvous]
-        if self.args.max_restarts is not None:
-            argv += ["--max-restarts", str(self.args.max_restarts)]
-        if self.args.module:
-            argv.append("--module")
-        return argv + self.command
+        return [self.args.python, "-u", "-m", "torch.distributed.run",
+                *torchrun_args(nnodes, nproc, rendezvous, self.command, self.args.module, self.args.max_restarts)]
 
     def c10d(self, addr: str) -> list[str]:
         return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{self.port}", "--rdzv-id", self.rdzv_id]
@@ -523,7 +295,7 @@ def _plan_local(req: _Request) -> LaunchPlan:
     if hosts:
         nproc = hosts[0].nproc
         if hosts[0].visible_devices:
-            env = _with_devices(env, hosts[0].visible_devices)
+            env = with_devices(env, hosts[0].visible_devices)
     elif args.nproc_per_node:
         nproc = args.nproc_per_node
     elif req.layout is not None:
@@ -536,7 +308,7 @@ def _plan_local(req: _Request) -> LaunchPlan:
     else:
         addr = args.master_addr or "127.0.0.1"
         rendezvous, where = req.c10d(addr), f"{addr}:{req.port}"
-    argv = [*_env_prefix(env), *req.torchrun(1, nproc, rendezvous)]
+    argv = [*env_prefix(env), *req.torchrun(1, nproc, rendezvous)]
     return LaunchPlan("local", [Command("local", argv)], f"local launch of {req.name}: {nproc} ranks on this machine, "
                                                    f"rendezvous on {where}")
 
@@ -546,9 +318,9 @@ def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
     args, hosts = req.args, req.hosts
     env = dict(req.env.explicit)
     if hosts:
-        nproc, devices = _uniform(hosts, "slurm")
+        nproc, devices = uniform_slots(hosts, "slurm")
         if devices:
-            env = _with_devices(env, devices)
+            env = with_devices(env, devices)
         names = [h.name for h in hosts]
         nodes = len(hosts)
     else:
@@ -557,7 +329,7 @@ def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
             raise LaunchError("--launcher slurm without --hostfile needs --num-nodes (or a Slurm allocation: "
                               f"SLURM_JOB_NUM_NODES is {nodes_text or 'not set'})")
         nodes = int(nodes_text)
-        names = [] if args.master_addr else _slurm_hosts(environ)
+        names = [] if args.master_addr else slurm_hosts(environ)
         if names and len(names) < nodes:
             raise LaunchError(f"--num-nodes {nodes}: the Slurm allocation has only {len(names)} node(s)")
         names = names[:nodes]
@@ -573,7 +345,7 @@ def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
     srun = ["srun", "--nodes", str(nodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1", "--export=ALL"]
     if names:
         srun += ["--nodelist", ",".join(names)]
-    argv = [*_env_prefix(env), *srun, *req.torchrun(nodes, nproc, req.c10d(master))]
+    argv = [*env_prefix(env), *srun, *req.torchrun(nodes, nproc, req.c10d(master))]
     return LaunchPlan("slurm", [Command("slurm", argv)], f"slurm launch of {req.name}: {nodes} node(s) × {nproc} ranks, "
                                                    f"rendezvous c10d at {master}:{req.port} (id {req.rdzv_id})")
 
@@ -582,13 +354,13 @@ def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
     """ssh (one command per host) or pdsh (one for all): a remote login shell runs a quoted command string."""
     args, hosts = req.args, req.hosts
     total = sum(h.nproc for h in hosts)
-    check_layout(req.layout, total, _hosts_text(hosts))
+    check_layout(req.layout, total, hosts_text(hosts))
     master = args.master_addr or hosts[0].name
     env = req.env.remote()
-    summary = f"{launcher} launch of {req.name}: {len(hosts)} host(s) ({_hosts_text(hosts)}), {total} ranks, "
+    summary = f"{launcher} launch of {req.name}: {len(hosts)} host(s) ({hosts_text(hosts)}), {total} ranks, "
     if launcher == "pdsh":
-        nproc, devices = _uniform(hosts, "pdsh")
-        remote = remote_command(req.cwd, _with_devices(env, devices) if devices else env,
+        nproc, devices = uniform_slots(hosts, "pdsh")
+        remote = remote_command(req.cwd, with_devices(env, devices) if devices else env,
                                 req.torchrun(len(hosts), nproc, req.c10d(master)))
         argv = ["pdsh", "-R", "ssh", "-S", "-f", "1024", "-w", ",".join(h.name for h in hosts), pdsh_escape(remote)]
         return LaunchPlan("pdsh", [Command("pdsh", argv)],
@@ -603,19 +375,12 @@ def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
             rendezvous = ["--node-rank", str(rank), "--master-addr", master, "--master-port", str(req.port)]
         else:
             rendezvous = req.c10d(master)
-        remote = remote_command(req.cwd, _with_devices(env, h.visible_devices) if h.visible_devices else env,
+        remote = remote_command(req.cwd, with_devices(env, h.visible_devices) if h.visible_devices else env,
                                 req.torchrun(len(hosts), h.nproc, rendezvous))
         commands.append(Command(h.name, [*ssh, "--", h.name, remote]))
     how = f"static rendezvous at {master}:{req.port}" if args.rdzv_backend == "static" else \
         f"rendezvous c10d at {master}:{req.port} (id {req.rdzv_id})"
     return LaunchPlan("ssh", commands, summary + how)
-
-
-def _with_devices(env: Mapping[str, str], devices: str) -> dict[str, str]:
-    if "CUDA_VISIBLE_DEVICES" in env and env["CUDA_VISIBLE_DEVICES"] != devices:
-        raise LaunchError("CUDA_VISIBLE_DEVICES is given with --env/.deepy_env and by a slot selection "
-                          "(--include/--exclude/--nproc-per-node); keep one of them")
-    return {**env, "CUDA_VISIBLE_DEVICES": devices}
 
 
 # ----------------------------------------------------------------------------- execution
@@ -669,10 +434,8 @@ def _pump(label: str, stream: Any, out: TextIO, lock: threading.Lock) -> None:
 def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run the plan's commands; return the exit code (the first failing command's, 130 on interrupt).
 
-    Each command starts in its own session so deepy decides how it stops: on Ctrl-C, SIGTERM or a
-    failing host, every other command's process group gets SIGTERM (torchrun stops its workers;
-    ``ssh -tt`` closes the connection and the remote torchrun gets SIGHUP), then SIGKILL after
-    ``STOP_GRACE_S``.
+    Each command runs in its own session: on Ctrl-C, SIGTERM or a failing host every other command's
+    process group gets SIGTERM (``ssh -tt``: the remote torchrun gets SIGHUP), SIGKILL after ``STOP_GRACE_S``.
     """
     out = out or sys.stdout
     err = err or sys.stderr
@@ -728,6 +491,66 @@ def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = No
         if len(procs) > 1:
             print(f"error: {failed[0]} failed with exit code {code}; its output is above", file=err)
         return code
+    return 0
+
+
+# ----------------------------------------------------------------------------- train.py's local ranks
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank that torchrun started (its environment is complete)."""
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def single_rank_env() -> None:
+    """The environment of a one-rank torchrun on a free local port: train.py run plainly at world size 1
+    takes the same code path (a one-member process group) as every launched rank."""
+    from .testing import free_port
+
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
+
+
+def start_local(nproc: int, argv: list[str], log_dir: Path, save_dir: str | None, cpu: bool) -> int:
+    """Run ``nproc`` local ranks of this command (a script like train.py, else ``megatron_sp.cli``) with torch.distributed.run
+    in this process; return the exit code.
+
+    A dead rank stops the others and is named in one line. SIGTERM/SIGINT: torchrun passes them on to the
+    ranks and gives them 30 s to save before SIGKILL (a second Ctrl-C reaches them as SIGTERM: abort); a
+    checkpoint in ``save_dir`` newer than the start means exit 0 (SIGTERM) or 130 (SIGINT), else 128 + signal.
+    """
+    from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc) if cpu else 1))
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # set when run as python -m megatron_sp.cli
+    script = os.path.abspath(sys.argv[0]) if spec is None and sys.argv and sys.argv[0].endswith(".py") else None
+    command = [script or "megatron_sp.cli", *argv]
+    extra = ("--log-dir", str(log_dir), "--redirects", "0", "--tee", "0")
+    log.info("starting %d local ranks (torch.distributed.run --standalone --nproc-per-node %d)", nproc, nproc)
+    for name in [n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # our one line names the failure (each sets its own level)
+    started = time.time()
+    try:
+        torch_run.main(torchrun_args(1, nproc, ["--standalone"], command, module=script is None, extra=extra))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"error: rank {rank} of {nproc} {how}; the other ranks were stopped"
+              + ("" if code < 0 else " (its message is above)"), file=sys.stderr)
+        return code if code > 0 else 1
+    except SignalException as exc:
+        latest = Path(save_dir) / "latest" if save_dir else None
+        if exc.sigval in (signal.SIGTERM, signal.SIGINT) and latest is not None and latest.is_file() \
+                and latest.stat().st_mtime >= started:
+            from .checkpointing import resolve
+
+            log.info("stopped by %s; the ranks saved %s", exc.sigval.name, resolve(latest.parent))
+            return 0 if exc.sigval == signal.SIGTERM else 130
+        print(f"error: stopped by signal {signal.Signals(exc.sigval).name} without a new checkpoint"
+              + ("" if save_dir else " (set checkpoint.save to save one on SIGTERM or Ctrl-C)"), file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0
 
 

@@ -1,17 +1,12 @@
-"""Throughput numbers and the run's metric sinks (metrics.jsonl, console, wandb, tensorboard).
+"""Throughput numbers, the console and the run's metric sinks (metrics.jsonl, wandb, tensorboard).
 
-One function computes tokens/s, TFLOP/s and MFU; one logger (rank 0 only) writes them.
-MFU follows PaLM appendix B: model FLOPs per token = 6N + 6·L·h·s (attention over the causal half,
-see ``model.flops_per_token``), divided by the peak FLOP/s of the run's devices (``Peak``).
-
-The peak, and why MFU is never above 100 %: on CPU the peak is the best dense-matmul rate seen on
-this host for the training dtype (``device.cpu_peak_flops``: measured at start-up with every core,
-cached per host in a file that only ever rises). A run achieving more than that proves the peak
-was measured low (a busy moment): the peak is raised to the achieved rate for the rest of the run
-and cached, with one warning, so MFU ≤ 1 by construction. A peak given as ``logging.peak_tflops``
-is the user's and is kept: MFU is then reported as at most 1.0, with one warning that the given
-peak is below what the run achieves. With no peak (a GPU without ``logging.peak_tflops``) MFU is 0.
-The ETA is remaining steps × the median seconds per step of recent steps (``eta_seconds``).
+One function computes tokens/s, TFLOP/s and MFU; one logger (rank 0 only) writes them. MFU follows
+PaLM appendix B: model FLOPs per token = 6N + 6·L·h·s (``model.flops_per_token``) over the peak
+FLOP/s of the run's devices (``Peak``, ``peak_flops_total``). MFU is never above 100 %: on CPU the
+peak is the best dense-matmul rate seen on this host (``device.cpu_peak_flops``, cached per host,
+only ever rising), and a run achieving more raises it, with one warning; a ``logging.peak_tflops``
+is kept as given and MFU capped at 1. Without a peak (a GPU, no ``logging.peak_tflops``) MFU is 0.
+The ETA is remaining steps × the median seconds of recent steps (``eta_seconds``).
 """
 from __future__ import annotations
 
@@ -22,23 +17,38 @@ import math
 import os
 import shutil
 import statistics
+import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import Config
 from .errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
+    from .mpu import ParallelState
+
 log = logging.getLogger("megatron_sp")
+
+
+def setup_logging(level: str, rank: int) -> None:
+    """One logger: rank 0 at the configured level, other ranks warnings and errors only, rank-tagged."""
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
 
 
 class Peak:
     """The MFU denominator of a run: peak FLOP/s of all its devices (0 = unknown, MFU 0).
 
-    ``given``: the user's ``logging.peak_tflops``, kept as is (MFU capped at 1). Otherwise a
-    measured peak, raised to any achieved rate above it; ``on_raise(flops)`` is then told the new
-    total (the training loop caches it per host). Either case warns once (see the module
-    docstring) if ``warn`` (rank 0).
+    ``given`` (``logging.peak_tflops``): kept, MFU capped at 1. Otherwise measured, and raised to any
+    achieved rate above it (``on_raise(flops)`` caches the new total). Either warns once if ``warn``.
     """
 
     def __init__(self, flops: float, given: bool = False, on_raise: Callable[[float], object] | None = None,
@@ -77,17 +87,50 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, peak: Peak) 
     return {"tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": peak.mfu(flops)}
 
 
+def peak_flops_total(cfg: Config, st: ParallelState, device: torch.device) -> Peak:
+    """The peak FLOP/s of all devices of the run: one GPU each, or on CPU one host's cores each.
+
+    On CPU without ``logging.peak_tflops``, local rank 0 of each host measures while the others wait
+    at a barrier (no rank disturbs it); every rank takes the largest host's rate. Only rank 0 warns
+    and caches a raised peak.
+    """
+    import torch
+
+    from . import device as device_mod
+    from .mpu import comm
+
+    world = st.dims.world_size
+    n_devices = world if device.type == "cuda" else max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    rank0 = st.rank == 0
+    if cfg.logging.peak_tflops:
+        return Peak(cfg.logging.peak_tflops * 1e12 * n_devices, given=True, warn=rank0)
+    if device.type == "cuda":
+        log.info("MFU is not reported: set logging.peak_tflops to the GPU's peak for %s", cfg.train.precision)
+        return Peak(0.0)
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    comm.barrier()
+    t0 = time.perf_counter()
+    best, now = device_mod.cpu_peak_flops(dtype) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (0.0, 0.0)
+    per_host = torch.tensor([best, now], dtype=torch.float64)
+    comm.all_reduce(per_host, None, op=comm.ReduceOp.MAX)
+    best, now = per_host.tolist()
+    log.info("CPU peak: %.1f GFLOP/s %s per host, the best seen on this host (measured now: %.1f GFLOP/s in %.1f s; "
+             "cache %s): the MFU denominator", best / 1e9, cfg.train.precision, now / 1e9, time.perf_counter() - t0,
+             device_mod.peak_cache_path())
+
+    def on_raise(total: float) -> None:
+        device_mod.record_peak_flops(dtype, total / n_devices)
+
+    return Peak(best * n_devices, on_raise=on_raise if rank0 else None, warn=rank0)
+
+
 ETA_STEPS = 20
 """Steps the ETA looks back over."""
 
 
 def eta_seconds(step_seconds: Sequence[float], remaining: int) -> float:
-    """Seconds for ``remaining`` steps at the median of ``step_seconds`` (inf when empty).
-
-    The training loop passes the training time of its last ``ETA_STEPS`` steps: not the run's first
-    step (its time includes warm-up), not validation or checkpoint pauses, and not the start-up
-    before the loop. The median also ignores an odd slow step (a collection, a busy moment).
-    """
+    """Seconds for ``remaining`` steps at the median of ``step_seconds`` (inf when empty): the loop passes its
+    last ``ETA_STEPS`` steps' training time (no warm-up step, no pauses); the median ignores an odd slow step."""
     if remaining <= 0:
         return 0.0
     if not step_seconds:
@@ -109,13 +152,8 @@ def _count(n: int) -> str:
 
 
 def parameter_summary(total: int, on_rank: int, tp: int, pp: int, vocab: int | None, padded_vocab: int) -> str:
-    """``5.12M parameters (2.63M on this rank: tp2 pp1)`` for the start-up line.
-
-    ``total`` is the whole model (every TP shard and PP stage, a tied embedding once: ``model.
-    count_parameters(cfg, exclude_embeddings=False)``); ``on_rank`` is this rank's tensors
-    (``GPTModel.num_parameters()``), shown when the model is split. Both count the embedding and
-    output rows as stored, so when the vocabulary is padded the line says so.
-    """
+    """``5.12M parameters (2.63M on this rank: tp2 pp1)`` for the start-up line: ``total`` is the whole model
+    (a tied embedding once), ``on_rank`` this rank's tensors; both count padded vocabulary rows, as the line says."""
     text = f"{_count(total)} parameters"
     if tp * pp > 1:
         text += f" ({_count(on_rank)} on this rank: tp{tp} pp{pp})"
@@ -134,11 +172,8 @@ _SINKS = {
 
 
 def check_sinks(cfg: Config) -> None:
-    """Raise the ``ConfigError`` of an enabled optional sink whose package is not installed.
-
-    Cheap (nothing is imported): ``train.py`` calls it before it starts any rank, so a missing
-    package is one line at once rather than a failure of rank 0 after the model is built.
-    """
+    """Raise the ``ConfigError`` of an enabled optional sink whose package is not installed (cheap: nothing
+    is imported; train.py calls it before any rank starts)."""
     for key, (package, message) in _SINKS.items():
         if getattr(cfg.logging, key) and importlib.util.find_spec(package) is None:
             raise ConfigError(message)
@@ -166,18 +201,11 @@ def keep_earlier_config(path: Path, text: str) -> None:
 class MetricsLogger:
     """Writes records to ``logging.dir/metrics.jsonl`` and the optional sinks; a no-op off rank 0.
 
-    Every numeric field of a record (``step`` aside) goes to wandb and TensorBoard as a scalar at
-    that step. wandb writes under ``$WANDB_DIR`` if set, else under ``logging.dir``; with
-    ``WANDB_MODE=offline`` it needs no account or network (``wandb sync`` uploads later).
-    TensorBoard event files go to ``logging.dir/tensorboard``.
-
-    No line of an earlier run is lost: a fresh run (``resume_step`` 0) first renames an existing
-    ``metrics.jsonl`` and ``tensorboard/`` to ``metrics.jsonl.N`` and ``tensorboard.N`` (N one more
-    than any such suffix there: the numbers follow the order of the runs), so each file holds one
-    run. A resumed run appends; when the file has records past ``resume_step`` (logged after the
-    checkpoint it resumed from), the whole file is first kept as ``metrics.jsonl.N`` and
-    ``metrics.jsonl`` keeps only the records up to ``resume_step``, so it reads as one continuous
-    run; TensorBoard hides the same steps (``purge_step``; its old event files stay).
+    Numeric fields (``step`` aside) go to wandb (under ``$WANDB_DIR`` or ``logging.dir``) and TensorBoard
+    (``logging.dir/tensorboard``) as scalars at that step. No line of an earlier run is lost: a fresh run
+    first renames ``metrics.jsonl`` and ``tensorboard/`` to ``.N`` (N one more than any suffix there);
+    a resumed run with records past ``resume_step`` keeps the whole file as ``metrics.jsonl.N`` and
+    trims ``metrics.jsonl`` to ``resume_step`` (TensorBoard: ``purge_step``).
     """
 
     def __init__(self, cfg: Config, enabled: bool, resume_step: int = 0) -> None:

@@ -12,7 +12,7 @@ collective.
 (pytest test modules qualify) or of the script being run (``__main__``: looked up again in that
 file imported under its own name, so benchmark scripts can define their rank functions).
 
-Why it ships in the package rather than under tests/: production code uses it (``training.setup``
+Why it ships in the package rather than under tests/: production code uses it (``launcher.single_rank_env``
 takes ``free_port`` for a single-rank run outside torchrun), and so do ``tools/plan.py --verify``
 and every ``tools/bench`` script, which an installed package runs without the tests directory.
 """

@@ -1,23 +1,17 @@
-"""The training entry point and loop.
+"""The training loop: step → metrics → checkpoint cadence, on every rank.
 
-``main(argv)`` is ``train.py``: parse ``--conf`` files and overrides, start the local ranks through
-``torch.distributed.run`` when the config asks for several and we are not under torchrun already,
-then on every rank: process groups → data → model → optimizer → (resume) → steps → checkpoint.
-
-One step (``train_step``) is short and linear: split this rank's share of the global batch into
-micro-batches → count valid tokens over dp_cp → forward/backward each micro-batch with
-``loss = Σ token losses / global valid tokens`` (gradients summed over dp_cp, never averaged) → global grad norm and
-clip → optimizer step.
+``run(cfg)``: ``setup`` (process groups → data → model → optimizer → resume) then ``_loop``.
+One step (``train_step``) is short and linear: this rank's batch (``data.batching``) → micro-batches
+→ forward/backward with ``loss = Σ token losses / global valid tokens`` (gradients summed over
+dp_cp, never averaged) → finalize grads → global grad norm, clip, optimizer step.
+The command line is ``cli.py``; starting local ranks is ``launcher.py``.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
 import os
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,125 +24,17 @@ from torch import nn
 
 from . import checkpointing, config as config_mod, device as device_mod, faults, metrics as metrics_mod
 from .config import Config
-from .errors import OneLineArgumentParser, TrainingError, UserError
-from .mpu import ParallelDims, ParallelState, comm, init_default_group, initialize
+from .data.batching import next_train_batch, rank_batch
+from .errors import TrainingError
+from .mpu import ParallelContext, ParallelDims, ParallelState, comm, init_default_group, initialize
 from .mpu.random import get_tracker, init_rng
 from .optim.grad_scaler import DynamicLossScaler
 from .optim import DistributedOptimizer, lr_at, named_trainable
 from .parity import full_main_grads
-from .pipeline import ScheduleStats, agree_costs, forward_backward, forward_only, tied_embedding_params
+from .pipeline.executor import ScheduleStats, agree_costs, forward_backward, forward_only
+from .pipeline.partition import tied_embedding_params
 
 log = logging.getLogger("megatron_sp")
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = OneLineArgumentParser(
-        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train a GPT. Config keys can be set in --conf files (YAML/JSON, merged in order) "
-                    "and as section.key=value overrides; --help-config lists every key.")
-    parser.add_argument("--conf", action="append", default=[], help="config file; repeat to merge (later wins)")
-    parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides like parallel.dp=2 train.iters=50")
-    return parser.parse_args(argv)
-
-
-def _under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def setup_logging(level: str, rank: int) -> None:
-    """One logger: rank 0 at the configured level, other ranks warnings and errors only, rank-tagged."""
-    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
-    prefix = "" if rank == 0 else f"[rank {rank}] "
-    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
-    log.handlers[:] = [handler]
-    log.propagate = False
-    log.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``train.py``: returns the process exit code; user errors print one line."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.help_config:
-        print(config_mod.help_text())
-        return 0
-    torchrun = _under_torchrun()
-    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
-    cfg = None
-    try:
-        world = int(os.environ["WORLD_SIZE"]) if torchrun else None
-        cfg = config_mod.load(args.conf, args.overrides, world_size=world)
-        setup_logging(cfg.logging.level, rank)
-        metrics_mod.check_sinks(cfg)  # a missing wandb/tensorboard: one line now, not a rank failing later
-        checkpointing.check_output_dir(cfg.logging.dir, "logging.dir")  # a file there: one line, not after training
-        if rank == 0:  # checkpoint.save: a file, in use by a run now, or another run's checkpoints: one line now
-            checkpointing.check_save_dir(cfg)
-        if not torchrun:
-            prepare_inputs(cfg)  # build the demo data once, check files, before any rank starts
-            if cfg.checkpoint.load and not (cfg.checkpoint.auto_resume and cfg.checkpoint.save
-                                            and (Path(cfg.checkpoint.save) / "latest").is_file()):
-                checkpointing.read_meta(checkpointing.resolve(cfg.checkpoint.load))  # a bad path: one line now
-            if cfg.parallel.world_size > 1:
-                return _launch_local(cfg, argv)
-        # Global rank 0 locks checkpoint.save for the whole run (released on any exit) and checks it again
-        with checkpointing.claim_save_dir(cfg) if rank == 0 else contextlib.nullcontext():
-            run(cfg)
-    except UserError as exc:
-        if cfg is not None or rank == 0:  # every rank reads the same config and fails alike: rank 0 says it
-            print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt as exc:  # Ctrl-C: a first one saves (faults.Preemption), a second one lands here at once
-        if rank == 0:
-            print("interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
-        return 130
-    return 0
-
-
-def _launch_local(cfg: Config, argv: list[str]) -> int:
-    """Start ``world_size`` local ranks of this same command through torch.distributed.run."""
-    from torch.distributed import run as torch_run
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    n = cfg.parallel.world_size
-    threads = max(1, (os.cpu_count() or 1) // n) if cfg.parallel.device == "cpu" else 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    log.info("starting %d local ranks (torch.distributed.run --standalone --nproc-per-node %d)", n, n)
-    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
-    entry = [script] if script else ["-m", "megatron_sp.training"]
-    run_args = ["--standalone", "--nproc-per-node", str(n), "--log-dir", str(Path(cfg.logging.dir) / "ranks"),
-                "--redirects", "0", "--tee", "0", *entry, *argv]
-    if not script:
-        run_args.remove("-m")
-        run_args.insert(run_args.index("megatron_sp.training"), "--module")
-    for name in [n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # our one line names the failure (each sets its own level)
-    started = time.time()
-    try:
-        torch_run.main(run_args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        code = failure.exitcode
-        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        print(f"error: rank {rank} of {n} {how}; the other ranks were stopped"
-              + ("" if code < 0 else " (its message is above)"), file=sys.stderr)
-        return code if code > 0 else 1
-    except SignalException as exc:  # SIGTERM/SIGINT to this launcher: torchrun passed it on to the ranks
-        # (and gives them 30 s to save before SIGKILL; a second Ctrl-C reaches them as SIGTERM: abort)
-        latest = Path(cfg.checkpoint.save) / "latest" if cfg.checkpoint.save else None
-        if exc.sigval in (signal.SIGTERM, signal.SIGINT) and latest is not None and latest.is_file() \
-                and latest.stat().st_mtime >= started:
-            log.info("stopped by %s; the ranks saved %s", exc.sigval.name, checkpointing.resolve(latest.parent))
-            return 0 if exc.sigval == signal.SIGTERM else 130
-        print(f"error: stopped by signal {signal.Signals(exc.sigval).name} without a new checkpoint"
-              + ("" if cfg.checkpoint.save else " (set checkpoint.save to save one on SIGTERM or Ctrl-C)"),
-              file=sys.stderr)
-        return 128 + int(exc.sigval)
-    return 0
 
 
 def prepare_inputs(cfg: Config) -> Any:
@@ -188,18 +74,13 @@ class Runtime:
 def setup(cfg: Config) -> Runtime:
     """Everything before the first step, on every rank."""
     from .data import build_datasets
-    from .model.transformer import TensorParallel
-    from .pipeline import build_stage
+    from .pipeline.partition import build_stage
 
     p = cfg.parallel
-    if not dist.is_initialized():
-        if not _under_torchrun():  # a single rank: same code path, a one-member group on a local port
-            from .testing import free_port
-            os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": str(free_port())})
+    if not dist.is_initialized():  # from torchrun's environment (train.py at world size 1: launcher.single_rank_env)
         init_default_group(p.backend, p.timeout_s)  # type: ignore[arg-type]
     rank = dist.get_rank()
-    setup_logging(cfg.logging.level, rank)
+    metrics_mod.setup_logging(cfg.logging.level, rank)
     state = initialize(ParallelDims(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, world_size=p.world_size,  # type: ignore[arg-type]
                                     cp_ulysses=p.cp_ulysses if p.cp_algo == "usp" else 1),  # type: ignore[arg-type]
                        timeout_s=p.timeout_s)
@@ -218,16 +99,12 @@ def setup(cfg: Config) -> Runtime:
 
     tracker = get_tracker()
     init_rng(tracker, cfg.train.seed, state.tp_rank, state.pp_rank)
-    tp = TensorParallel(group=state.tp_group, size=state.tp_size, rank=state.tp_rank,
-                        sequence_parallel=p.sequence_parallel, recompute_allgather=p.tp_recompute_allgather,
-                        recompute=cfg.model.recompute, tracker=tracker, cp_group=state.cp_group,
-                        cp_algo=p.cp_algo, cp_heads_k_stride=p.cp_heads_k_stride,
-                        cp_ulysses_group=state.groups.get("cp_ulysses"), cp_ring_group=state.groups.get("cp_ring"))
-    model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, tp, virtual_stages=cfg.parallel.virtual_stages,
+    parallel = ParallelContext.from_state(state, cfg)  # its RNG tracker: get_tracker(), seeded above
+    model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, parallel, virtual_stages=cfg.parallel.virtual_stages,
                                    partition=cfg.parallel.pp_partition, label_smoothing=cfg.train.label_smoothing,
                                    z_loss=cfg.train.z_loss).to(dev)  # the whole model when pp == 1
     if state.pp_size > 1:
-        from .pipeline import stage_chunks
+        from .pipeline.partition import stage_chunks
         stages = "; ".join(f"stage {r}: " + ", ".join(f"{c.start}-{c.stop - 1}" for c in stage_chunks(
             cfg.model, p.pp, r, p.virtual_stages, p.pp_partition)) for r in range(p.pp))
         log.info("pipeline: schedule %s, partition %s, layers %s", p.pp_schedule, p.pp_partition, stages)
@@ -264,54 +141,10 @@ def setup(cfg: Config) -> Runtime:
     return rt
 
 
-
 def _autocast(cfg: Config, dev: torch.device) -> contextlib.AbstractContextManager:
     if cfg.train.precision in ("bf16", "fp16"):
         return torch.autocast(dev.type, dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float16)
     return contextlib.nullcontext()
-
-
-def rank_batch(rt: Runtime, ds: Any, first_sample: int) -> dict[str, torch.Tensor]:
-    """This rank's share of the global batch starting at ``first_sample`` (contiguous block per dp rank)."""
-    from .data import collate
-
-    cfg, st = rt.cfg, rt.state
-    per_rank = cfg.train.global_batch_size // st.dp_size  # type: ignore[operator]
-    start = first_sample + st.dp_rank * per_rank
-    batch = collate([ds[i] for i in range(start, start + per_rank)], rt.tokenizer.eod, cfg.data.eod_mask_loss,
-                    reset_position_ids=cfg.data.reset_position_ids, reset_attention_mask=cfg.data.reset_attention_mask)
-    return place_batch(rt, batch)
-
-
-def next_train_batch(rt: Runtime) -> dict[str, torch.Tensor]:
-    """This rank's share of the global batch at ``rt.consumed_samples``, from the read-ahead loader.
-
-    The loader is (re)built whenever it is not positioned at ``consumed_samples`` (first step, after
-    a resume), so it returns exactly what ``rank_batch(rt, rt.train_ds, rt.consumed_samples)`` would.
-    """
-    from .data.loader import BatchLoader, rank_collate
-
-    cfg, st = rt.cfg, rt.state
-    loader = rt.train_loader
-    if loader is None or loader.next_sample != rt.consumed_samples:
-        if loader is not None:
-            loader.close()
-        collate_fn = rank_collate(rt.tokenizer.eod, cfg.data.eod_mask_loss, cfg.data.reset_position_ids,
-                                  cfg.data.reset_attention_mask)
-        loader = rt.train_loader = BatchLoader(
-            rt.train_ds, rt.consumed_samples, cfg.train.global_batch_size, st.dp_rank, st.dp_size,  # type: ignore[arg-type]
-            collate_fn, num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
-            pin_memory=rt.device.type == "cuda")
-    return place_batch(rt, next(loader))
-
-
-def place_batch(rt: Runtime, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keep this CP rank's part of every sample (labels were shifted on the full sequence) and move it to the device."""
-    st = rt.state
-    if st.cp_size > 1:  # this rank's s/cp tokens of every sample
-        from .model.attention.layout import sequence_layout, shard_batch
-        batch = shard_batch(batch, st.cp_size, st.cp_rank, sequence_layout(rt.cfg.parallel.cp_algo))
-    return {k: v.to(rt.device) for k, v in batch.items()}
 
 
 def _global_sum(values: list[float], rt: Runtime) -> list[float]:
@@ -323,46 +156,71 @@ def _global_sum(values: list[float], rt: Runtime) -> list[float]:
 
 
 def train_step(rt: Runtime) -> dict[str, float]:
-    """One optimizer step over one global batch. Returns loss, grad_norm, lr, tokens."""
-    cfg, model, opt = rt.cfg, rt.model, rt.optimizer
+    """One optimizer step over one global batch. Returns loss, grad_norm, lr, tokens, stepped."""
+    cfg, opt = rt.cfg, rt.optimizer
     opt.zero_grad()
     batch = next_train_batch(rt)
-    micro = cfg.train.micro_batch_size
-    n_micro = cfg.train.grad_accum_steps
     global_tokens = _global_sum([float(batch["loss_mask"].sum())], rt)[0]
-    denom = max(global_tokens, 1.0)
-    micro_batches = [{k: v[i * micro:(i + 1) * micro] for k, v in batch.items()} for i in range(n_micro)]  # type: ignore[arg-type]
-    st = rt.state
-
-    def loss_fn(token_losses: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        return (token_losses.float() * mb["loss_mask"]).sum() / denom
-
-    # The pipeline schedule (plain accumulation when pp == 1); the optimizer reduces gradients over
-    # dp_cp from the last gradient-producing action on.
-    # Zero-bubble: each step's table is list-scheduled on the action costs measured in the previous one.
-    stats = ScheduleStats()
-    loss_sum = forward_backward(model, micro_batches, st, loss_fn, cfg.parallel.pp_schedule,
-                                lambda on: setattr(opt, "sync_grads", on),
-                                grad_scale=rt.scaler.scale if rt.scaler.enabled else 1.0,
-                                forward_context=lambda: _autocast(cfg, rt.device), stats=stats,
-                                costs=rt.pipeline_costs)
-    if cfg.parallel.pp_schedule == "zero_bubble" and st.pp_size > 1:
-        rt.pipeline_costs = agree_costs(stats, st)
-    opt.finish_grad_sync()
-    tied = tied_embedding_params(model, st)
-    if tied:  # tied input/output embeddings on the first and last stage: sum their grads
-        opt.sync_grads_over(tied, st.embedding_group)
-    if rt.scaler.enabled:
-        opt.scale_grads(rt.scaler.inv_scale)
-    if st.pp_size > 1:  # the loss lives on the last stage
-        loss_sum = comm.all_reduce(loss_sum, st.pp_group)
-    global_loss = _global_sum([loss_sum.item()], rt)[0]
+    loss_sum = _forward_backward(rt, _micro_batches(batch, cfg), denom=max(global_tokens, 1.0))
+    _finalize_grads(rt)
+    global_loss = _global_loss(loss_sum, rt)
     if cfg.logging.dump_grads_step == rt.step + 1:
         dump_grads(rt)
     lr = lr_at(rt.step, cfg.train)
     grad_norm, stepped = opt.step(lr, cfg.train.clip_grad)
     rt.step += 1
     rt.consumed_samples += cfg.train.global_batch_size  # type: ignore[operator]
+    _check_step(rt, stepped, grad_norm, global_loss)
+    return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens, "stepped": stepped}
+
+
+def _micro_batches(batch: dict[str, torch.Tensor], cfg: Config) -> list[dict[str, torch.Tensor]]:
+    micro = cfg.train.micro_batch_size
+    return [{k: v[i * micro:(i + 1) * micro] for k, v in batch.items()} for i in range(cfg.train.grad_accum_steps)]  # type: ignore[arg-type]
+
+
+def _forward_backward(rt: Runtime, micro_batches: list[dict[str, torch.Tensor]], denom: float) -> torch.Tensor:
+    """The pipeline schedule (plain accumulation when pp == 1); returns this stage's loss sum.
+
+    The optimizer reduces gradients over dp_cp from the last gradient-producing action on. Zero-bubble:
+    each step's table is list-scheduled on the action costs measured in the previous one.
+    """
+    cfg, opt, st = rt.cfg, rt.optimizer, rt.state
+
+    def loss_fn(token_losses: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (token_losses.float() * mb["loss_mask"]).sum() / denom
+
+    stats = ScheduleStats()
+    loss_sum = forward_backward(rt.model, micro_batches, st, loss_fn, cfg.parallel.pp_schedule,
+                                lambda on: setattr(opt, "sync_grads", on),
+                                grad_scale=rt.scaler.scale if rt.scaler.enabled else 1.0,
+                                forward_context=lambda: _autocast(cfg, rt.device), stats=stats,
+                                costs=rt.pipeline_costs)
+    if cfg.parallel.pp_schedule == "zero_bubble" and st.pp_size > 1:
+        rt.pipeline_costs = agree_costs(stats, st)
+    return loss_sum
+
+
+def _finalize_grads(rt: Runtime) -> None:
+    """dp_cp reduction done, tied embedding grads summed over the embedding group, loss scale undone."""
+    opt, st = rt.optimizer, rt.state
+    opt.finish_grad_sync()
+    tied = tied_embedding_params(rt.model, st)
+    if tied:  # tied input/output embeddings on the first and last stage: sum their grads
+        opt.sync_grads_over(tied, st.embedding_group)
+    if rt.scaler.enabled:
+        opt.scale_grads(rt.scaler.inv_scale)
+
+
+def _global_loss(loss_sum: torch.Tensor, rt: Runtime) -> float:
+    if rt.state.pp_size > 1:  # the loss lives on the last stage
+        loss_sum = comm.all_reduce(loss_sum, rt.state.pp_group)
+    return _global_sum([loss_sum.item()], rt)[0]
+
+
+def _check_step(rt: Runtime, stepped: bool, grad_norm: float, loss: float) -> None:
+    """Update the loss scale; count a skipped step, or stop on a non-finite norm or loss."""
+    cfg = rt.cfg
     if rt.scaler.enabled:
         rt.scaler.update(found_inf=not stepped)
     if not stepped:
@@ -372,9 +230,8 @@ def train_step(rt: Runtime) -> dict[str, float]:
         rt.skipped_steps += 1
         log.warning("step %d skipped: gradient norm %s is not finite%s", rt.step, grad_norm,
                     f" (loss scale now {rt.scaler.scale:g})" if rt.scaler.enabled else "")
-    elif not math.isfinite(global_loss):
-        raise TrainingError(f"step {rt.step}: loss {global_loss} is not finite; lower train.lr or check the data")
-    return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens, "stepped": stepped}
+    elif not math.isfinite(loss):
+        raise TrainingError(f"step {rt.step}: loss {loss} is not finite; lower train.lr or check the data")
 
 
 def dump_grads(rt: Runtime) -> None:
@@ -393,7 +250,6 @@ def evaluate(rt: Runtime) -> float:
     cfg, model, st = rt.cfg, rt.model, rt.state
     model.eval()
     gbs = cfg.train.global_batch_size
-    micro = cfg.train.micro_batch_size
     total = torch.zeros((), dtype=torch.float64)
     count = 0.0
     start0 = ((rt.step // cfg.train.eval_interval) * cfg.train.eval_iters * gbs) % max(1, len(rt.valid_ds))  # type: ignore[operator]
@@ -402,8 +258,7 @@ def evaluate(rt: Runtime) -> float:
         if start + gbs > len(rt.valid_ds):  # type: ignore[operator]
             start = 0
         batch = rank_batch(rt, rt.valid_ds, start)
-        mbs = [{kk: v[i * micro:(i + 1) * micro] for kk, v in batch.items()} for i in range(cfg.train.grad_accum_steps)]  # type: ignore[arg-type]
-        total += forward_only(model, mbs, st, lambda tl, mb: (tl.float() * mb["loss_mask"]).sum(),
+        total += forward_only(model, _micro_batches(batch, cfg), st, lambda tl, mb: (tl.float() * mb["loss_mask"]).sum(),
                               forward_context=lambda: _autocast(cfg, rt.device))
         count += float(batch["loss_mask"].sum())
     model.train()
@@ -432,41 +287,6 @@ def run(cfg: Config) -> Runtime:
     return rt
 
 
-def peak_flops_total(rt: Runtime) -> metrics_mod.Peak:
-    """The MFU denominator: peak FLOP/s of all devices of the run (0 when unknown on GPU).
-
-    A device is one GPU, or on CPU one host's cores. On CPU without ``logging.peak_tflops`` local
-    rank 0 of each host measures while the others wait at a barrier, so no rank disturbs it, and
-    the peak is the best this host has shown for the dtype (``device.cpu_peak_flops``). A rate the
-    run achieves above it raises it (rank 0 caches the new per-host rate); see ``metrics.Peak``.
-    """
-    cfg, st = rt.cfg, rt.state
-    world = st.dims.world_size
-    hosts = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    n_devices = world if rt.device.type == "cuda" else hosts
-    rank0 = st.rank == 0  # only rank 0 logs metrics: it alone warns and updates the cache
-    if cfg.logging.peak_tflops:
-        return metrics_mod.Peak(cfg.logging.peak_tflops * 1e12 * n_devices, given=True, warn=rank0)
-    if rt.device.type == "cuda":
-        log.info("MFU is not reported: set logging.peak_tflops to the GPU's peak for %s", cfg.train.precision)
-        return metrics_mod.Peak(0.0)
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    comm.barrier()
-    t0 = time.perf_counter()
-    best, now = device_mod.cpu_peak_flops(dtype) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (0.0, 0.0)
-    per_host = torch.tensor([best, now], dtype=torch.float64)
-    comm.all_reduce(per_host, None, op=comm.ReduceOp.MAX)
-    best, now = per_host.tolist()
-    log.info("CPU peak: %.1f GFLOP/s %s per host, the best seen on this host (measured now: %.1f GFLOP/s in %.1f s; "
-             "cache %s): the MFU denominator", best / 1e9, cfg.train.precision, now / 1e9, time.perf_counter() - t0,
-             device_mod.peak_cache_path())
-
-    def on_raise(total: float) -> None:
-        device_mod.record_peak_flops(dtype, total / n_devices)
-
-    return metrics_mod.Peak(best * n_devices, on_raise=on_raise if rank0 else None, warn=rank0)
-
-
 def _loop(rt: Runtime) -> None:
     from .model import count_parameters, flops_per_token, generate
 
@@ -478,7 +298,7 @@ def _loop(rt: Runtime) -> None:
     params = metrics_mod.parameter_summary(count_parameters(cfg.model, exclude_embeddings=False),
                                            inner.num_parameters(), st.tp_size, st.pp_size, cfg.model.vocab_size,
                                            cfg.model.padded_vocab_size)  # type: ignore[arg-type]
-    peak = peak_flops_total(rt)
+    peak = metrics_mod.peak_flops_total(cfg, st, rt.device)
     fpt = flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # type: ignore[operator]
     log.info("model: %s, %s; layout tp%d pp%d cp%d dp%d (world %d, %s/%s); global batch %d × %d tokens, "
@@ -549,6 +369,3 @@ def _loop(rt: Runtime) -> None:
             inner.cp_group = cp_group
         log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(out_ids[len(ids):]))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

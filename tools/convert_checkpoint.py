@@ -5,32 +5,13 @@
     python tools/convert_checkpoint.py --input export/hf --output runs/from_hf --to megatron_sp --tp 2
     python tools/convert_checkpoint.py --input runs/ckpt --output runs/ckpt_pp2 --to megatron_sp --pp 2
 
-The input format is detected: a Hugging Face directory has a config.json naming its
-``architectures`` (GPTNeoXForCausalLM or LlamaForCausalLM); ours is a checkpoint.save directory
-(with ``latest``) or one iter_NNNNNNN directory (with ``meta.json``).
-
-megatron_sp → hf writes config.json (float32), model.safetensors, generation_config.json and, when
-the checkpoint used a SentencePiece tokenizer whose .model file is still there, an equivalent
-tokenizer.json (built with the tokenizers library; no protobuf needed) and tokenizer_config.json
-for ``AutoTokenizer``, plus the original tokenizer.model. A byte tokenizer gets no tokenizer
-files. The vocabulary is exported without the layout's padding rows (vocab_size = the
-tokenizer's size), so HF logits equal ours on every id.
-
-hf → megatron_sp writes a checkpoint.save directory (latest → iter_0000000) holding the weights
-(index.json + shards/rank_00000.safetensors) and meta.json (step 0, the model section taken from the HF
-config), without optimizer state:
-resuming it with checkpoint.load starts a fresh optimizer. Set data.paths and the tokenizer when
-training from it.
-
-megatron_sp → megatron_sp: our files are layout-free (index.json maps every unsharded tensor,
-without vocabulary padding, to the boxes each writing rank stored; any layout reads any box), so
-changing --tp/--pp is a validated rewrite: the weights and optimizer state are copied unchanged
-and the target layout is checked against the model (heads and FFN width divisible by tp, layers
-split over pp, ...) and recorded in meta.json. The RNG states stay with the writer's layout:
-training at another layout reseeds them (one log line).
-
-The output is written under a temporary name and renamed when complete; an existing non-empty
-output directory is refused. Loading uses safetensors or torch.load(weights_only=True).
+The input format is detected (a Hugging Face directory, a checkpoint.save directory or one
+iter_NNNNNNN directory). To hf: config.json, model.safetensors, generation_config.json and, for a
+SentencePiece checkpoint, tokenizer files; the vocabulary without padding rows. From hf: a
+checkpoint.save directory at step 0 without optimizer state. Ours to ours: our files are
+layout-free, so --tp/--pp is a validated rewrite (tensors copied unchanged). The output is written
+under a temporary name and renamed when complete; a non-empty output directory is refused.
+Details: docs/checkpoints.md, "Converting".
 """
 from __future__ import annotations
 
@@ -128,11 +109,8 @@ def config_from_dict(sections: dict[str, Any], source: str) -> Config:
 
 
 def validated(cfg: Config, source: str) -> Config:
-    """``cfg`` finalized (every cross-field check) for its own ``parallel`` layout.
-
-    The derived world size and gradient accumulation are recomputed for the new layout; an unset
-    data path or tokenizer model does not fail the check (training sets them).
-    """
+    """``cfg`` finalized (every cross-field check) for its own ``parallel`` layout, world size and gradient
+    accumulation recomputed; an unset data path or tokenizer model does not fail it (training sets them)."""
     cfg = copy.deepcopy(cfg)
     cfg.parallel.world_size = None
     cfg.train.grad_accum_steps = None
@@ -185,11 +163,8 @@ def read_ours(path: Path, iteration: int | None) -> tuple[Path, dict[str, Any], 
 
 def write_ours(root: Path, meta: dict[str, Any], weights: dict[str, torch.Tensor] | None,
                copy_from: Path | None = None) -> Path:
-    """Lay out a checkpoint.save directory in ``root``: iter_NNNNNNN/{index.json, shards/, meta.json}, then ``latest``.
-
-    ``weights``: full tensors to store; ``copy_from``: a checkpoint whose tensors (weights and
-    optimizer state, with the writer's RNG states) are copied unchanged.
-    """
+    """Lay out a checkpoint.save directory in ``root``: iter_NNNNNNN/{index.json, shards/, meta.json}, then ``latest``;
+    with full ``weights``, or the tensors of checkpoint ``copy_from`` copied unchanged."""
     ckpt = root / f"iter_{int(meta['step']):07d}"
     ckpt.mkdir()
     if weights is not None:
@@ -225,12 +200,10 @@ def relayout(src: Path, out: Path, iteration: int | None, tp: int | None, pp: in
 def sentencepiece_to_tokenizers(model: Path) -> Any:
     """A ``tokenizers.Tokenizer`` that encodes like our SentencePiece BPE model (no protobuf needed).
 
-    Our models (tools/train_tokenizer.py) are BPE with byte fallback, identity normalisation, no
-    dummy prefix and no whitespace splitting, so the equivalent is: spaces → "▁", no
-    pre-tokenizer, BPE over the same pieces with merges ranked by the merged piece's score (SentencePiece's
-    order), byte fallback; decoding reverses it. Two differences from ``SentencePieceTokenizer``:
-    a literal "▁" in the text encodes as a space, and the control pieces' text (``</s>``) in the
-    input maps to those ids.
+    Our models (byte fallback, identity normalisation, no dummy prefix or whitespace split) map to:
+    spaces → "▁", no pre-tokenizer, BPE over the same pieces with merges ranked by the merged piece's
+    score, byte fallback. Unlike ``SentencePieceTokenizer``, a literal "▁" encodes as a space and the
+    control pieces' text (``</s>``) maps to those ids.
     """
     import sentencepiece as spm
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
@@ -281,11 +254,8 @@ def _tokenizer_files(cfg: Config, tmp: Path) -> str:
 
 
 def special_token_ids(cfg: Config) -> dict[str, int]:
-    """``bos/eos/pad_token_id`` of the checkpoint's tokenizer as HF configs spell them ({} when it is not found).
-
-    EOS is our EOD token, pad our pad token; BOS is the tokenizer's own BOS piece when it has one
-    (SentencePiece ``<s>``), else EOD, as GPT-2 and GPT-NeoX tokenizers do.
-    """
+    """``bos/eos/pad_token_id`` of the checkpoint's tokenizer as HF configs spell them ({} when it is not found):
+    EOS = our EOD, pad = our pad, BOS = the tokenizer's own BOS piece if any, else EOD (as GPT-2/NeoX do)."""
     from megatron_sp.data.tokenizer import SentencePieceTokenizer, build_tokenizer
 
     if cfg.tokenizer.type != "byte" and not (cfg.tokenizer.model and Path(cfg.tokenizer.model).exists()):

@@ -7,41 +7,35 @@
     python tools/plan.py --conf configs/demo.yml --verify --set parallel.dp=1 parallel.tp=2 \\
         parallel.sequence_parallel=true
 
-Prints (a) the per-rank breakdown of the config's own layout — parameters, fp32 main gradients,
-optimizer state, activations (per micro-batch × in flight under the schedule, Table 2 of
-Korthikanti et al. adapted to this model), buffers — and the bytes each rank sends per step per
-parallel dimension; (b) every (tp, pp, cp, dp) with tp·pp·cp·dp = --devices that the config
-loader accepts, ranked: those that fit in --memory first, fastest first by the estimated step time
-(model FLOPs at --peak-tflops ÷ (1 − pipeline bubble) + communication at --bandwidth; see
-``megatron_sp.plan``). ``--json`` adds everything as one JSON line (``--json FILE`` writes it to FILE
-instead). ``--verify`` runs the config (shrunk with ``--set``) for a few steps on CPU gloo ranks
-through the real training code and prints each measured number beside its prediction. The model
-lives in ``megatron_sp/plan.py``. Bad input prints one ``error:`` line and exits non-zero.
+Prints the config's own layout per rank (parameters, fp32 main gradients, optimizer state, activations
+under the schedule, buffers; bytes sent per step per parallel dimension), then every tp·pp·cp·dp =
+--devices the config loader accepts, those fitting --memory first, fastest first. ``--json`` adds it
+all as one JSON line (``--json FILE`` writes it to FILE); ``--verify`` runs the config (shrunk with
+--set) on CPU gloo ranks and prints each measurement beside its prediction. The model lives in
+``tools/planner/`` (docs/planner.md). Bad input prints one ``error:`` line and exits non-zero.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+HERE = Path(__file__).resolve().parent
 if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(HERE.parent))
+if str(HERE) not in sys.path:  # the planner package beside this script (also for --verify's ranks)
+    sys.path.insert(0, str(HERE))
 
-from megatron_sp import config as config_mod
-from megatron_sp import plan
-from megatron_sp.config import Config
-from megatron_sp.errors import OneLineArgumentParser, UserError
+import planner as plan  # noqa: E402
+from megatron_sp import config as config_mod  # noqa: E402
+from megatron_sp.config import Config  # noqa: E402
+from megatron_sp.errors import OneLineArgumentParser, UserError  # noqa: E402
 
 GOAL = 0.10
 """--verify: |measured / predicted − 1| above this is flagged."""
-
-
-
 MAX_DEVICES = 2**20  # a million devices: past the largest clusters, and the layout search stays under a minute
 
 
@@ -84,9 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ------------------------------------------------------------------------------------------ config
-
-
 def resolve_vocab(cfg: Config, given: int | None) -> tuple[int, str]:
     """The vocabulary size to plan with, and where it came from."""
     if given:
@@ -111,8 +102,6 @@ def load_config(args: argparse.Namespace, extra: list[str], vocab: int | None) -
     return cfg
 
 
-# ------------------------------------------------------------------------------------------ printing
-
 B = plan.format_bytes
 
 
@@ -131,13 +120,9 @@ def describe(cfg: Config, vocab_source: str) -> list[str]:
             f"{D.device}, attention {plan.attention_kernel(D)}"]
 
 
-def _stages_shown(pp: int) -> list[int]:
-    return list(range(pp)) if pp <= 4 else [0, 1, pp - 2, pp - 1]
-
-
 def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
     D = lp.dims
-    shown = [lp.stages[r] for r in _stages_shown(D.pp)]
+    shown = [lp.stages[r] for r in (range(D.pp) if D.pp <= 4 else (0, 1, D.pp - 2, D.pp - 1))]
     width = 14
     header = "".join(f"{f'stage {r.pp_rank}':>{width}}" for r in shown)
     master = " + fp32 master" if D.precision != "fp32" else ""
@@ -228,64 +213,12 @@ def layout_json(c: plan.Candidate) -> dict[str, Any]:
             **c.plan.time, "comm_bytes": max(r.comm_bytes() for r in c.plan.stages)}
 
 
-# ------------------------------------------------------------------------------------------ verify
-
-
-def verify_overrides(args: argparse.Namespace, log_dir: str) -> list[str]:
-    """--set plus what a short CPU check needs: gloo, no checkpoints, no validation, ``--steps`` iterations,
-    batches read in the rank itself (the ranks are daemon processes: no loader workers)."""
-    from dataclasses import fields
-
-    from megatron_sp.config import DataConfig
-
-    workers = ["data.num_workers=0"] if "num_workers" in {f.name for f in fields(DataConfig)} else []
-    return [*args.set, "parallel.device=cpu", "parallel.backend=gloo", f"train.iters={args.steps}",
-            "train.lr_warmup_iters=0", "train.eval_interval=0", "checkpoint.load=none", "checkpoint.save=none",
-            "checkpoint.interval=0", f"logging.dir={log_dir}", "train.sample_prompt=none", "logging.level=warning",
-            *workers]
-
-
-def verify_rows(lp: plan.LayoutPlan, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (pipeline stage, quantity): predicted, measured (the largest over the stage's ranks), ratio."""
-    rows = []
-    for stage in lp.stages:
-        mine = [r for r in results if r["pp_rank"] == stage.pp_rank]
-
-        def worst(get: Any, mine: list[dict[str, Any]] = mine) -> float:
-            return max(get(r) for r in mine)
-
-        pairs = [("parameters", stage.state.params, worst(lambda r: r["state"]["params"])),
-                 ("gradients", stage.state.grads, worst(lambda r: r["state"]["grads"])),
-                 ("optimizer state", stage.state.optim, worst(lambda r: r["state"]["optim"]))]
-        for c, chunk in enumerate(stage.chunks):
-            label = "activations / micro-batch" + (f" (chunk {c})" if len(stage.chunks) > 1 else "")
-            pairs.append((label, chunk.per_micro_batch + sum(chunk.shared.values()), worst(lambda r, c=c: r["chunks"][c])))
-        pairs.append(("micro-batches in flight", stage.schedule.in_flight, worst(lambda r: r["in_flight"])))
-        pairs.append(("activations at peak (schedule)", stage.activations, worst(lambda r: r["peak"])))
-        gather = stage.buffers.get("SP gather buffer (mpu.memory)", 0)
-        if gather or worst(lambda r: r["gather_buffer"]):
-            pairs.append(("SP gather buffer", gather, worst(lambda r: r["gather_buffer"])))
-        predicted_ops: dict[str, float] = {}
-        for ops in stage.comm.values():
-            for op, nbytes in ops.items():
-                predicted_ops[op] = predicted_ops.get(op, 0.0) + nbytes
-        measured_ops = sorted({op for r in mine for op in r["comm"]} | set(predicted_ops))
-        for op in measured_ops:
-            pairs.append((f"sent per step: {op}", predicted_ops.get(op, 0.0), worst(lambda r, op=op: r["comm"].get(op, 0.0))))
-        for name, predicted, measured in pairs:
-            ratio = measured / predicted if predicted else (1.0 if not measured else float("inf"))
-            rows.append({"stage": stage.pp_rank, "quantity": name, "predicted": predicted, "measured": measured,
-                         "ratio": ratio})
-    return rows
-
-
 def print_verify(rows: list[dict[str, Any]]) -> None:
     print(f"\n--verify: measured on CPU gloo ranks (largest over each stage's ranks) beside predicted; goal within "
           f"{100 * GOAL:.0f}%")
     print(f"  {'stage':>5} {'quantity':<34} {'predicted':>14} {'measured':>14} {'ratio':>7}")
     for r in rows:
-        count = r["quantity"] == "micro-batches in flight"
-        fmt = (lambda v: f"{v:g}") if count else (lambda v: f"{v:,.0f}")
+        fmt = (lambda v: f"{v:g}") if r["quantity"] == "micro-batches in flight" else (lambda v: f"{v:,.0f}")
         flag = "  *" if abs(r["ratio"] - 1) > GOAL else ""
         print(f"  {r['stage']:>5} {r['quantity']:<34} {fmt(r['predicted']):>14} {fmt(r['measured']):>14} "
               f"{r['ratio']:>7.3f}{flag}")
@@ -293,35 +226,13 @@ def print_verify(rows: list[dict[str, Any]]) -> None:
     print(f"  {len(rows) - len(off)} of {len(rows)} within {100 * GOAL:.0f}%" + ("" if not off else "; * = outside"))
 
 
-def run_verify(args: argparse.Namespace) -> tuple[plan.LayoutPlan, list[dict[str, Any]]]:
-    from megatron_sp import training
-    from megatron_sp.testing import run_distributed
-
-    log_dir = tempfile.mkdtemp(prefix="plan_verify_")
-    try:
-        overrides = verify_overrides(args, log_dir)
-        cfg = config_mod.load(args.conf, overrides)
-        training.prepare_inputs(cfg)  # builds the demo data if asked; sets the vocabulary
-        lp = plan.plan_layout(cfg, args.bucket_bytes)
-        world = cfg.parallel.world_size
-        results = run_distributed(plan.verify_rank, world, conf_files=list(args.conf), overrides=overrides,
-                                  steps=args.steps, timeout_s=cfg.parallel.timeout_s)
-    finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
-    return lp, verify_rows(lp, results)
-
-
-# ------------------------------------------------------------------------------------------ main
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         report: dict[str, Any] = {"tool": "plan"}
         if args.verify:
-            lp, rows = run_verify(args)
-            for line in describe(lp.cfg, "tokenizer"):
-                print(line)
+            lp, rows = plan.run_verify(args.conf, args.set, args.steps, args.bucket_bytes)
+            print("\n".join(describe(lp.cfg, "tokenizer")))
             print_breakdown(lp, None)
             print_verify(rows)
             report |= {"config_layout": plan_json(lp), "verify": rows}
@@ -334,14 +245,13 @@ def main(argv: list[str] | None = None) -> int:
             if not args.verify:
                 own = plan.plan_layout(base, args.bucket_bytes)
                 own.time = plan.estimate_step_time(own, peak, args.bandwidth)
-                for line in describe(base, source):
-                    print(line)
+                print("\n".join(describe(base, source)))
                 print_breakdown(own, memory)
                 report["config_layout"] = plan_json(own)
             cands = plan.search(lambda extra: load_config(args, extra, vocab), base, args.devices, memory, peak,
                                 args.bandwidth, args.bucket_bytes)
             print(f"\nranking: estimated step time = busiest stage's FLOPs at {peak:g} TFLOP/s ÷ (1 − bubble) + exposed "
-                  f"communication at {args.bandwidth:g} GB/s (megatron_sp/plan.py)")
+                  f"communication at {args.bandwidth:g} GB/s (docs/planner.md)")
             print_layouts(cands, args.top, memory)
             report |= {"devices": args.devices, "memory_bytes": memory, "peak_tflops": peak,
                        "bandwidth_gbs": args.bandwidth, "vocab": vocab,

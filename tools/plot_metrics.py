@@ -4,14 +4,12 @@
     python tools/plot_metrics.py runs/demo/metrics.jsonl --output curves.png
     python tools/plot_metrics.py runs/a/log/metrics.jsonl runs/b/log --output cmp.png --mfu
 
-Panels, each against the step: training loss (validation loss dashed, when the file has it),
-tokens/s, and with ``--mfu`` the model FLOPs utilisation. Every input is one line per panel,
-labelled by its run directory (the file's folder; a trailing ``log``/``logs`` folder is skipped,
-and more of the path is shown when two labels would be equal). An input may also be the run
-directory itself. Each file holds one run: train.py keeps an earlier run's file in the same
-directory as ``metrics.jsonl.1``, ``.2``, … (labelled ``dir/metrics.jsonl.1``), so
-``plot_metrics.py runs/a/metrics.jsonl.1 runs/a`` compares the earlier run with the latest. The
-format follows the output's suffix (.png, .svg, .pdf).
+Panels against the step: training loss (validation loss dashed), tokens/s and, with ``--mfu``,
+the MFU. Every input (a file, or the run directory holding one) is one line per panel, labelled by
+its run directory (a trailing ``log``/``logs`` folder skipped; more of the path when two labels
+would be equal). train.py keeps an earlier run's file as ``metrics.jsonl.1``, ``.2``, …, so
+``plot_metrics.py runs/a/metrics.jsonl.1 runs/a`` compares it with the latest. The image format
+follows the output's suffix (.png, .svg, .pdf).
 
 Needs matplotlib (``pip install matplotlib``, also in the ``logging`` extra). A missing, empty or
 malformed metrics file prints one ``error:`` line and exits non-zero.

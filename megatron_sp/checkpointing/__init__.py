@@ -1,40 +1,10 @@
 """Save and load training checkpoints: sharded, layout-free, atomic, optionally asynchronous.
 
-Layout on disk (format version 2)::
-
-    SAVE_DIR/
-      latest                          name of the newest complete checkpoint, written last
-      iter_0000100/
-        meta.json                     format version, step, consumed samples (the data position),
-                                      writer layout, optimizer step, resolved config, extra state
-        index.json                    every global tensor: shape, dtype, boxes (file, key, offsets, lengths)
-        shards/rank_00000.safetensors this rank's boxes + its RNG states (keys "rng/...")
-
-Global tensors are ``model/<parameter name>`` (the unsharded parameter, vocabulary padding
-trimmed) and ``optim/<parameter name>/{exp_avg, exp_avg_sq[, master_param]}`` (fp32). Each rank
-writes only what it holds and nobody else writes: its TP shard (TP-replicated parameters: TP rank
-0 only; a pipeline's tied output-embedding copy never), and of that only data-parallel chunk
-``r`` of every optimizer bucket (``DistributedOptimizer.checkpoint_parts``: the ZeRO-1 shard, and
-the same split without ZeRO), so a save moves no tensor between ranks and the bytes written are
-spread over the whole world. ``store.Reader`` reads any box of a global tensor back, so a
-checkpoint loads into any (tp, pp, cp, dp, ZeRO) layout; the same layout restores every rank's RNG
-too, so training continues bitwise.
-
-Atomic: everything goes under ``.tmp_iter_NNNNNNN`` and is renamed when every rank's file is
-written (fsynced) and ``index.json`` (with each file's size) is in place; ``latest`` is replaced
-(temp file + rename) after that. A crash at any point leaves the previous checkpoint and
-``latest`` untouched. Safe: safetensors and JSON only, no pickle is ever loaded.
-
-Asynchronous (``checkpoint.async_save``): the save snapshots this rank's boxes (a copy in host
-memory) and a thread writes the file while training continues; ``Checkpointer.poll()`` after each
-step agrees over the world whether every rank is done (one tiny all-reduce while a save is in
-flight) and then finalises (index, rename, ``latest``, ``keep``). The next save, the end of
-training and a preemption wait for it.
-
-Ownership (``ownership.py``; docs/checkpoints.md, "Run ownership"): meta.json records the run's
-``run_id`` and ``lineage``; ``check_save_dir``/``claim_save_dir`` refuse, before training, a save
-directory the run may not write into; a save that would replace another run's step directory fails
-on every rank before writing; ``keep`` deletes only the run's own older checkpoints.
+Each rank writes only the boxes of the global tensors (``model/NAME``, ``optim/NAME/KEY``) it holds
+to its own safetensors file; any (tp, pp, cp, dp, ZeRO) layout loads any other, and the same layout
+also restores every rank's RNG. A save is renamed into place (then ``latest``) once complete; with
+``checkpoint.async_save`` a thread writes it and ``Checkpointer.poll()`` finishes it. Directory
+layout, atomicity and run ownership (``ownership.py``): docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -74,14 +44,13 @@ def step_dir(step: int) -> str:
 
 
 def writer_layout(cfg: Config) -> dict[str, int]:
-    """The parallel layout that writes a checkpoint, as stored under meta.json's ``layout`` key:
-    ``{tp, pp, cp, dp, virtual_stages}``. (Not the CP sequence layout: that is
-    ``model.attention.layout.sequence_layout``.)"""
+    """meta.json's ``layout``: the writer's ``{tp, pp, cp, dp, virtual_stages}``."""
     p = cfg.parallel
     return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": int(p.dp or 1), "virtual_stages": p.virtual_stages}
 
 
-# ------------------------------------------------------------------------------------------ save
+def _tp(state: ParallelState | None) -> tuple[int, int]:
+    return (state.tp_rank, state.tp_size) if state is not None else (0, 1)
 
 
 def _shift(p: nn.Parameter, tp_rank: int) -> list[int]:
@@ -95,7 +64,7 @@ def _shift(p: nn.Parameter, tp_rank: int) -> list[int]:
 def rank_boxes(model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None
                ) -> tuple[list[store.Box], dict[str, tuple[tuple[int, ...], str]]]:
     """(the boxes this rank writes, {global name: (shape, dtype)} of every tensor its stage declares)."""
-    tp_rank, tp = (state.tp_rank, state.tp_size) if state is not None else (0, 1)
+    tp_rank, tp = _tp(state)
     parts = optimizer.checkpoint_parts()
     boxes: list[store.Box] = []
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -138,9 +107,7 @@ class _Pending:
 
 class Checkpointer:
     """Writes the checkpoints of one run (every rank holds one; ``save``/``poll``/``wait`` are collective).
-
-    ``lineage``: the run's history (``Lineage.start`` from the checkpoint it loaded); None: a fresh run.
-    """
+    ``lineage``: the run's history (``Lineage.start`` from the checkpoint it loaded); None: a fresh run."""
 
     def __init__(self, cfg: Config, state: ParallelState | None, dev: torch.device,
                  lineage: Lineage | None = None) -> None:
@@ -220,9 +187,7 @@ class Checkpointer:
 
     def poll(self) -> bool:
         """Finish an asynchronous save if every rank has written its file; True when none is in flight.
-
-        Collective while a save is in flight (call it on every rank at the same point, e.g. after
-        each step)."""
+        Collective while a save is in flight: call it on every rank after each step."""
         job = self.pending
         if job is None:
             return True
@@ -280,11 +245,7 @@ def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimi
          state: ParallelState | None, dev: torch.device, tracker: RNGTracker | None = None,
          extra: dict[str, Any] | None = None, lineage: Lineage | None = None) -> Path:
     """Collectively write the checkpoint of ``step`` and return its directory (synchronous).
-
-    ``state`` None: a single process without process groups. ``extra``: more JSON-able training
-    state for meta.json (skipped steps, the fp16 loss scaler). ``lineage``: the run's (None: each
-    call is a fresh run of its own, which may not replace another call's step directory).
-    """
+    ``extra``: more JSON-able state for meta.json. ``lineage`` None: each call is a fresh run."""
     return Checkpointer(cfg, state, dev, lineage).save(step, consumed_samples, model, optimizer, tracker, extra,
                                                        asynchronous=False)
 
@@ -300,9 +261,6 @@ def write_weights(ckpt: Path, meta: dict[str, Any], weights: dict[str, torch.Ten
     (ckpt / "meta.json").write_text(json.dumps({**meta, "format_version": FORMAT_VERSION}, indent=1))
 
 
-# ------------------------------------------------------------------------------------------ load
-
-
 def read_full(ckpt: Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """{name without ``prefix``: full tensor} of every stored tensor under ``prefix`` (one process)."""
     reader = Reader(ckpt)
@@ -311,7 +269,7 @@ def read_full(ckpt: Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
 
 def _read_local(reader: Reader, name: str, p: nn.Parameter, state: ParallelState | None) -> torch.Tensor:
     """This rank's shard of global tensor ``name`` for parameter ``p`` (vocabulary padding zero-filled)."""
-    tp_rank, tp = (state.tp_rank, state.tp_size) if state is not None else (0, 1)
+    tp_rank, tp = _tp(state)
     want = stored_shape(p, tp)
     if reader.shape(name) != want:
         raise DataError(f"checkpoint file '{reader.ckpt / INDEX}': '{name}' has shape {reader.shape(name)}, the model "
@@ -327,10 +285,8 @@ def _read_local(reader: Reader, name: str, p: nn.Parameter, state: ParallelState
 
 
 def load_model_state(model: nn.Module, ckpt: Path, state: ParallelState | None, reader: Reader | None = None) -> None:
-    """Copy this rank's shards of the checkpoint's tensors into ``model`` (names and full shapes must match).
-
-    Pipeline stages check only the names they hold; the checkpoint must hold every one of them.
-    """
+    """Copy this rank's shards of the checkpoint's tensors into ``model`` (names and full shapes must match;
+    a pipeline stage checks only the names it holds)."""
     reader = reader or Reader(ckpt)
     own = {stored_name(n, p): p for n, p in named_trainable(model)}
     saved = {n[len("model/"):] for n in reader.names("model/")}
@@ -370,12 +326,10 @@ def _load_optimizer(model: nn.Module, optimizer: DistributedOptimizer, reader: R
 def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None,
          dev: torch.device, seed: int, tracker: RNGTracker | None = None,
          layout: dict[str, int] | None = None) -> dict[str, Any]:
-    """Restore model, optimizer and (same layout) this rank's RNG; return the meta (step, consumed samples).
+    """Restore model, optimizer and this rank's RNG; return the meta (step, consumed samples).
 
-    ``layout``: this run's (``writer_layout(cfg)``); the RNG states load only if it equals the
-    writer's (otherwise every rank reseeds from the seed, step and rank). A converted checkpoint
-    (meta ``converted_from``, see tools/convert_checkpoint.py) may hold weights only: the optimizer
-    keeps its fresh state.
+    RNG states load only when ``layout`` (``writer_layout(cfg)``) equals the writer's, else every rank
+    reseeds from seed, step and rank. A converted checkpoint may hold weights only (fresh optimizer).
     """
     meta = read_meta(ckpt)
     reader = Reader(ckpt)

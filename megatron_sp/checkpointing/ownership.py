@@ -1,14 +1,8 @@
 """Run ownership of a save directory: nothing the user did not ask for is overwritten or deleted.
 
-Every run has a random ``run_id``; meta.json records it and the run's ``Lineage``. A checkpoint is
-in a run's *history* if this run wrote it, or an earlier run of its lineage did at a step <= the
-step the next run of the lineage started from. Unless ``checkpoint.overwrite``, ``check_save_dir``
-refuses before training a save directory holding another run's checkpoints, and a resume that would
-replace a checkpoint outside its history; ``keep`` deletes only the run's own history (``expired``),
-never what ``latest`` names nor the checkpoint the run loaded. Global rank 0 locks the directory for
-the whole run (``SaveDirLock``, ``claim_save_dir``). Also here, because the checks need them: which
-checkpoint a path names (``resolve``) and its validated meta.json (``read_meta``).
-The rules in full: docs/checkpoints.md, "Run ownership".
+``Lineage`` (run ids in meta.json), the checks before training (``check_save_dir``), the lock
+(``SaveDirLock``), what ``keep`` deletes (``expired``), and which checkpoint a path names
+(``resolve``, ``read_meta``). The rules: docs/checkpoints.md, "Run ownership".
 """
 from __future__ import annotations
 
@@ -76,11 +70,7 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Lineage:
     """The history a run continues: ``runs`` = ((run id, start step), ...), oldest first, this run last.
-
-    ``loaded``: the name of the checkpoint directory this run resumed from when it lies in
-    ``checkpoint.save`` (``keep`` never deletes it). Only global rank 0 uses it (meta.json, ``keep``,
-    the refusal of a foreign step directory).
-    """
+    ``loaded``: the checkpoint this run resumed from when it lies in ``checkpoint.save`` (never deleted)."""
 
     runs: tuple[tuple[str, int], ...]
     loaded: str | None = None
@@ -174,12 +164,9 @@ def _saves(cfg: Config, step: int) -> bool:
 
 
 def check_save_dir(cfg: Config, lock: SaveDirLock | None = None) -> None:
-    """Refuse, before training, a ``checkpoint.save`` this run may not write into (one ``ConfigError``).
-
-    A path that is a file; a directory another run has locked (skipped when ``lock`` is ours); one
-    holding checkpoints the run does not resume from; a resume that would save a step directory
-    outside its history. ``checkpoint.overwrite`` lifts the last two (see the module docstring).
-    """
+    """Refuse, before training, a ``checkpoint.save`` this run may not write into (one ``ConfigError``):
+    a file, another run's lock (unless ``lock`` is ours), or (unless ``checkpoint.overwrite``) another
+    run's checkpoints or step directories outside this run's history."""
     c = cfg.checkpoint
     if not c.save:
         return
@@ -209,9 +196,8 @@ def check_save_dir(cfg: Config, lock: SaveDirLock | None = None) -> None:
 
 
 class SaveDirLock:
-    """Exclusive use of a save directory: a non-blocking ``fcntl.flock`` on ``SAVE_DIR/.lock``, which
-    records the holder (pid, host, time). Released on ``release``/exit of the ``with`` block, or by the
-    kernel when the process ends however it ends. The file stays (deleting a lock file races)."""
+    """Exclusive use of a save directory: a non-blocking ``fcntl.flock`` on ``SAVE_DIR/.lock`` (which
+    records the holder), released by ``release`` or by the kernel at exit. The file stays (deleting races)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -221,11 +207,10 @@ class SaveDirLock:
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            self._lock(fd)
+        except ConfigError:
             os.close(fd)
-            raise self._refusal(holder) from None
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
                   .encode(), 0)
@@ -243,9 +228,15 @@ class SaveDirLock:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def _refusal(self, holder: str) -> ConfigError:
-        return ConfigError(f"checkpoint.save '{self.root}' is in use by another run ({holder or 'holder unknown'}, "
-                           f"lock file {self.root / LOCK_FILE}); wait for it to end or choose another checkpoint.save")
+    def _lock(self, fd: int) -> None:
+        """flock ``fd``, or raise the refusal naming the holder."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            raise ConfigError(f"checkpoint.save '{self.root}' is in use by another run ({holder or 'holder unknown'}, "
+                              f"lock file {self.root / LOCK_FILE}); wait for it to end or choose another "
+                              "checkpoint.save") from None
 
     @classmethod
     def check(cls, root: str | Path) -> None:
@@ -256,9 +247,7 @@ class SaveDirLock:
         except OSError:
             return  # no lock file: nobody holds it
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise lock._refusal(os.pread(fd, 200, 0).decode(errors="replace").strip()) from None
+            lock._lock(fd)
         finally:
             os.close(fd)
 
@@ -275,9 +264,8 @@ def claim_save_dir(cfg: Config) -> Iterator[None]:
 
 
 def expired(root: Path, keep: int, lineage: Lineage, latest: str) -> list[str]:
-    """The checkpoint directories of ``root`` that ``keep`` deletes: the older ones of ``lineage``'s
-    history beyond the newest ``keep`` (none when ``keep`` <= 0), never ``latest`` (the one `latest`
-    names) nor the checkpoint the run loaded."""
+    """The checkpoints of ``root`` that ``keep`` deletes: ``lineage``'s history beyond the newest ``keep``
+    (none when ``keep`` <= 0), never ``latest`` nor the checkpoint the run loaded."""
     if keep <= 0:
         return []
     history = sorted((m["step"], p.name) for p in root.glob("iter_*") if p.is_dir()

@@ -1,13 +1,7 @@
 """A layout-free tensor store: boxes of global tensors in per-rank safetensors files, one JSON index.
 
-Every stored tensor has a global name, shape and dtype; each writer stores rectangular boxes of it
-(``offsets``, ``lengths``) in its own safetensors file, and ``index.json`` lists every tensor's
-boxes with the file and key holding them. A reader asks for any box of any tensor and gets it
-assembled from whatever boxes overlap it, so the writing layout never matters. ``flat_boxes`` cuts
-a flat range (a ZeRO-1 shard) into at most ``2·ndim − 1`` contiguous boxes.
-
-Format and design (why safetensors + JSON rather than ``torch.distributed.checkpoint``):
-docs/checkpoints.md.
+A reader gets any box of any tensor assembled from the stored boxes that overlap it, so the writing
+layout never matters. Format and design (why not ``torch.distributed.checkpoint``): docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -51,11 +45,8 @@ class Box:
 
 
 def flat_boxes(start: int, end: int, shape: Sequence[int]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """``[(flat_start, offsets, lengths)]``: boxes covering elements ``[start, end)`` of a row-major tensor.
-
-    Each box has leading lengths 1, then one partial dimension, then whole trailing dimensions, so
-    it is the contiguous flat range ``[flat_start, flat_start + prod(lengths))``.
-    """
+    """``[(flat_start, offsets, lengths)]``: at most ``2·ndim − 1`` boxes covering elements ``[start, end)``
+    of a row-major tensor, each the contiguous flat range ``[flat_start, flat_start + prod(lengths))``."""
     shape = tuple(int(s) for s in shape)
     if end <= start:
         return []
@@ -87,13 +78,9 @@ def flat_boxes(start: int, end: int, shape: Sequence[int]) -> list[tuple[int, tu
 
 def boxes_of_flat(name: str, flat: torch.Tensor, start: int, local_shape: Sequence[int],
                   shift: Sequence[int], clip: Sequence[int]) -> list[Box]:
-    """Boxes of global tensor ``name`` for elements ``[start, start + flat.numel())`` of a local tensor.
-
-    ``flat`` holds those elements; ``local_shape`` is the local tensor's shape; ``shift`` is the
-    local tensor's offset in the global one (a TP shard's place); ``clip`` is the global shape:
-    parts beyond it (vocabulary padding rows) are dropped. The data is copied (safetensors refuses
-    views sharing storage, and an asynchronous save needs a snapshot).
-    """
+    """Boxes of global tensor ``name`` for ``flat`` = elements ``[start, start + flat.numel())`` of a local
+    tensor placed at offset ``shift`` in the global one; parts beyond the global shape ``clip`` (vocabulary
+    padding) are dropped. The data is copied: an asynchronous save needs a snapshot."""
     out = []
     for flat_start, offs, lens in flat_boxes(start, start + flat.numel(), local_shape):
         piece = flat[flat_start - start:flat_start - start + math.prod(lens)].view(lens)
@@ -127,11 +114,7 @@ def _umask() -> int:
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """``safetensors.torch.save_file`` with the permissions of any other file we write.
-
-    safetensors creates its file with mode 0600; a checkpoint or an exported model is then unreadable
-    by the user's group while its config.json beside it is not. Here it gets 0666 less the umask.
-    """
+    """``safetensors.torch.save_file``, but with mode 0666 less the umask (safetensors' own is 0600)."""
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
@@ -151,10 +134,7 @@ def write_file(path: Path, boxes: Sequence[Box], extra: dict[str, torch.Tensor] 
 def build_index(entries: Iterable[dict[str, Any]], tensors: dict[str, tuple[tuple[int, ...], str]],
                 files: Iterable[str] = ()) -> dict[str, Any]:
     """The index of a checkpoint directory: every tensor's shape, dtype and boxes (file sizes: ``finish_index``).
-
-    Checks that each tensor's boxes lie inside it and add up to its size (the writers never
-    overlap), so an incomplete save is caught when written, not when read.
-    """
+    Checks that each tensor's boxes add up to its size, so an incomplete save is caught when written."""
     index: dict[str, Any] = {"tensors": {n: {"shape": list(s), "dtype": d, "boxes": []}
                                          for n, (s, d) in sorted(tensors.items())}, "files": dict.fromkeys(files, 0)}
     for e in entries:
@@ -174,11 +154,15 @@ def finish_index(index: dict[str, Any], ckpt: Path) -> None:
     (ckpt / INDEX).write_text(json.dumps(index, separators=(",", ":")))
 
 
+def _require(path: Path) -> None:
+    if not path.is_file():
+        raise DataError(f"checkpoint file '{path}' is missing; the checkpoint is incomplete")
+
+
 def open_file(path: Path) -> Any:
     from safetensors import safe_open
 
-    if not path.is_file():
-        raise DataError(f"checkpoint file '{path}' is missing; the checkpoint is incomplete")
+    _require(path)
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # safetensors raises its own error type for every malformed file
@@ -192,8 +176,7 @@ class Reader:
     def __init__(self, ckpt: Path) -> None:
         self.ckpt = Path(ckpt)
         path = self.ckpt / INDEX
-        if not path.is_file():
-            raise DataError(f"checkpoint file '{path}' is missing; the checkpoint is incomplete")
+        _require(path)
         try:
             self.index = json.loads(path.read_text())
             self.tensors: dict[str, dict[str, Any]] = self.index["tensors"]
@@ -202,8 +185,7 @@ class Reader:
             raise DataError(f"checkpoint file '{path}' is unreadable ({exc})") from None
         for file, size in files.items():
             full = self.ckpt / file
-            if not full.is_file():
-                raise DataError(f"checkpoint file '{full}' is missing; the checkpoint is incomplete")
+            _require(full)
             if full.stat().st_size != size:
                 raise DataError(f"checkpoint file '{full}' has {full.stat().st_size} bytes, {INDEX} says {size}: "
                                 "the file is truncated or was replaced")

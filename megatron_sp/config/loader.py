@@ -1,9 +1,9 @@
-"""Load, merge, override, validate and resolve a config.
+"""Load, merge, override and resolve a config: ``load(conf_files, overrides, world_size)``.
 
-``load(conf_files, overrides, world_size)`` is the one entry point: YAML/JSON files merged in order
-(later wins), then dotted ``section.key=value`` overrides parsed to each field's type, then
-``finalize`` fills the derived values and runs every cross-field check in one place. Every error
-is a ``ConfigError`` naming the key, the bad value and the fix.
+YAML/JSON files merge in order (later wins), dotted ``section.key=value`` overrides are parsed to
+each field's type, then ``finalize`` fills the derived values, checks the config's own rules and
+runs the checks every other part registered (``registry``). Every error is one ``ConfigError``
+naming the key, the bad value and the fix.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError, read_utf8
+from .registry import choice, run_checks
+from .registry import show as _show
 from .schema import SECTIONS, Config
 
 _TRUE = {"true", "yes", "on", "1"}
@@ -26,12 +28,6 @@ _FALSE = {"false", "no", "off", "0"}
 MAX_INT = 2**53  # every integer key below this (exact in a float and in JSON); 1e21 iterations is a typo
 MAX_NEW_TOKENS = 100_000  # tokens generated per prompt: train.sample_tokens and tools/generate.py --max-new-tokens
 MAX_NODES = 100_000  # values a config file may expand to (YAML aliases share, a printed or walked tree does not)
-
-
-def _show(value: Any, limit: int = 80) -> str:
-    """``value`` for an error line: its text, cut to ``limit`` characters."""
-    text = str(value)
-    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -89,6 +85,19 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _number(value: Any) -> int | float | None:
+    """``value`` as a number (a YAML number, or a string like 8, 1_000 or 3e-4), else None (booleans too)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        for parse in (lambda v: int(v.replace("_", "")), float):
+            try:
+                return parse(value)
+            except ValueError:
+                pass
+    return None
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert ``value`` (from YAML or a command-line string) to the field type ``tp``."""
     origin = typing.get_origin(tp)
@@ -108,44 +117,21 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return bool(value)
         raise ConfigError(f"{key}: '{_show(value)}' is not a boolean; use true or false")
     if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: '{value}' is not an integer")
-        number: int | None = None
-        if isinstance(value, int):
-            number = value
-        elif isinstance(value, float) and value.is_integer():
-            number = int(value)
-        elif isinstance(value, str):
-            try:
-                number = int(value.replace("_", ""))
-            except ValueError:
-                try:
-                    f = float(value)
-                except ValueError:
-                    f = math.nan
-                if math.isfinite(f) and f.is_integer():
-                    number = int(f)
+        number = _number(value)
+        if isinstance(number, float):
+            number = int(number) if math.isfinite(number) and number.is_integer() else None
         if number is None:
             raise ConfigError(f"{key}: '{_show(value)}' is not an integer; give a whole number like 8")
         if abs(number) >= MAX_INT:
             raise ConfigError(f"{key}: {_show(value)} is too large (at most 2^53); give a meaningful count")
         return number
     if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: '{value}' is not a number")
-        number_f: float | None = None
-        if isinstance(value, (int, float)):
-            number_f = float(value)
-        elif isinstance(value, str):
-            try:
-                number_f = float(value)
-            except ValueError:
-                pass
-        if number_f is None:
+        number = _number(value)
+        if number is None:
             raise ConfigError(f"{key}: '{_show(value)}' is not a number; give e.g. 3e-4")
-        if not math.isfinite(number_f):
+        if not math.isfinite(number):
             raise ConfigError(f"{key}: {_show(value)} is not a finite number; give e.g. 3e-4")
-        return number_f
+        return float(number)
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {type(value).__name__}")
@@ -226,11 +212,8 @@ def apply_override(cfg: Config, item: str) -> None:
 
 def load(conf_files: list[str | Path] | None = None, overrides: list[str] | None = None,
          world_size: int | None = None, finalize_config: bool = True) -> Config:
-    """Build the config: defaults ← each file in order ← dotted overrides; then ``finalize``.
-
-    ``world_size`` is the number of ranks actually launched (torchrun's WORLD_SIZE) or None when
-    not launched yet; it determines ``parallel.dp`` when that is not set.
-    """
+    """Defaults ← each file in order ← dotted overrides, then ``finalize``. ``world_size``: the ranks
+    launched (torchrun's WORLD_SIZE), or None before launch; it derives an unset ``parallel.dp``."""
     cfg = Config()
     for path in conf_files or []:
         for section, values in read_file(path).items():
@@ -240,13 +223,6 @@ def load(conf_files: list[str | Path] | None = None, overrides: list[str] | None
     if finalize_config:
         finalize(cfg, world_size)
     return cfg
-
-
-def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        close = difflib.get_close_matches(value, list(options), n=1, cutoff=0.5)  # the options are listed already
-        raise ConfigError(f"{key}: '{_show(value)}' is not one of {', '.join(options)}"
-                          + (f"; did you mean '{close[0]}'?" if close else ""))
 
 
 def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
@@ -260,17 +236,13 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 
 
 def finalize(cfg: Config, world_size: int | None = None) -> Config:
-    """Fill derived values once and run every cross-field check. Idempotent."""
+    """Fill the derived values, check the config's own rules, then run every registered check. Idempotent."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
-    _choice("model.arch", m.arch, ("neox", "llama"))
-    _choice("parallel.cp_algo", p.cp_algo, ("ring", "zigzag", "llama3", "ulysses", "usp"))
-    from ..pipeline.schedules import SCHEDULES
-    _choice("parallel.pp_schedule", p.pp_schedule, SCHEDULES)
-    _choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
-    _choice("train.lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
-    _choice("model.recompute", m.recompute, ("none", "selective", "full"))
-    _choice("tokenizer.type", cfg.tokenizer.type, ("sentencepiece", "hf", "byte"))
-    _choice("logging.level", cfg.logging.level, ("debug", "info", "warning"))
+    choice("model.arch", m.arch, ("neox", "llama"))
+    choice("train.lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
+    choice("model.recompute", m.recompute, ("none", "selective", "full"))
+    choice("tokenizer.type", cfg.tokenizer.type, ("sentencepiece", "hf", "byte"))
+    choice("logging.level", cfg.logging.level, ("debug", "info", "warning"))
     _positive(cfg, "model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads",
               "model.ffn_hidden_size", "model.seq_length", "model.ffn_multiple_of", "model.make_vocab_size_divisible_by",
               "parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp", "parallel.virtual_stages",
@@ -350,60 +322,8 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     if p.sequence_parallel and m.seq_length % p.tp:
         raise ConfigError(f"model.seq_length {m.seq_length} must be divisible by parallel.tp {p.tp} under "
                           "parallel.sequence_parallel")
-    if p.pp_schedule == "interleaved" and (p.virtual_stages < 2 or p.pp < 2):
-        raise ConfigError(f"parallel.pp_schedule=interleaved needs parallel.pp >= 2 and parallel.virtual_stages >= 2 "
-                          f"(got {p.pp}, {p.virtual_stages})")
-    if p.virtual_stages != 1 and p.pp_schedule != "interleaved":
-        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp_schedule=interleaved")
-    from ..pipeline.partition import layer_split  # the split's own checks (uniform divisibility, explicit list)
-    if p.pp_partition != "balanced" or m.padded_vocab_size is not None:  # balanced counts need the vocabulary
-        layer_split(m, p.pp, p.virtual_stages, p.pp_partition)
-    elif m.num_layers < p.pp * p.virtual_stages:
-        raise ConfigError(f"model.num_layers = {m.num_layers} is fewer than parallel.pp·virtual_stages = "
-                          f"{p.pp}·{p.virtual_stages} (every virtual stage needs at least one layer)")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set parallel.sequence_parallel=false")
-    if p.zero not in (0, 1):
-        raise ConfigError(f"parallel.zero: {p.zero} must be 0 or 1")
-    # Dimensions whose implementation has not landed yet are refused here, not deep inside a layer.
-    if p.cp > 1:
-        from ..model.attention.layout import required_divisor
-        need = required_divisor(p.cp_algo, p.cp, p.tp, p.sequence_parallel)
-        if m.seq_length % need:
-            raise ConfigError(f"model.seq_length {m.seq_length} must be divisible by {need} for parallel.cp={p.cp} "
-                              f"with cp_algo={p.cp_algo}" + (f" (× tp {p.tp} under sequence parallelism)"
-                                                             if p.sequence_parallel else ""))
-        if m.attention_dropout > 0:
-            raise ConfigError("model.attention_dropout > 0 with parallel.cp > 1 is not available; set "
-                              "model.attention_dropout=0")
-        degree = {"ulysses": p.cp, "usp": p.cp_ulysses}.get(p.cp_algo, 1)
-        key = "parallel.cp" if p.cp_algo == "ulysses" else "parallel.cp_ulysses"
-        if p.cp_algo == "usp" and (p.cp_ulysses < 1 or p.cp % p.cp_ulysses):
-            raise ConfigError(f"parallel.cp_ulysses={p.cp_ulysses} must divide parallel.cp={p.cp}")
-        if degree > 1:
-            local_heads = m.num_heads // p.tp
-            local_kv = max(1, m.num_kv_heads // p.tp)
-            if local_heads % degree or (local_kv % degree and degree % local_kv):
-                raise ConfigError(f"parallel.cp_algo={p.cp_algo}: the {local_heads} query heads per TP rank must be "
-                                  f"divisible by {key}={degree}, and the {local_kv} kv heads per TP rank must "
-                                  "divide it or be divisible by it; use ring, zigzag or llama3")
-    if p.cp_ulysses != 1 and (p.cp_algo != "usp" or p.cp == 1):
-        raise ConfigError(f"parallel.cp_ulysses={p.cp_ulysses} needs parallel.cp_algo=usp and parallel.cp > 1")
-    if cfg.data.reset_attention_mask and m.attention_dropout > 0:
-        raise ConfigError("data.reset_attention_mask with model.attention_dropout > 0 is not available; set "
-                          "model.attention_dropout=0")
-    if p.cp_heads_k_stride < 1:
-        raise ConfigError(f"parallel.cp_heads_k_stride: {p.cp_heads_k_stride} must be >= 1")
-    if p.device is None:
-        from .. import device as _device
-        p.device = _device.default_device_type()
-    _choice("parallel.device", p.device, ("cpu", "cuda"))
-    if p.backend is None:
-        from .. import device as _device
-        p.backend = _device.default_backend(p.device)
-    _choice("parallel.backend", p.backend, ("gloo", "nccl"))
-    if p.backend == "nccl" and p.device != "cuda":
-        raise ConfigError("parallel.backend=nccl needs parallel.device=cuda; use parallel.backend=gloo on CPU")
 
     # --- batch ---
     per_step = t.micro_batch_size * p.dp
@@ -417,8 +337,6 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.grad_accum_steps {t.grad_accum_steps} != global_batch_size / (micro_batch_size·dp) "
                           f"= {t.global_batch_size} / {per_step} = {accum}; drop one of them")
     t.grad_accum_steps = accum
-    from ..pipeline.partition import check_micro_batches
-    check_micro_batches(accum, p.pp, p.pp_schedule)
     if t.lr_decay_iters is None:
         t.lr_decay_iters = t.iters
     if t.min_lr > t.lr:
@@ -427,19 +345,12 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.lr_warmup_iters {t.lr_warmup_iters} must not exceed train.lr_decay_iters {t.lr_decay_iters}")
 
     # --- data / tokenizer ---
-    from ..data.blending import parse_blend
-    from ..data.gpt_dataset import parse_split
-    parse_split(d.split)
     if d.build_demo:
         demo = Path(d.demo_dir)
         if not d.paths:
             d.paths = [str(demo / "demo_text_document")]
         if cfg.tokenizer.type == "sentencepiece" and cfg.tokenizer.model is None:
             cfg.tokenizer.model = str(demo / "tokenizer.model")
-    prefixes, _ = parse_blend(d.paths)
-    if d.build_demo and len(prefixes) != 1:
-        raise ConfigError(f"data.build_demo builds one dataset but data.paths names {len(prefixes)}; drop "
-                          f"data.build_demo or give one prefix")
     tk = cfg.tokenizer
     if tk.type == "sentencepiece" and not tk.model:
         raise ConfigError("tokenizer.model is not set; give the SentencePiece .model path, or set tokenizer.type=byte")
@@ -454,6 +365,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     if cfg.checkpoint.save is None and cfg.checkpoint.auto_resume:
         raise ConfigError("checkpoint.auto_resume resumes from checkpoint.save's 'latest', but checkpoint.save is not "
                           "set; set checkpoint.save=DIR")
+    run_checks(cfg)
     return cfg
 
 

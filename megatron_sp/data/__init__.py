@@ -1,15 +1,7 @@
 """The data pipeline the training loop uses: tokenizer → indexed .bin/.idx → GPT dataset → batches.
 
-- ``ensure_demo_data(cfg)`` builds the demo corpus, tokenizer and dataset when asked and absent
-  (call it on one rank, then barrier);
-- ``build_tokenizer(cfg.tokenizer)`` and ``build_datasets(cfg, tokenizer, n_train, n_valid)`` (one dataset, or a
-  weighted blend of several: ``megatron_sp.data.blending``);
-- ``batch_indices(step, global_batch_size, dp_rank, dp_size)``: the sample ids one DP rank
-  reads for one step. Global batch ``step`` is always samples ``step·gbs … (step+1)·gbs - 1`` in
-  that order, whatever the layout; DP rank ``r`` takes the ``r``-th contiguous block of it;
-- ``collate(samples, eod, eod_mask_loss, reset_position_ids, reset_attention_mask)``: tokens, shifted
-  labels, loss mask, positions (and document ids for packed documents);
-- ``megatron_sp.data.loader.BatchLoader``: those batches, read ahead by worker processes (imports torch).
+Entry points: ``ensure_demo_data``, ``build_tokenizer``, ``build_datasets``, ``batch_indices``,
+``collate``; ``megatron_sp.data.loader.BatchLoader`` (imports torch) reads the batches. See docs/data.md.
 """
 from __future__ import annotations
 
@@ -49,29 +41,17 @@ __all__ = [
 ]
 
 _TOKEN_CHECK_LIMIT = 1 << 22
-"""Tokens of the dataset checked against the tokenizer's vocabulary at load time (a cheap guard
-against data preprocessed with another tokenizer)."""
+"""Tokens of a dataset checked against the tokenizer's vocabulary (data preprocessed with another one)."""
 
 
 def ensure_demo_data(cfg: Config) -> None:
-    """If ``cfg.data.build_demo`` and a needed file is missing, build the demo data under ``cfg.data.demo_dir``.
-
-    Steps, each only when needed and each logging one line with its timing: ``corpus.jsonl`` from
-    the standard library → the SentencePiece model at ``cfg.tokenizer.model`` (vocab
-    ``cfg.tokenizer.vocab_size``) → the dataset at ``cfg.data.paths[0]``. A rebuilt tokenizer also
-    rebuilds the dataset (its ids would not match). Run it on one rank only; the caller puts a
-    barrier after it.
-    """
+    """If ``cfg.data.build_demo``, build what is missing of the demo corpus, tokenizer and dataset (a rebuilt
+    tokenizer rebuilds the dataset too). Run it on one rank only, then a barrier."""
     if not cfg.data.build_demo:
         return
-    prefixes, _ = parse_blend(cfg.data.paths)
-    if len(prefixes) != 1:
-        raise ConfigError("data.build_demo needs exactly one data.paths entry (the demo dataset prefix)")
+    prefix = parse_blend(cfg.data.paths)[0][0]  # one prefix and, for sentencepiece, a model path: finalize checks
     demo_dir = Path(cfg.data.demo_dir)
-    prefix = prefixes[0]
     sentencepiece = cfg.tokenizer.type.lower() == "sentencepiece"
-    if sentencepiece and not cfg.tokenizer.model:
-        raise ConfigError("tokenizer.model is not set; give the path the demo tokenizer should be written to")
     model_path = Path(cfg.tokenizer.model) if sentencepiece else None
     need_tokenizer = model_path is not None and not model_path.is_file()
     if not need_tokenizer and all(p.is_file() for p in data_file_paths(prefix)):
@@ -94,17 +74,17 @@ def physical_memory_bytes() -> int:
         return 0
 
 
-def check_index_memory(num_samples: int, seq_length: int, tokens_per_epoch: int, documents: int, prefix: str) -> None:
-    """Refuse a sample count whose GPT dataset indices would not fit in this machine's memory.
-
-    The indices are built up front (as Megatron does): about 64 bytes per sample at the peak, plus 24 per
-    document entry of every epoch the samples need. ``train.iters=1e15`` used to hang in that build.
-    """
-    epochs = -(-(num_samples * seq_length + 1) // max(tokens_per_epoch, 1))
-    needed = 64 * num_samples + 24 * epochs * documents
+def check_index_memory(num_samples: int, seq_length: int, indexed: IndexedDataset, documents: np.ndarray) -> None:
+    """Refuse a sample count whose GPT dataset indices over ``documents`` (about 64 bytes per sample, 24 per
+    document entry of every epoch, built up front) would not fit in this machine's memory."""
+    tokens = int(indexed.document_sizes[documents].sum()) if documents.size else 0
+    if not tokens:
+        return  # an empty split: build_datasets says so
+    epochs = -(-(num_samples * seq_length + 1) // tokens)
+    needed = 64 * num_samples + 24 * epochs * documents.size
     memory = physical_memory_bytes()
     if memory and needed > memory:
-        raise DataError(f"train.iters × train.global_batch_size = {num_samples} samples of {prefix} need about "
+        raise DataError(f"train.iters × train.global_batch_size = {num_samples} samples of {indexed.prefix} need about "
                         f"{needed / 2**30:.3g} GiB of dataset indices ({epochs} epochs), more than this machine's "
                         f"{memory / 2**30:.3g} GiB; lower train.iters")
 
@@ -114,21 +94,14 @@ def check_inputs(cfg: Config) -> None:
     that the run's sample count is meaningful for it; cheap, so ``train.py`` runs it before any rank starts."""
     for prefix in parse_blend(cfg.data.paths)[0]:
         indexed = open_dataset(prefix)
-        train_docs = split_documents(indexed.num_documents, cfg.data.split)[0]
-        tokens = int(indexed.document_sizes[train_docs].sum()) if train_docs.size else 0
-        if tokens:
-            check_index_memory(cfg.train.iters * cfg.train.global_batch_size, cfg.model.seq_length,  # type: ignore[operator]
-                               tokens, train_docs.size, str(indexed.prefix))
+        check_index_memory(cfg.train.iters * cfg.train.global_batch_size, cfg.model.seq_length,  # type: ignore[operator]
+                           indexed, split_documents(indexed.num_documents, cfg.data.split)[0])
 
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer, num_train_samples: int,
                    num_valid_samples: int) -> tuple[Dataset, Dataset | None]:
-    """The train and validation datasets of ``cfg.data.paths``, each dataset split by ``cfg.data.split``.
-
-    One prefix: a ``GPTDataset`` per split. Several (a weighted blend ``[w1, P1, w2, P2, ...]``, or
-    prefixes weighted by their tokens): a ``BlendedDataset`` per split over one ``GPTDataset`` per
-    prefix, sized as megatron-core does (see ``megatron_sp.data.blending``). The validation dataset is
-    ``None`` when ``num_valid_samples`` is 0 or every valid split is empty.
+    """The train and validation datasets of ``cfg.data.paths``: a ``GPTDataset`` per split, or for several
+    prefixes a ``BlendedDataset`` (weighted, or by tokens). Validation is ``None`` when 0 samples or empty.
     """
     prefixes, weights = parse_blend(cfg.data.paths)
     datasets = [open_dataset(prefix) for prefix in prefixes]
@@ -145,8 +118,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_train_samples: int,
             raise DataError(f"the train split of {indexed.prefix} is empty ({train_docs.size} of "
                             f"{indexed.num_documents} documents, data.split={cfg.data.split}); give the train split "
                             f"a larger share or use more data")
-        check_index_memory(num_train_samples, seq_length, int(indexed.document_sizes[train_docs].sum()),
-                           train_docs.size, str(indexed.prefix))
+        check_index_memory(num_train_samples, seq_length, indexed, train_docs)
     if len(datasets) == 1:
         indexed, (train_docs, valid_docs, _) = datasets[0], splits[0]
         train: Dataset = GPTDataset(indexed, train_docs, seq_length, num_train_samples, seed, cache_dir(indexed),
@@ -215,12 +187,8 @@ def _check_vocabulary(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:
 
 
 def batch_indices(step: int, global_batch_size: int, dp_rank: int, dp_size: int) -> range:
-    """Sample ids data-parallel rank ``dp_rank`` reads at ``step``: its contiguous block of the global batch.
-
-    Global batch ``step`` is samples ``step·gbs … (step+1)·gbs - 1``; rank ``r`` gets
-    ``step·gbs + r·gbs/dp … step·gbs + (r+1)·gbs/dp - 1``. The union over ranks, in rank order, is
-    the same global batch for every ``dp_size``.
-    """
+    """Sample ids data-parallel rank ``dp_rank`` reads at ``step``: its contiguous block of global batch
+    ``step`` (samples ``step·gbs … (step+1)·gbs - 1``, the same for every ``dp_size``)."""
     if step < 0 or global_batch_size < 1:
         raise ValueError(f"need step >= 0 and global_batch_size >= 1, got {step}, {global_batch_size}")
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -234,21 +202,10 @@ def batch_indices(step: int, global_batch_size: int, dp_rank: int, dp_size: int)
 
 def collate(samples: list[np.ndarray], eod: int, eod_mask_loss: bool, reset_position_ids: bool = False,
             reset_attention_mask: bool = False) -> dict[str, torch.Tensor]:
-    """Stack samples of ``s + 1`` tokens into a batch of ``[b, s]`` tensors.
-
-    ``tokens`` = sample[:-1], ``labels`` = sample[1:] (int64); ``position_ids`` = 0 … s-1 (int64);
-    ``loss_mask`` (float32) is 1.0, or with ``eod_mask_loss`` 0.0 where the *input* token is ``eod``
-    (megatron-core's ``_get_ltor_masks_and_position_ids``): the guess of the next document's first
-    token from the end of the previous one is not trained, while predicting ``eod`` itself is, so the
-    model learns to end a document. Labels are shifted here, on the full sequence, before any
-    context-parallel sharding.
-
-    A sample of the GPT dataset spans several documents, each ending with an ``eod`` token (Megatron's
-    ``get_ltor_masks_and_position_ids``); the ``eod`` belongs to the document it ends:
-
-    - ``reset_position_ids``: ``position_ids`` restart at 0 on the token after each ``eod`` of ``tokens``;
-    - ``reset_attention_mask``: adds ``document_ids`` (int64 ``[b, s]``), the number of ``eod`` tokens
-      strictly before each token; attention lets a token see only earlier tokens with the same id.
+    """Stack samples of ``s + 1`` tokens into ``[b, s]`` tensors: ``tokens``, ``labels`` (shifted by one),
+    ``position_ids``, ``loss_mask`` (0.0 where the input token is ``eod`` with ``eod_mask_loss``) and, with
+    ``reset_attention_mask``, ``document_ids`` (``eod`` tokens strictly before each token). Semantics and
+    Megatron's packed-document flags: docs/data.md, "Batches".
     """
     import torch  # here, not at the top: the data tools (tools/*.py) then start without importing torch
 

@@ -1,18 +1,6 @@
-"""Weighted blends of several datasets, with Megatron-LM's blending algorithm.
-
-``data.paths: [w1, PREFIX1, w2, PREFIX2, ...]`` (Megatron's ``--data-path``) blends datasets. As in
-megatron-core's ``BlendedMegatronDatasetBuilder``, for a split of ``n`` samples:
-
-- the weights are normalised to sum to 1;
-- dataset ``j`` is asked for ``ceil(ceil(n·w_j)·(1 + 0.005))`` samples (its target, ``ceil(n·w_j)``,
-  plus a 0.5 % surplus) of that split of its documents;
-- the blend has ``Σ_j ceil(n·w_j)`` samples: sample ``i`` is the next unused sample of the dataset
-  with the largest sampling error ``w_j·max(i, 1) − count_j`` (the first such dataset on a tie),
-  i.e. megatron-core's ``helpers.build_blending_indices``. Every prefix of the blend then holds
-  each dataset's share to within one sample.
-
-The two index arrays (which dataset, which of its samples) are cached like the GPT dataset's, under
-a hash of the datasets' own hashes, the weights, the size and the split name.
+"""Weighted blends of several datasets (``data.paths: [w1, PREFIX1, w2, PREFIX2, ...]``), with
+megatron-core's sizes and greedy blending algorithm; the index arrays are cached like the GPT
+dataset's. The algorithm: docs/data.md, "Blending".
 """
 from __future__ import annotations
 
@@ -27,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_sp.config.registry import check
+from megatron_sp.config.schema import Config
 from megatron_sp.data.index_cache import cache_paths, description_hash, load_arrays, save_arrays
 from megatron_sp.errors import ConfigError, DataError
 
@@ -85,6 +75,15 @@ def parse_blend(paths: Sequence[Any]) -> tuple[list[str], list[float] | None]:
     return prefixes, weights
 
 
+@check
+def check_paths(cfg: Config) -> None:
+    """``data.paths`` is one prefix or a valid blend (one prefix under ``data.build_demo``)."""
+    prefixes, _ = parse_blend(cfg.data.paths)
+    if cfg.data.build_demo and len(prefixes) != 1:
+        raise ConfigError(f"data.build_demo builds one dataset but data.paths names {len(prefixes)}; drop "
+                          f"data.build_demo or give one prefix")
+
+
 def normalize(weights: Sequence[float]) -> list[float]:
     """Weights divided by their sum (float64, as megatron-core's ``utils.normalize``)."""
     w = np.asarray(weights, dtype=np.float64)
@@ -98,12 +97,8 @@ def samples_per_dataset(weights: Sequence[float], size: int, surplus: float = 0.
 
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """Megatron's greedy blend of ``size`` samples: ``(dataset_index int16, dataset_sample_index int64)``.
-
-    Sample ``i`` goes to the dataset ``j`` with the largest ``w_j·max(i, 1) − count_j`` (in float64,
-    the first one on a tie), and is that dataset's ``count_j``-th sample. ``weights`` should be
-    normalised. The choice is sequential (about 1 µs per sample and 3 datasets in this Python loop;
-    the result is cached).
-    """
+    Sample ``i`` is the next sample of the first dataset with the largest ``w_j·max(i, 1) − count_j``
+    (float64; ``weights`` normalised). Sequential, about 1 µs per sample and 3 datasets (hence cached)."""
     w = [float(v) for v in weights]
     n_datasets = len(w)
     if not 1 <= n_datasets < 32767:
@@ -133,11 +128,8 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
 
 
 class BlendedDataset:
-    """``size`` samples drawn from ``datasets`` in the proportions ``weights`` (Megatron's blend).
-
-    Item ``i`` is ``datasets[dataset_index[i]][dataset_sample_index[i]]``. Each dataset needs a
-    ``hash`` (its own cache key), ``len`` and ``[]``; ``cache_dir=None`` builds in memory.
-    """
+    """``size`` samples drawn from ``datasets`` (each with ``hash``, ``len``, ``[]``) in the proportions
+    ``weights``; ``cache_dir=None`` builds in memory."""
 
     def __init__(self, datasets: Sequence[Any], weights: Sequence[float], size: int, cache_dir: Path | None,
                  name: str) -> None:

@@ -1,17 +1,7 @@
 """Megatron-style GPT dataset: fixed-length samples cut from shuffled, concatenated documents.
 
-Three index arrays define the samples (as in Megatron-LM):
-
-- ``doc_idx``: the split's document ids repeated for as many epochs as ``num_samples`` needs,
-  each epoch shuffled by one ``np.random.RandomState(seed)`` stream;
-- ``sample_idx`` ``[n+1, 2]``: row ``j`` is ``(position in doc_idx, token offset)`` of the first
-  token of sample ``j``. Sample ``j`` runs from row ``j`` to row ``j+1`` *inclusive*:
-  ``seq_length + 1`` tokens (inputs and shifted labels), so consecutive samples share one token;
-- ``shuffle_idx``: a permutation of the ``n`` samples (same RandomState stream, after doc_idx).
-
-Item ``i`` is sample ``shuffle_idx[i]``. The arrays are cached as ``.npy`` files whose names carry
-a sha256 of everything they depend on (dataset files' size and mtime, the split's documents,
-seq_length, num_samples, seed), so a changed parameter never reuses a stale cache.
+The three index arrays (``doc_idx``, ``sample_idx``, ``shuffle_idx``, as Megatron-LM) are cached under
+a hash of everything they depend on. Their definition: docs/data.md, "GPT dataset".
 """
 from __future__ import annotations
 
@@ -23,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_sp.config.registry import check
+from megatron_sp.config.schema import Config
 from megatron_sp.data.index_cache import cache_paths, description_hash, load_arrays, save_arrays
 from megatron_sp.data.indexed import IndexedDataset
 from megatron_sp.errors import ConfigError, DataError
@@ -48,6 +40,12 @@ def parse_split(split: str) -> list[float]:
     return [r / total for r in ratios]
 
 
+@check
+def check_split(cfg: Config) -> None:
+    """``data.split`` parses to train,valid,test ratios."""
+    parse_split(cfg.data.split)
+
+
 def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:
     """Megatron's split by ratio: ``[train, valid, test]`` contiguous document-id ranges (maybe empty).
 
@@ -66,13 +64,8 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 
 
 class GPTDataset:
-    """``len(ds)`` samples of ``seq_length + 1`` int64 tokens from the documents of one split.
-
-    ``documents`` are document ids of ``indexed`` (for one-sequence-per-document data, as GPT
-    preprocessing writes, document and sequence ids coincide). ``cache_dir=None`` builds the
-    indices in memory without caching. Building is deterministic, so several ranks building the
-    same cache concurrently write identical files (each via its own temporary name + rename).
-    """
+    """``len(ds)`` samples of ``seq_length + 1`` int64 tokens from ``documents`` (document ids of ``indexed``).
+    ``cache_dir=None`` builds the indices in memory; building is deterministic, so ranks may share a cache."""
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int,
                  seed: int, cache_dir: Path | None, name: str) -> None:
@@ -119,11 +112,8 @@ class GPTDataset:
         self.sample_idx: np.ndarray = arrays["sample_idx"]
         self.shuffle_idx: np.ndarray = arrays["shuffle_idx"]
 
-    # ---- index construction -------------------------------------------------------------------
-
     def num_epochs(self) -> int:
-        """Epochs over the split so that ``num_samples`` windows of ``seq_length+1`` tokens fit:
-        the least E with ``(E·tokens_per_epoch - 1) // seq_length ≥ num_samples``."""
+        """The least E with ``(E·tokens_per_epoch - 1) // seq_length ≥ num_samples``."""
         needed = self.num_samples * self.seq_length + 1
         return max(1, -(-needed // self.tokens_per_epoch))
 
@@ -149,8 +139,6 @@ class GPTDataset:
         rng.shuffle(shuffle_idx)
         return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
-    # ---- cache ----------------------------------------------------------------------------------
-
     def cache_paths(self) -> dict[str, Path]:
         """The cache file of each index array (and ``description``, the JSON of what was hashed)."""
         assert self.cache_dir is not None
@@ -173,8 +161,6 @@ class GPTDataset:
     def _save_cache(self, arrays: dict[str, np.ndarray]) -> None:
         if self.cache_dir is not None:
             save_arrays(self.cache_paths(), {key: arrays[key] for key in _ARRAYS}, self.description)
-
-    # ---- access -----------------------------------------------------------------------------------
 
     def __len__(self) -> int:
         """The requested number of samples (the indices may hold a few more from the last epoch)."""

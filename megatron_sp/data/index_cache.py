@@ -1,26 +1,41 @@
-"""On-disk cache of index arrays (``.npy``) named by a hash of everything they depend on.
+"""On-disk cache of index arrays (``.npy``) named by a hash of everything they depend on, and the
+atomic writes (temporary name, then rename) every data file uses.
 
-A dataset describes its parameters as a JSON-able dict; ``description_hash`` is the sha256 of its
-canonical JSON. The arrays live in ``{cache_dir}/{stem}_{hash}_{key}.npy`` next to
-``..._description.json`` (what was hashed, for people). A changed parameter changes the hash, so a
-stale cache is never read: it is simply not found, and the arrays are rebuilt under the new name.
-Writes go to a temporary name and are renamed, the arrays last, so a cache is complete once its
-last array exists; several ranks writing the same cache at once write identical bytes.
+A changed parameter changes the hash, so a stale cache is never found. The arrays are renamed into
+place last, so a cache is complete once its last array exists; concurrent ranks write identical bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 log = logging.getLogger("megatron_sp")
+
+
+def temp_path(path: Path) -> Path:
+    """A unique temporary name beside ``path`` (this process, a random tag)."""
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[IO[bytes]]:
+    """A temporary file renamed onto ``path`` when the block succeeds, deleted when it raises."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def description_hash(description: dict[str, Any]) -> str:
@@ -48,27 +63,14 @@ def load_arrays(paths: dict[str, Path], keys: Sequence[str]) -> dict[str, np.nda
 
 
 def save_arrays(paths: dict[str, Path], arrays: dict[str, np.ndarray], description: dict[str, Any]) -> None:
-    """Write the description, then each array, each under a temporary name renamed into place.
-
-    An unwritable cache directory is logged and skipped (training goes on with the arrays in memory).
-    """
+    """Write the description, then each array (atomically); an unwritable cache is logged and skipped."""
     cache_dir = paths["description"].parent
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        items: list[tuple[Path, Any]] = [(paths["description"],
-                                          json.dumps(description, indent=1, sort_keys=True).encode())]
-        items += [(paths[key], value) for key, value in arrays.items()]  # arrays last: they mark a complete cache
-        for path, value in items:
-            tmp = path.with_name(path.name + tag)
-            try:
-                with open(tmp, "wb") as f:
-                    if isinstance(value, bytes):
-                        f.write(value)
-                    else:
-                        np.save(f, value, allow_pickle=False)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+        with atomic_file(paths["description"]) as f:
+            f.write(json.dumps(description, indent=1, sort_keys=True).encode())
+        for key, value in arrays.items():  # arrays last: they mark a complete cache
+            with atomic_file(paths[key]) as f:
+                np.save(f, value, allow_pickle=False)
     except OSError as e:
         log.warning("could not write the index cache in %s (%s); continuing without it", cache_dir, e)

@@ -1,19 +1,11 @@
-"""Megatron-LM's mmap indexed dataset: a ``PREFIX.bin`` of raw tokens and a ``PREFIX.idx`` index.
-
-Byte-compatible with megatron-core's ``IndexedDataset`` / ``IndexedDatasetBuilder``, so files made
-by either project load in the other. The ``.idx`` holds a magic, version, token dtype code
-(``DTYPE_CODES``), per-sequence sizes and byte pointers, and the document index; the ``.bin`` is the
-sequences' tokens back to back. A document is one or more consecutive sequences (GPT data uses one
-sequence per document).
-
-File format (the byte layout of ``.idx``): docs/data.md.
+"""Megatron-LM's mmap indexed dataset: a ``PREFIX.bin`` of raw tokens and a ``PREFIX.idx`` index,
+byte-compatible with megatron-core's. The byte layout of ``.idx``: docs/data.md.
 """
 from __future__ import annotations
 
 import logging
 import os
 import struct
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -21,6 +13,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from megatron_sp.data.index_cache import temp_path
 from megatron_sp.errors import DataError
 
 log = logging.getLogger("megatron_sp")
@@ -66,23 +59,9 @@ def _le(dtype: np.dtype) -> np.dtype:
 
 
 class IndexedDatasetWriter:
-    """Writes ``PREFIX.bin`` and ``PREFIX.idx``.
-
-    Tokens stream into a temporary ``.bin``; ``finalize`` writes the temporary ``.idx`` and renames
-    both into place (``.bin`` first, ``.idx`` last), so an interrupted run never leaves a
-    half-written pair under the final names. As a context manager it finalizes on success and
-    removes the temporaries when the block raises.
-
-    Sequence sizes and document boundaries are kept as numpy chunks (4 + 8 bytes per sequence, not
-    Python ints), so the index of a corpus of hundreds of millions of documents fits in memory.
-    ``add_packed`` appends many documents from one flat token array in one write (what the
-    preprocessing workers produce).
-
-    Usage::
-
-        with IndexedDatasetWriter("out/demo_text_document", best_dtype(tok.vocab_size)) as w:
-            for text in texts:
-                w.add_document(tok.encode(text) + [tok.eod])
+    """Writes ``PREFIX.bin`` and ``PREFIX.idx`` under temporary names; ``finalize`` (or leaving the
+    ``with`` block without error) renames them into place, ``.bin`` first, so no half-written pair is
+    ever visible. Sizes are kept as numpy chunks (12 bytes per sequence), so huge corpora fit in memory.
     """
 
     _FLUSH = 1 << 16
@@ -95,9 +74,7 @@ class IndexedDatasetWriter:
                              f"{sorted(str(d) for d in _CODE_OF_DTYPE)}")
         self.bin_path, self.idx_path = data_file_paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-        tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._tmp_bin = self.bin_path.with_name(self.bin_path.name + tag)
-        self._tmp_idx = self.idx_path.with_name(self.idx_path.name + tag)
+        self._tmp_bin, self._tmp_idx = temp_path(self.bin_path), temp_path(self.idx_path)
         self._bin = open(self._tmp_bin, "wb")
         self._size_chunks: list[np.ndarray] = []  # int32 sizes, in order
         self._pending_sizes: list[int] = []  # sizes not yet in a chunk (after the chunks)
@@ -247,13 +224,8 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of ``PREFIX.bin`` / ``PREFIX.idx``.
-
-    ``ds[i]`` is sequence ``i`` as a read-only numpy array (a view into the memory map);
-    ``ds.get(i, offset, length)`` a part of it; ``ds.get_document(d, offset, length)`` reads
-    document ``d`` (all its sequences, which are contiguous in the ``.bin``). Opening validates
-    the header, the index size and the ``.bin`` size, raising ``DataError`` naming the file.
-    """
+    """Read-only, memory-mapped view of ``PREFIX.bin`` / ``PREFIX.idx``: ``ds[i]`` is sequence ``i``,
+    ``get_document(d, offset, length)`` part of a document. Opening validates both files (``DataError``)."""
 
     def __init__(self, prefix: str | Path) -> None:
         self.prefix = Path(prefix)
@@ -358,27 +330,24 @@ class IndexedDataset:
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset … offset+length-1`` of sequence ``i`` (to its end when ``length`` is None)."""
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sequence {i} out of range for {n} sequences in {self.idx_path}")
-        i %= n
-        return self._slice(int(self._sequence_starts[i]), int(self.sizes[i]), offset, length, "sequence", i)
+        return self._slice("sequence", i, self._sequence_starts, self.sizes, offset, length)
 
     def get_document(self, d: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset … offset+length-1`` of document ``d`` (all of its sequences, concatenated)."""
         sizes = self.document_sizes  # also fills _document_starts: token offset of each document
-        n = len(sizes)
-        if not -n <= d < n:
-            raise IndexError(f"document {d} out of range for {n} documents in {self.idx_path}")
-        if d < 0:
-            d += n
-        return self._slice(int(self._document_starts[d]), int(sizes[d]), offset, length, "document", d)
+        return self._slice("document", d, self._document_starts, sizes, offset, length)
 
     def token_range(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``start … stop-1`` of the whole ``.bin`` (all sequences back to back)."""
         return self._bin[start:stop]
 
-    def _slice(self, start: int, size: int, offset: int, length: int | None, kind: str, i: int) -> np.ndarray:
+    def _slice(self, kind: str, i: int, starts: np.ndarray, sizes: np.ndarray, offset: int,
+               length: int | None) -> np.ndarray:
+        n = len(sizes)
+        if not -n <= i < n:
+            raise IndexError(f"{kind} {i} out of range for {n} {kind}s in {self.idx_path}")
+        i %= n
+        start, size = int(starts[i]), int(sizes[i])
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:

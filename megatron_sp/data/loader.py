@@ -1,18 +1,8 @@
-"""The training batch loader: one rank's share of consecutive global batches, optionally read ahead by workers.
+"""The training batch loader: one rank's share (``batch_indices``) of consecutive global batches from
+``start_sample`` on, optionally read ahead by ``DataLoader`` worker processes.
 
-Global batch ``k`` (counting from sample 0) is always samples ``k·gbs … (k+1)·gbs − 1`` of the
-dataset in that order, and data-parallel rank ``r`` takes its contiguous block of it
-(``batch_indices``). ``BatchLoader(dataset, start_sample, ...)`` yields exactly those blocks, collated,
-from the global batch that starts at ``start_sample`` on: a run resumed with
-``consumed_samples`` sees the very batches an uninterrupted run would, mid-epoch or not, and the
-number of workers changes only when a batch is read, never which one.
-
-Workers (``data.num_workers > 0``) are ``torch.utils.data.DataLoader`` processes: each reads and
-collates whole rank batches (``prefetch_factor`` each ahead of the step), which come back in order.
-The dataset object is inherited (fork) or pickled (spawn): memory maps are reopened, index caches
-are memory-mapped. On CPU with in-memory data, reading in the training process (0 workers, the
-default) is cheaper than receiving a batch from a worker (``tools/bench/data.py``: about 1 ms vs
-3 ms for the demo's 8 samples of 257 tokens); workers pay off when reads wait on storage.
+A resumed run sees the very batches an uninterrupted one would; the worker count changes only when a
+batch is read. Workers and when they pay off: docs/data.md, "Batches".
 """
 from __future__ import annotations
 
@@ -56,15 +46,9 @@ class _RankBatches(torch.utils.data.Dataset):
 
 
 def _init_worker(parent_pid: int, worker_id: int) -> None:
-    """Tie a loader worker's life to its rank's, and only to it.
-
-    - The worker leaves its rank's process group: torchrun stops a rank by signalling its whole group
-      (``killpg``), and a worker killed by that SIGTERM while its rank finishes the step and saves a
-      checkpoint (``faults.Preemption``) would fail the step. Its loader still stops it (shutdown
-      message, or ``terminate``).
-    - On Linux the kernel SIGKILLs the worker when its rank dies (``PR_SET_PDEATHSIG``), so no worker
-      outlives a killed rank (DataLoader's own watchdog would take up to 5 s).
-    """
+    """Tie a loader worker's life to its rank's, and only to it: leave the rank's process group (torchrun's
+    ``killpg`` SIGTERM must not kill it while the rank saves a preemption checkpoint), and on Linux get
+    SIGKILLed when the rank dies (``PR_SET_PDEATHSIG``; DataLoader's own watchdog takes up to 5 s)."""
     try:
         os.setpgid(0, 0)
     except OSError:  # a session leader cannot: it then stays in the rank's group
@@ -88,13 +72,8 @@ def _unwrap(batch: Any) -> Any:
 
 
 class BatchLoader:
-    """Iterator over this rank's collated share of global batches, starting at sample ``start_sample``.
-
-    ``start_sample`` must be a multiple of ``global_batch_size`` (it is ``consumed_samples``). The
-    loader stops after the last whole global batch of ``dataset``. ``next_sample`` is the first
-    sample of the global batch the next ``next()`` returns. ``num_workers = 0`` reads in the
-    calling process.
-    """
+    """Iterator over this rank's collated share of global batches from ``start_sample`` (``consumed_samples``)
+    to the last whole global batch of ``dataset``; ``next_sample`` is the first sample of the next batch."""
 
     def __init__(self, dataset: Any, start_sample: int, global_batch_size: int, dp_rank: int, dp_size: int,
                  collate_fn: Callable[[list[np.ndarray]], dict[str, torch.Tensor]], num_workers: int = 1,

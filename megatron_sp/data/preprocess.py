@@ -1,24 +1,16 @@
-"""JSONL → Megatron indexed dataset: ``{output_prefix}_{key}_{level}.bin/.idx`` per JSON key.
+"""JSONL → Megatron indexed dataset: ``{output_prefix}_{key}_{level}.bin/.idx`` per JSON key, as
+Megatron-LM's ``tools/preprocess_data.py``, with worker processes and all-or-nothing outputs.
 
-As Megatron-LM's ``tools/preprocess_data.py``: one JSONL line is one document, tokenized per key,
-EOD appended (``append_eod``), written as one sequence or (``split_sentences``) one per sentence;
-empty sentences/documents are left out. Input is read in chunks of ``chunk_bytes``, tokenized by
-``workers`` processes (bounded in flight, output independent of ``workers``). Outputs appear
-all-or-nothing (temporary prefix, renamed once all are complete); with ``overwrite=False`` existing
-outputs are refused before anything is read.
-
-Details (sentence vs document levels, chunking, progress logging, atomic outputs): docs/data.md.
+Semantics, chunking and atomic outputs: docs/data.md.
 """
 from __future__ import annotations
 
 import contextlib
-import gzip
 import logging
 import multiprocessing
 import os
 import re
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -26,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from megatron_sp.data.corpus import check_input_files, parse_jsonl_line
+from megatron_sp.data.corpus import check_input_files, parse_jsonl_line, read_lines
+from megatron_sp.data.index_cache import temp_path
 from megatron_sp.data.indexed import IndexedDatasetWriter, best_dtype, data_file_paths
 from megatron_sp.data.tokenizer import Tokenizer
 from megatron_sp.errors import DataError
@@ -44,11 +37,8 @@ _SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+|\n[ \t\r\f\v]*\n\s*")
 
 
 def split_sentences(text: str) -> list[str]:
-    """Cut ``text`` after each sentence end: ``.``, ``!`` or ``?`` (then closing quotes or brackets) followed
-    by whitespace, and after each blank line. The whitespace stays with the sentence before it, so
-    ``"".join(split_sentences(t)) == t``. A rule, not a model (Megatron uses NLTK's punkt):
-    abbreviations such as "e.g. " end a sentence too.
-    """
+    """Cut ``text`` after each ``.``/``!``/``?`` (and closing quotes or brackets) followed by whitespace, and
+    after each blank line; ``"".join(split_sentences(t)) == t``. A rule, not NLTK's punkt ("e.g. " ends one)."""
     sentences, start = [], 0
     for match in _SENTENCE_END.finditer(text):
         sentences.append(text[start:match.end()])
@@ -56,11 +46,6 @@ def split_sentences(text: str) -> list[str]:
     if start < len(text):
         sentences.append(text[start:])
     return sentences
-
-
-def output_prefix_for(output_prefix: str | Path, json_key: str, level: str = "document") -> str:
-    """Megatron's naming: the dataset prefix of ``json_key`` is ``{output_prefix}_{json_key}_{level}``."""
-    return f"{output_prefix}_{json_key}_{level}"
 
 
 class _Encoder:
@@ -130,21 +115,16 @@ def _encode_in_worker(chunk: _Chunk) -> _ChunkResult:
 def read_chunks(paths: Sequence[Path], chunk_bytes: int = 1 << 16, max_lines: int = 1024) -> Iterator[_Chunk]:
     """Whole lines of JSONL files (plain or ``.gz``) in chunks of about ``chunk_bytes`` bytes."""
     for path in paths:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        try:
-            with opener(path, "rb") as f:
-                lines: list[bytes] = []
-                size, first = 0, 1
-                for line_no, raw in enumerate(f, start=1):
-                    lines.append(raw)
-                    size += len(raw)
-                    if size >= chunk_bytes or len(lines) >= max_lines:
-                        yield str(path), first, lines
-                        lines, size, first = [], 0, line_no + 1
-                if lines:
-                    yield str(path), first, lines
-        except (gzip.BadGzipFile, EOFError) as e:
-            raise DataError(f"{path}: not a readable gzip file ({e})") from None
+        lines: list[bytes] = []
+        size, first = 0, 1
+        for line_no, raw in enumerate(read_lines(path), start=1):
+            lines.append(raw)
+            size += len(raw)
+            if size >= chunk_bytes or len(lines) >= max_lines:
+                yield str(path), first, lines
+                lines, size, first = [], 0, line_no + 1
+        if lines:
+            yield str(path), first, lines
 
 
 def _ordered(pool: Any, chunks: Iterable[_Chunk], in_flight: int) -> Iterator[_ChunkResult]:
@@ -163,13 +143,9 @@ def preprocess_jsonl(input_paths: Sequence[str | Path], output_prefix: str | Pat
                      *, split_sentences: bool = False, chunk_bytes: int = 1 << 16,
                      log_interval: int = 1000, overwrite: bool = True) -> dict[str, Any]:
     """Tokenize JSONL files (plain or ``.gz``) into ``{output_prefix}_{key}_{document|sentence}.bin/.idx``.
-
-    Returns stats: ``docs``, ``tokens`` (all keys, EODs included), ``bytes`` (input read),
-    ``seconds`` and ``outputs`` (the dataset prefixes written). ``overwrite=False``: an existing
-    output file is a ``DataError`` (nothing is read or written).
-    """
+    Returns stats: ``docs``, ``tokens`` (EODs included), ``bytes`` read, ``seconds``, ``outputs`` (prefixes)."""
     level = "sentence" if split_sentences else "document"
-    prefixes = {key: output_prefix_for(output_prefix, key, level) for key in json_keys}
+    prefixes = {key: f"{output_prefix}_{key}_{level}" for key in json_keys}  # Megatron's naming
     return tokenize_jsonl_to(input_paths, prefixes, tokenizer, append_eod=append_eod, workers=workers,
                              split_sentences=split_sentences, chunk_bytes=chunk_bytes, log_interval=log_interval,
                              overwrite=overwrite)
@@ -186,10 +162,7 @@ def _refuse_existing(prefixes: Iterable[str | Path]) -> None:
 def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str | Path], tokenizer: Tokenizer,
                       *, append_eod: bool = True, workers: int = 1, split_sentences: bool = False,
                       chunk_bytes: int = 1 << 16, log_interval: int = 1000, overwrite: bool = True) -> dict[str, Any]:
-    """Like ``preprocess_jsonl`` with an explicit dataset prefix per JSON key (``{key: prefix}``).
-
-    An input without documents raises ``DataError`` and writes nothing.
-    """
+    """Like ``preprocess_jsonl`` with an explicit dataset prefix per JSON key (``{key: prefix}``)."""
     if not prefixes:
         raise ValueError("no JSON keys to tokenize")
     if workers < 1:
@@ -198,8 +171,7 @@ def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str
     check_input_files(paths, next(iter(prefixes)))  # fail before starting workers or creating outputs
     if not overwrite:
         _refuse_existing(prefixes.values())
-    tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staged = {key: f"{prefix}{tag}" for key, prefix in prefixes.items()}  # complete datasets, renamed at the end
+    staged = {key: str(temp_path(Path(prefix))) for key, prefix in prefixes.items()}  # renamed once all complete
     try:
         stats = _tokenize(paths, staged, tokenizer, append_eod, workers, split_sentences, chunk_bytes, log_interval)
         if not overwrite:

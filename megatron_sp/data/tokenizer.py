@@ -1,24 +1,16 @@
-"""Tokenizers: SentencePiece (the default; trained here for source code), a Hugging Face ``tokenizers``
-``tokenizer.json``, and raw UTF-8 bytes.
+"""Tokenizers: SentencePiece (the default; ``train_sentencepiece`` trains one for source code), a Hugging
+Face ``tokenizer.json``, and raw UTF-8 bytes, all behind the ``Tokenizer`` interface.
 
-Every tokenizer has ``name``, ``vocab_size`` (number of ids), ``eod`` (end-of-document id), ``pad``,
-``encode(text) -> list[int]``, ``encode_batch(texts)`` and ``decode(ids) -> str``; special ids are
-explicit (``tokenizer.eod_token`` / ``tokenizer.pad_token``) or a documented per-type default.
-SentencePiece and bytes round-trip exactly; an HF tokenizer does when byte-level without a
-normalizer. ``train_sentencepiece`` trains a BPE model whose round trip is exact on source code.
-
-Details (default special ids, the SentencePiece training options and why): docs/data.md.
+Default special ids, round trips and the SentencePiece training options: docs/data.md.
 """
 from __future__ import annotations
 
 import abc
 import io
 import logging
-import os
 import random
 import re
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +19,7 @@ import sentencepiece as spm
 
 from megatron_sp.config.schema import TokenizerConfig
 from megatron_sp.data.corpus import iter_jsonl_texts
+from megatron_sp.data.index_cache import atomic_file
 from megatron_sp.errors import ConfigError, DataError
 
 log = logging.getLogger("megatron_sp")
@@ -134,14 +127,11 @@ class SentencePieceTokenizer(Tokenizer):
         self._newline_ids = self._newline_separable()
 
     def _newline_separable(self) -> list[int] | None:
-        """The ids of "\\n" when encoding line by line, joined by them, gives exactly the ids of the whole text.
+        """The ids of "\\n" if encoding line by line and joining with them equals encoding the whole text, else None.
 
-        True for a model whose normalizer leaves text alone (identity, no dummy prefix, no whitespace
-        collapsing), whose pieces never contain a newline with other characters, and that encodes a
-        newline without ``<unk>`` (unknown runs would merge): then no piece spans a newline and the
-        segmentation decomposes at every newline. ``train_sentencepiece`` models are such models, and
-        BPE over short lines is about 30 % faster than over whole documents. Read from the model proto
-        (needs ``protobuf``; without it, None: whole texts are encoded).
+        Holds when the normalizer is identity (no dummy prefix, no whitespace collapsing), no piece spans
+        a newline and "\\n" encodes without ``<unk>``, as for ``train_sentencepiece`` models; BPE over
+        lines is then about 30 % faster. Read from the model proto (needs ``protobuf``).
         """
         try:
             from sentencepiece import sentencepiece_model_pb2
@@ -180,24 +170,19 @@ class SentencePieceTokenizer(Tokenizer):
         return ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``[encode(t) for t in texts]`` in one native call for the texts without a literal "▁" (on one
-        thread: preprocessing workers are processes), line by line when that is exact (``_newline_separable``)."""
+        """``[encode(t) for t in texts]``, one native single-threaded call for texts without a literal "▁"."""
         texts = list(texts)
         plain = [k for k, text in enumerate(texts) if SPACE_SYMBOL not in text or not self._has_bytes]
         out: list[list[int]] = [[] for _ in texts]
-        if plain and self._newline_ids is not None:
-            lines = [text.split("\n") for text in (texts[k] for k in plain)]
-            encoded = iter(self._sp.encode([line for parts in lines for line in parts], num_threads=1))
-            newline = self._newline_ids
-            for k, parts in zip(plain, lines, strict=True):
-                ids = list(next(encoded))
-                for _ in range(len(parts) - 1):
-                    ids.extend(newline)
-                    ids.extend(next(encoded))
-                out[k] = ids
-        elif plain:
-            for k, ids in zip(plain, self._sp.encode([texts[k] for k in plain], num_threads=1), strict=True):
-                out[k] = ids
+        newline = self._newline_ids or []  # None: whole texts, not split into lines
+        lines = [texts[k].split("\n") if self._newline_ids is not None else [texts[k]] for k in plain]
+        encoded = iter(self._sp.encode([line for parts in lines for line in parts], num_threads=1) if plain else [])
+        for k, parts in zip(plain, lines, strict=True):
+            ids = list(next(encoded))
+            for _ in range(len(parts) - 1):
+                ids.extend(newline)
+                ids.extend(next(encoded))
+            out[k] = ids
         if len(plain) != len(texts):
             for k in set(range(len(texts))).difference(plain):
                 out[k] = self.encode(texts[k])
@@ -228,12 +213,8 @@ PAD_TOKENS = ("<pad>", "<|padding|>", "[PAD]", "<|pad|>")
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face ``tokenizers`` model from a ``tokenizer.json`` (or a directory holding one).
-
-    Needs the ``tokenizers`` package (``pip install -e '.[hf]'``); no ``transformers``, no download.
-    Text is encoded without the tokenizer's own special tokens (BOS and the like); EOD is appended by
-    preprocessing. ``vocab_size`` is one more than the largest id, added tokens included.
-    """
+    """A Hugging Face ``tokenizers`` model from a ``tokenizer.json`` (or its directory); no download.
+    Encodes without the tokenizer's own special tokens; ``vocab_size`` = largest id + 1 (added tokens too)."""
 
     name = "hf"
 
@@ -327,12 +308,8 @@ def _strip_model_suffix(path: Path) -> str:
 
 
 def training_lines(texts: Iterable[str], max_lines: int = 2_000_000, seed: int = 1234) -> tuple[list[str], int, int]:
-    """The non-blank lines of documents that SentencePiece trains on, at most ``max_lines`` of them.
-
-    Lines longer than ``MAX_LINE_BYTES`` are dropped (SentencePiece would skip them silently).
-    Beyond ``max_lines`` a uniform sample is kept by reservoir sampling with ``random.Random(seed)``
-    (memory bounded by ``max_lines``), returned in corpus order. Returns (lines, total lines, too long).
-    """
+    """(lines, total lines, too long): a uniform reservoir sample of at most ``max_lines`` non-blank lines
+    no longer than ``MAX_LINE_BYTES`` (``random.Random(seed)``), in corpus order."""
     rng = random.Random(seed)
     reservoir: list[tuple[int, str]] = []
     total = too_long = 0
@@ -358,13 +335,9 @@ def training_lines(texts: Iterable[str], max_lines: int = 2_000_000, seed: int =
 def train_sentencepiece(jsonl_paths: Sequence[str | Path], model_prefix: str | Path, vocab_size: int,
                         json_key: str = "text", *, max_lines: int = 2_000_000, seed: int = 1234,
                         character_coverage: float = 0.9999) -> Path:
-    """Train a BPE SentencePiece model on the text lines of JSONL files; writes ``PREFIX.model`` / ``.vocab``.
-
-    Deterministic: lines are sampled (when there are more than ``max_lines``) with
-    ``random.Random(seed)``, SentencePiece's own generator is seeded and it runs on one thread
-    (a vocabulary of 4096 on the 4 MB demo corpus trains in about 3 s).
-    Ids: 0 ``<unk>``, 1 ``<s>``, 2 ``</s>`` (EOD), 3 ``<pad>``, then 256 byte pieces and the merges.
-    Both files are written under temporary names and renamed. Returns the ``.model`` path.
+    """Train a BPE SentencePiece model on the text lines of JSONL files; writes ``PREFIX.model`` / ``.vocab``
+    atomically and returns the ``.model`` path. Deterministic (seeded, one thread). Ids: 0 ``<unk>``,
+    1 ``<s>``, 2 ``</s>`` (EOD), 3 ``<pad>``, then 256 byte pieces and the merges.
     """
     model_prefix = Path(model_prefix)
     start = time.perf_counter()
@@ -414,17 +387,10 @@ def train_sentencepiece(jsonl_paths: Sequence[str | Path], model_prefix: str | P
     sp = spm.SentencePieceProcessor(model_proto=proto)
     vocab_text = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
     model_path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(vocab_path, vocab_text.encode("utf-8"))
-    _atomic_write(model_path, proto)
+    with atomic_file(vocab_path) as f:
+        f.write(vocab_text.encode("utf-8"))
+    with atomic_file(model_path) as f:
+        f.write(proto)
     log.info("trained tokenizer %s: vocab %d on %d of %d lines in %.1f s", model_path, sp.get_piece_size(),
              len(lines), total_lines, time.perf_counter() - start)
     return model_path
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

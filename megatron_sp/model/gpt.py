@@ -1,19 +1,14 @@
 """GPTModel: embedding → transformer layers → final norm → output layer (+ per-token loss).
 
-Parameter names (global, independent of which pipeline stage builds them):
+Parameter names are global, independent of the pipeline stage that builds them: ``embedding.weight``
+``[padded_vocab, h]`` (first stage), ``layers.<i>.…`` for the global layer index ``i`` (names
+inside: docs/tensor_parallel.md), ``final_norm.weight`` (``.bias`` for neox) and
+``output_layer.weight`` (last stage). With ``tie_embeddings`` a last stage without the embedding
+keeps a copy as ``output_layer.weight``, initialised from ``embedding.weight`` and tagged
+``shared_embedding`` (its gradient is all-reduced with the first stage's embedding).
 
-* ``embedding.weight`` ``[padded_vocab, h]`` (first stage only)
-* ``layers.<i>.…`` for the global layer index ``i`` (see ``transformer.py`` for the names inside)
-* ``final_norm.weight`` (``.bias`` for neox), ``output_layer.weight`` ``[padded_vocab, h]`` (last stage)
-
-With ``tie_embeddings`` the output layer multiplies by ``embedding.weight``; a last stage that does
-not hold the embedding keeps its own copy as ``output_layer.weight``, initialised from the name
-``embedding.weight`` and tagged ``shared_embedding`` (the pipeline code all-reduces its gradient
-with the first stage's embedding).
-
-Initialisation is layout-independent: ``init_full_tensor`` draws each parameter's full
-(unsharded) tensor from a generator seeded by (seed, parameter name), so the values do not depend
-on construction order, on the pipeline stage or on how tensor parallelism later slices them.
+Initialisation is layout-independent: ``init_full_tensor`` draws each parameter's full tensor from
+a generator seeded by (seed, parameter name); each rank keeps its TP shard of it.
 """
 from __future__ import annotations
 
@@ -29,21 +24,12 @@ from megatron_sp.mpu import comm
 from megatron_sp.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron_sp.mpu.mappings import gather_from_tp
+from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.mpu.random import checkpoint
 from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.transformer import (
-    LayerKV,
-    RotaryEmbedding,
-    TensorParallel,
-    TransformerLayer,
-    arch_spec,
-    check_model_config,
-    head_dim,
-    make_norm,
-    rotary_dim,
-    scaled_init_std,
-)
+from megatron_sp.model.transformer import (LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
+                                           head_dim, hidden_dropout, make_norm, rotary_dim, scaled_init_std)
 
 EMBEDDING_NAME = "embedding.weight"
 """The input embedding's parameter name (also the init name of a tied output-layer copy)."""
@@ -57,12 +43,8 @@ INIT_KINDS = ("normal", "scaled_normal", "zeros", "ones")
 
 
 def init_kind(name: str) -> str:
-    """The init kind of a parameter from its full name: one of ``INIT_KINDS``.
-
-    Norm weights → ``ones``; every bias (linear or norm) → ``zeros``; the output projections
-    ``attention.out`` and ``mlp.fc2``/``mlp.down`` → ``scaled_normal``; every other weight
-    (embedding, qkv, fc1, gate, up, output layer) → ``normal``.
-    """
+    """The init kind of a parameter from its full name: norm weights ``ones``, biases ``zeros``,
+    ``OUTPUT_PROJECTIONS`` ``scaled_normal``, every other weight ``normal``."""
     parts = name.split(".")
     if parts[-1] == "bias":
         return "zeros"
@@ -84,11 +66,9 @@ def name_seed(seed: int, name: str) -> int:
 def init_full_tensor(name: str, shape: Sequence[int], kind: str, cfg: ModelConfig, seed: int) -> torch.Tensor:
     """The full (unsharded) initial value of parameter ``name``: an fp32 CPU tensor of ``shape``.
 
-    ``kind`` is one of ``INIT_KINDS``: ``normal`` draws N(0, init_std²), ``scaled_normal`` draws
-    N(0, (init_std / sqrt(2·num_layers))²) when ``scaled_init`` (else as ``normal``), ``zeros`` and
-    ``ones`` are constants. The draw uses a CPU ``torch.Generator`` seeded with
-    ``name_seed(seed, name)``, so the value depends only on (seed, name, shape, kind, cfg): callers
-    slice their shard out of it and copy it to their device and dtype.
+    ``normal`` is N(0, init_std²), ``scaled_normal`` uses ``scaled_init_std``. The draw uses a CPU
+    generator seeded with ``name_seed(seed, name)``: the value depends only on (seed, name, shape,
+    kind, cfg), never on the layout; callers slice their shard out of it.
     """
     shape = tuple(int(n) for n in shape)
     if kind == "zeros":
@@ -101,16 +81,13 @@ def init_full_tensor(name: str, shape: Sequence[int], kind: str, cfg: ModelConfi
         std = scaled_init_std(cfg)
     else:
         raise ValueError(f"unknown init kind {kind!r}; expected one of {INIT_KINDS}")
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(name_seed(seed, name))
+    generator = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
 def tag_parameter(param: nn.Parameter, shared_embedding: bool = False) -> None:
-    """Set the attributes distributed code reads, keeping those a parallel layer already set.
-
-    Defaults: not split over TP (``partition_dim`` -1), no TP gradient sync.
-    """
+    """Set the attributes distributed code reads, keeping those a parallel layer already set
+    (defaults: not split over TP, no TP gradient sync)."""
     for attr, default in (("tensor_model_parallel", False), ("partition_dim", -1), ("sequence_parallel", False)):
         if not hasattr(param, attr):
             setattr(param, attr, default)
@@ -122,45 +99,35 @@ class KVCacheLike(Protocol):
 
     length: int
 
-    def layer(self, index: int) -> LayerKV:
-        """The cache of global layer ``index``."""
-        ...
+    def layer(self, index: int) -> LayerKV: ...  # the cache of global layer ``index``
 
-    def advance(self, new_tokens: int) -> None:
-        """Mark ``new_tokens`` more tokens as filled."""
-        ...
+    def advance(self, new_tokens: int) -> None: ...  # mark ``new_tokens`` more tokens as filled
 
 
 class GPTModel(nn.Module):
     """A GPT (``neox`` or ``llama`` per ``cfg.arch``), or one pipeline stage of it.
 
     Args:
-        cfg: the finalized model config (``num_kv_heads``, ``ffn_hidden_size``, ``rotary_pct`` and
-            ``padded_vocab_size`` set).
+        cfg: the finalized model config.
         seed: the initialisation seed (see ``init_full_tensor``).
         layer_range: global indices of the layers this stage holds (default: all).
-        layer_chunks: instead of ``layer_range``, the model chunks of an interleaved pipeline rank:
-            one range of global layer indices per chunk; ``forward(..., chunk=c)`` runs chunk ``c``.
-            The embedding runs before chunk 0, the final norm, output layer and loss after the
-            last chunk.
-        pre_process: hold the input embedding (first stage).
-        post_process: hold the final norm and output layer (last stage).
-        tp: the tensor-parallel split (default: none). Parameters are this rank's shards of the
-            full tensors; ``reset_parameters`` draws each full tensor and keeps the shard.
-        label_smoothing: ε of the per-token cross entropy (``train.label_smoothing``), spread over
-            the real vocabulary.
-        z_loss: PaLM's z-loss coefficient (``train.z_loss``): each token's loss gains ``z·log²Z``.
+        layer_chunks: instead of ``layer_range``, one range per model chunk of an interleaved
+            pipeline rank; ``forward(..., chunk=c)`` runs chunk ``c`` (embedding before chunk 0,
+            head after the last).
+        pre_process / post_process: hold the embedding (first stage) / final norm and output layer (last).
+        parallel: the layout (default: one process). Parameters are this rank's TP shards.
+        label_smoothing, z_loss: the last stage's cross-entropy options (``train.*``).
     """
 
     def __init__(self, cfg: ModelConfig, seed: int, layer_range: range | None = None,
-                 pre_process: bool = True, post_process: bool = True, tp: TensorParallel | None = None, *,
+                 pre_process: bool = True, post_process: bool = True, parallel: ParallelContext | None = None, *,
                  layer_chunks: Sequence[range] | None = None, label_smoothing: float = 0.0,
                  z_loss: float = 0.0) -> None:
         super().__init__()
         check_model_config(cfg)
-        tp = tp or TensorParallel()
-        self.tp = tp
-        self.cp_group = tp.cp_group  # set to comm.LOCAL to run one CP rank alone on whole sequences (decoding)
+        parallel = parallel or ParallelContext()
+        self.parallel = parallel
+        self.cp_group = parallel.cp_group  # set to comm.LOCAL to run one CP rank alone on whole sequences (decoding)
         self.cfg = cfg
         self.seed = seed
         self.pre_process = pre_process
@@ -181,17 +148,17 @@ class GPTModel(nn.Module):
                              f"indices in 0..{cfg.num_layers - 1}")
         self.hidden_dropout = cfg.hidden_dropout
 
-        sp = tp.sequence_parallel and tp.size > 1
-        self.embedding = (VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=tp.group,
+        group, sp = parallel.tp_group, parallel.sp
+        self.embedding = (VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=group,
                                                  sequence_parallel=sp) if pre_process else None)
         self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, tp) for i in indices})
-        self.final_norm = make_norm(cfg, tp) if post_process else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, parallel) for i in indices})
+        self.final_norm = make_norm(cfg, parallel) if post_process else None
         tied_here = cfg.tie_embeddings and pre_process
         # Output layer: column-parallel over the vocab; logits stay split ([s, b, V/t]) into the
         # vocab-parallel cross entropy. Tied on this stage: it multiplies by the embedding's shard.
-        self.output_layer = (ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, bias=False, group=tp.group,
-                                                  sequence_parallel=sp, recompute_allgather=tp.recompute_allgather,
+        self.output_layer = (ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, bias=False, group=group,
+                                                  sequence_parallel=sp, recompute_allgather=parallel.recompute_allgather,
                                                   skip_weight=tied_here)
                              if post_process else None)
 
@@ -207,9 +174,9 @@ class GPTModel(nn.Module):
         """Set every parameter to its shard of the ``init_full_tensor`` value (a tied copy takes the embedding's)."""
         for name, param in self.named_parameters():
             init_name = EMBEDDING_NAME if getattr(param, "shared_embedding", False) else name
-            full = init_full_tensor(init_name, stored_shape(param, self.tp.size), init_kind(init_name), self.cfg,
-                                    self.seed)
-            param.copy_(local_shard_of(full, param, self.tp.rank, self.tp.size))
+            t = self.parallel.tp_size
+            full = init_full_tensor(init_name, stored_shape(param, t), init_kind(init_name), self.cfg, self.seed)
+            param.copy_(local_shard_of(full, param, self.parallel.tp_rank, t))
 
     def output_weight(self) -> torch.Tensor:
         """This rank's ``[padded_vocab/t, h]`` output weight (the embedding's when tied on this stage)."""
@@ -223,27 +190,19 @@ class GPTModel(nn.Module):
                 labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 chunk: int = 0, token_index: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache: KVCacheLike | None = None) -> torch.Tensor:
-        """Run this stage (or its model chunk ``chunk``, see ``layer_chunks``).
+        """Run this stage (or its model chunk ``chunk``).
 
         Args:
-            tokens: ``[b, s]`` token ids (first stage; ignored otherwise).
-            position_ids: ``[b, s]`` rotary positions (default ``arange(s)`` for every sample).
-            labels: ``[b, s]`` target ids (last stage); ``-100`` (torch's ``ignore_index``) gives loss 0.
+            tokens: ``[b, s]`` token ids (first stage). labels: ``[b, s]`` targets (last stage; -100 → loss 0).
+            position_ids: ``[b, s]`` rotary positions (default ``arange(s)``).
             hidden_states: ``[s, b, h]`` input of a stage without the embedding.
-            chunk: the model chunk to run (0 unless built with several ``layer_chunks``).
-            token_index: ``[b, s]`` global index of each held token in its sample (context
-                parallelism: ``layout.shard_batch`` provides it; default ``arange(s)``).
-            document_ids: ``[b, s]`` document of each token (packed documents,
-                ``data.reset_attention_mask``): attention stays within a document.
-            kv_cache: inference only (eval mode, the whole model on one rank: tp 1, no context
-                parallelism, no packed documents): ``tokens`` are the next tokens after the
-                ``kv_cache.length`` cached ones; their keys/values are appended to the cache and
-                ``position_ids`` default to ``kv_cache.length + arange(s)``. See ``inference.KVCache``.
+            token_index: ``[b, s]`` global index of each held token (CP: ``layout.shard_batch``).
+            document_ids: ``[b, s]`` document of each token (packed documents): attention stays inside one.
+            kv_cache: inference on the whole model on one rank: ``tokens`` follow the cached ones
+                (positions default to ``kv_cache.length + arange(s)``); see ``inference.KVCache``.
 
-        Returns:
-            last stage: logits ``[b, s, padded_vocab]`` when ``labels`` is None, else per-token
-            cross-entropy ``[b, s]`` in fp32 (no reduction; with ``label_smoothing`` and ``z_loss``
-            applied); other stages: hidden ``[s, b, h]``.
+        Returns: last stage: logits ``[b, s, padded_vocab]`` without ``labels``, else the per-token fp32
+        cross entropy ``[b, s]`` (unreduced); other stages: hidden ``[s, b, h]``.
         """
         if not 0 <= chunk < len(self.layer_chunks):
             raise ValueError(f"chunk {chunk} outside 0..{len(self.layer_chunks) - 1}")
@@ -257,14 +216,14 @@ class GPTModel(nn.Module):
             if tokens is None:
                 raise ValueError("the first stage needs tokens")
             x = self.embedding(tokens.t())  # [s/t, b, h] under SP, else [s, b, h]
-            x = self.tp.hidden_dropout(x, self.hidden_dropout, self.training)
+            x = hidden_dropout(x, self.hidden_dropout, self.training, self.parallel)
         else:
             if hidden_states is None:
                 raise ValueError("a stage without the embedding needs hidden_states")
             x = hidden_states  # [s/t, b, h] under SP, else [s, b, h]
 
-        sp = self.tp.sequence_parallel and self.tp.size > 1
-        seq_len = x.shape[0] * (self.tp.size if sp else 1)
+        par = self.parallel
+        seq_len = x.shape[0] * (par.tp_size if par.sp else 1)
         angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         dev_type = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
@@ -277,15 +236,15 @@ class GPTModel(nn.Module):
                                  "layout.shard_batch provides it)")
             if token_index is None:
                 token_index = torch.arange(seq_len, device=x.device).unsqueeze(0).expand(x.shape[1], seq_len)
-            meta = AttentionMeta.build(token_index, document_ids, self.tp.cp_algo, self.cp_group,
-                                       self.tp.cp_heads_k_stride, self.tp.cp_ulysses_group, self.tp.cp_ring_group)
-        full_recompute = self.tp.recompute == "full" and self.training and torch.is_grad_enabled()
+            meta = AttentionMeta.build(token_index, document_ids, par.cp_algo, self.cp_group,
+                                       par.cp_heads_k_stride, par.cp_ulysses_group, par.cp_ring_group)
+        full_recompute = par.recompute == "full" and self.training and torch.is_grad_enabled()
         for index in self.layer_chunks[chunk]:
             layer = self.layers[str(index)]
             if kv_cache is not None:
                 x = layer(x, cos, sin, None, kv_cache.layer(index))  # [s, b, h]
             elif full_recompute:
-                x = checkpoint(layer, x, cos, sin, meta, tracker=self.tp.tracker)  # keeps only the layer input
+                x = checkpoint(layer, x, cos, sin, meta, tracker=par.tracker)  # keeps only the layer input
             else:
                 x = layer(x, cos, sin, meta)  # [s/t, b, h] under SP, else [s, b, h]
         if kv_cache is not None:
@@ -296,15 +255,15 @@ class GPTModel(nn.Module):
         x = self.final_norm(x)
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/t]
         if labels is None:
-            return gather_from_tp(logits, self.tp.group).transpose(0, 1)  # [b, s, V]
+            return gather_from_tp(logits, par.tp_group).transpose(0, 1)  # [b, s, V]
         # Padded vocab rows (ids >= vocab_size) are outside the softmax: the loss is the same for any padding.
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, label_smoothing=self.label_smoothing,
+        return vocab_parallel_cross_entropy(logits, labels.t(), par.tp_group, label_smoothing=self.label_smoothing,
                                             vocab_size=self.vocab_size, z_loss=self.z_loss).t()  # [b, s]
 
     def kv_cache_unsupported(self) -> str | None:
         """Why this model cannot decode with a ``inference.KVCache`` (None when it can)."""
-        if self.tp.size > 1:
-            return f"tensor parallelism (tp={self.tp.size})"
+        if self.parallel.tp_size > 1:
+            return f"tensor parallelism (tp={self.parallel.tp_size})"
         if comm.group_size(self.cp_group) > 1:
             return "context parallelism (set model.cp_group = comm.LOCAL to decode on one rank)"
         if len(self.layer_chunks) != 1 or not self.pre_process or not self.post_process:
@@ -322,11 +281,8 @@ class GPTModel(nn.Module):
             raise ValueError(f"the KV cache is for inference on the whole model on one rank; not available with {reason}")
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameters on this stage (a tied weight counted once).
-
-        ``exclude_embeddings`` leaves out the input embedding unless it doubles as the output
-        layer (tied), in which case it is counted as the output layer.
-        """
+        """Parameters on this stage (a tied weight once); ``exclude_embeddings`` leaves out the input
+        embedding unless it doubles as the output layer."""
         total = sum(p.numel() for p in self.parameters())
         embedding_is_output = self.post_process and self.output_layer is not None and self.output_layer.weight is None
         if exclude_embeddings and self.embedding is not None and not embedding_is_output:
@@ -335,9 +291,8 @@ class GPTModel(nn.Module):
 
 
 def parameter_parts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts of the model's parts from the config alone: ``embedding`` (the input table),
-    ``layer`` (one transformer layer), ``final_norm`` and ``output_layer`` (its own weight, counted
-    even when tied: a pipeline's last stage holds a copy)."""
+    """Parameter counts from the config alone: ``embedding``, ``layer`` (one transformer layer),
+    ``final_norm`` and ``output_layer`` (counted even when tied: a last stage holds a copy)."""
     check_model_config(cfg)
     spec = arch_spec(cfg.arch)
     h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, head_dim(cfg)
@@ -362,15 +317,12 @@ def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True) -> int:
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token, ``6·N + 6·L·h·s``: PaLM (Chowdhery et al. 2022, appendix B) with the
-    attention term over the causal half, as Megatron-LM's newer formula and torchtitan count it.
+    """Training FLOPs per token for MFU, ``6·N + 6·L·h·s``: PaLM (Chowdhery et al. 2022, appendix B)
+    with the attention term over the causal half (as Megatron-LM's newer formula and torchtitan).
 
-    N counts all parameters except the input embedding (a lookup, no FLOPs), output layer included
-    (``count_parameters(cfg, exclude_embeddings=True)``): 2N forward + 4N backward. Attention: a
-    token's query meets on average s/2 keys (the causal mask), so per layer ``q·kᵀ`` and
-    ``p·v`` cost 2·(s/2)·h FLOPs each forward (h = heads × head dim), 2·s·h together; with
-    backward (×3) ``6·s·h``. PaLM's ``12·L·h·s`` counts every key, twice what causal attention needs (MFU counts
-    the model's FLOPs, not what a kernel happens to compute). For MFU.
+    N excludes the input embedding (a lookup), includes the output layer. Attention: a query meets
+    s/2 keys on average, so ``q·kᵀ`` and ``p·v`` cost 2·s·h per layer forward, ×3 with backward;
+    PaLM's ``12·L·h·s`` counts every key, twice what causal attention needs.
     """
     n = count_parameters(cfg, exclude_embeddings=True)
     return 6.0 * n + 6.0 * cfg.num_layers * cfg.num_heads * head_dim(cfg) * cfg.seq_length

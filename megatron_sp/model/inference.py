@@ -1,10 +1,6 @@
-"""Inference on a GPTModel: the KV cache, token sampling and autoregressive ``generate``.
-
-``KVCache`` holds every layer's keys/values for incremental decoding; ``GPTModel.forward(...,
-kv_cache=cache)`` uses it through its interface (``length``, ``layer(i).append``, ``advance``),
-so the model does not import this module. ``sample_next`` picks one token (greedy, temperature,
-top-k, top-p); ``check_sampling`` validates those settings; ``generate`` decodes with or without
-the cache.
+"""Inference on a GPTModel: the KV cache, token sampling (``sample_next``, ``check_sampling``) and
+autoregressive ``generate``. The model uses the cache through its Protocols (``length``,
+``layer(i).append``, ``advance``), so it does not import this module.
 """
 from __future__ import annotations
 
@@ -14,17 +10,11 @@ from megatron_sp.model.gpt import GPTModel
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer, for incremental decoding (inference only).
+    """Keys and values (after rotary) of the tokens seen so far, per layer, for incremental decoding.
 
-    Each layer keeps ``[max_length, b, g, d]`` key and value buffers (after rotary), allocated at
-    its first ``append``; ``length`` tokens of them are filled. ``GPTModel.forward(...,
-    kv_cache=cache)`` runs the new tokens, appends their keys/values in every layer, then calls
-    ``advance``. Invariant: all layers hold the same ``length`` tokens, at rotary positions
-    ``0..length-1`` unless the caller passed other ``position_ids``. Only for the plain model (tp 1,
-    no sequence or context parallelism) in eval mode; ``GPTModel.forward`` checks that.
-
-    Trade-off: preallocating ``max_length`` rows costs ``2 · layers · max_length · b · g · d``
-    elements up front but makes each step a slice write instead of a concatenation of the history.
+    Invariant: every layer holds the same ``length`` tokens (``GPTModel.forward`` appends in every
+    layer, then calls ``advance``). Trade-off: each layer preallocates ``[max_length, b, g, d]``
+    buffers at its first ``append``, so a step is a slice write, not a concatenation of the history.
     """
 
     def __init__(self, max_length: int) -> None:
@@ -77,13 +67,9 @@ class LayerKVCache:
 
 def sample_next(logits: torch.Tensor, greedy: bool = True, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, generator: torch.Generator | None = None) -> int:
-    """One token id from ``logits`` ``[V]`` (already cut to the real vocabulary).
-
-    ``greedy``: the argmax. Otherwise sample from ``softmax(logits / temperature)`` restricted to
-    the ``top_k`` most likely ids (0: all) and then to the smallest set of most likely ids whose
-    probability reaches ``top_p`` (nucleus; 1.0: all). The draw runs on the CPU with ``generator``
-    (default: torch's global generator), so a seeded generator gives the same ids on any device.
-    """
+    """One token id from ``logits [V]`` (real vocabulary): the argmax (``greedy``), or a sample of
+    ``softmax(logits / temperature)`` within the ``top_k`` (0: all) and the nucleus ``top_p``.
+    The draw runs on the CPU, so a seeded ``generator`` gives the same ids on any device."""
     if greedy:
         return int(logits.argmax())
     scores = logits.detach().float().cpu() / temperature  # [V]
@@ -115,22 +101,13 @@ def check_sampling(greedy: bool, temperature: float, top_k: int, top_p: float) -
 def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, eod: int | None, *,
              greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              generator: torch.Generator | None = None, use_cache: bool = True) -> list[int]:
-    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens; returns prompt + new tokens.
+    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (see ``sample_next``); returns prompt +
+    new tokens, stopping before ``eod``. Eval mode and ``no_grad``; the model's mode is restored.
 
-    Each token is the argmax (``greedy``, the default) or a sample with ``temperature``,
-    ``top_k`` and ``top_p`` drawn with ``generator`` (see ``sample_next``). Generation stops early
-    when the model picks ``eod`` (which is not appended). Padded vocab rows beyond
-    ``cfg.vocab_size`` (when known) are never chosen. Runs in ``no_grad`` and eval mode; the
-    model's train/eval mode is restored afterwards. ``model`` must hold the embedding and the
-    output layer. The new tokens are ``result[len(prompt_ids):]``.
-
-    Context: the model sees the last ``seq_length`` tokens (positions from 0), as in training.
-    With ``use_cache`` (and a model that supports it: tp 1, no context parallelism, one stage)
-    the prompt is run once and each new token reuses the keys/values of the earlier ones
-    (``KVCache``). The logits are the same as without the cache while the whole context fits in
-    ``seq_length``; past that, cropping shifts every position, so each further token re-runs the
-    cropped window without the cache, exactly like ``use_cache=False``. A model that cannot use
-    the cache (e.g. tensor parallel during training) silently decodes without it.
+    The model sees the last ``seq_length`` tokens (positions from 0), as in training. With
+    ``use_cache`` (when ``model.kv_cache_unsupported()`` is None, else silently without) each new
+    token reuses the earlier keys/values: the same logits while the context fits; past
+    ``seq_length`` every position shifts, so the cropped window re-runs without the cache.
     """
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt token")
@@ -153,7 +130,7 @@ def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, eod: i
                 else:
                     window = tokens[-seq_length:]
                     # Sequence parallelism splits s over TP: pad on the right (causal: earlier logits unchanged).
-                    multiple = model.tp.size if model.tp.sequence_parallel else 1
+                    multiple = model.parallel.tp_size if model.parallel.sp else 1
                     padded = window + [0] * (-len(window) % multiple)
                     context = torch.tensor([padded], dtype=torch.long, device=dev)  # [1, s]
                     last_logits = model(context)[0, len(window) - 1]  # [V]

@@ -1,54 +1,26 @@
 """The transformer layer of the GPT: norms, rotary embeddings, attention and MLP.
 
-Activations inside the transformer are ``[s, b, h]`` (sequence first) so that sequence and
-context parallelism split dim 0. Two architectures are selected by ``ModelConfig.arch``:
+Activations are ``[s, b, h]`` (sequence first) so that sequence and context parallelism split
+dim 0. ``ModelConfig.arch`` picks ``neox`` (LayerNorm with bias, partial rotary, parallel residual,
+erf-GeLU MLP, biases everywhere) or ``llama`` (RMSNorm, full rotary, sequential residual, SwiGLU,
+grouped-query attention, no biases). Parameter names and their TP split: docs/tensor_parallel.md.
 
-* ``neox`` (GPT-NeoX / Pythia): LayerNorm with bias, rotary on the first ``rotary_pct`` of each
-  head's dims, parallel residual ``x + attn(ln1(x)) + mlp(ln2(x))``, exact (erf) GeLU MLP,
-  biases on every linear.
-* ``llama``: RMSNorm (weight only), rotary on the full head, sequential residual, SwiGLU MLP,
-  grouped-query attention with ``num_kv_heads`` key/value heads, no biases.
+The fused QKV output dim is ``[num_kv_heads, num_heads // num_kv_heads + 2, head_dim]`` (per kv
+group: its query heads, its key, its value; GPT-NeoX's ``[heads, 3, head_dim]`` when the counts
+are equal), so a contiguous slice of its rows is whole groups and HF conversion is a reshape.
 
-Parameter names inside one layer (the model prefixes them with ``layers.<global index>.``);
-HF export (``megatron_sp.model.hf_names``) maps them, tensor parallelism slices them:
-
-=============================  =======================  ============================  ============
-name                           neox                     llama                         TP split
-=============================  =======================  ============================  ============
-``attn_norm.weight`` (.bias)   LayerNorm                RMSNorm (no bias)             replicated
-``attention.qkv.weight`` (.b)  fused QKV, bias          fused QKV, no bias            column
-``attention.out.weight`` (.b)  attention output         attention output              row
-``mlp_norm.weight`` (.bias)    LayerNorm                RMSNorm (no bias)             replicated
-``mlp.fc1.weight`` (.bias)     h -> ffn                 --                            column
-``mlp.fc2.weight`` (.bias)     ffn -> h                 --                            row
-``mlp.gate.weight``            --                       h -> ffn (SiLU branch)        column
-``mlp.up.weight``              --                       h -> ffn (linear branch)      column
-``mlp.down.weight``            --                       ffn -> h                      row
-=============================  =======================  ============================  ============
-
-The fused QKV output dim is laid out ``[num_kv_heads, num_heads // num_kv_heads + 2, head_dim]``:
-for each key/value group, its query heads, then its key head, then its value head. With
-``num_kv_heads == num_heads`` (neox) this is exactly GPT-NeoX's ``[heads, 3, head_dim]``, so HF
-conversion is a reshape, and a contiguous slice of the output rows is a whole number of groups
-(tensor parallelism needs ``num_kv_heads % tp == 0``). The forward pass infers the number of
-local groups from the projection's output width, so a column-parallel ``qkv`` just works.
-
-No kernels live here: the attention kernel is ``attention.kernels.dot_product_attention``, held in
-``SelfAttention.attention_fn`` (context parallelism and packed documents call
-``context_parallel_attention`` instead). ``SelfAttention.register_kernel_hook`` wraps one layer's
-kernel call, e.g. to see q, k, v and the output (the activation-memory benchmark); nothing needs
-to replace the attribute. Decoding with a KV cache (``model.inference``) passes each layer its
-cache (``LayerKV``) and attends with ``attention.kernels.cached_attention``.
+No kernels live here: attention calls ``attention.kernels.dot_product_attention`` (or
+``context_parallel_attention`` under CP / packed documents, ``cached_attention`` when decoding
+with a ``LayerKV`` cache). Every layer takes the ``ParallelContext`` as ``parallel``.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +28,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.mpu import comm
 from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
 from megatron_sp.model.attention.kernels import cached_attention, dot_product_attention
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
-from megatron_sp.mpu.random import TP_DIFFERENT, RNGTracker, checkpoint, get_tracker
+from megatron_sp.mpu.parallel_state import ParallelContext
+from megatron_sp.mpu.random import checkpoint
 
 ARCHS = ("neox", "llama")
 
@@ -70,14 +42,10 @@ ARCHS = ("neox", "llama")
 class ArchSpec:
     """The architectural choices that differ between ``neox`` and ``llama``."""
 
-    layernorm: bool
-    """LayerNorm with bias (True) or RMSNorm, weight only (False)."""
-    bias: bool
-    """Biases on every linear layer (except the output layer, which never has one)."""
-    parallel_residual: bool
-    """``x + attn(n1(x)) + mlp(n2(x))`` (True) or ``x += attn(n1(x)); x += mlp(n2(x))``."""
-    swiglu: bool
-    """SwiGLU MLP (gate, up, down) instead of ``fc2(gelu(fc1(x)))``."""
+    layernorm: bool  # LayerNorm with bias, else RMSNorm (weight only)
+    bias: bool  # biases on every linear layer but the output layer
+    parallel_residual: bool  # x + attn(n1(x)) + mlp(n2(x)), else x += attn(n1(x)); x += mlp(n2(x))
+    swiglu: bool  # SwiGLU MLP (gate, up, down), else fc2(gelu(fc1(x)))
 
 
 def arch_spec(arch: str) -> ArchSpec:
@@ -89,61 +57,24 @@ def arch_spec(arch: str) -> ArchSpec:
     raise ValueError(f"unknown model.arch {arch!r}; expected one of {ARCHS}")
 
 
-@dataclass(frozen=True)
-class TensorParallel:
-    """How the model is split over its tensor-parallel group; the default is the plain model.
-
-    ``group`` is the TP process group (default ``comm.LOCAL``: this process alone). Under
-    ``sequence_parallel`` the activations between TP regions are ``[s/t, b, h]``. ``tracker``
-    holds the "tp-different" RNG stream used for dropout on TP-sharded tensors (see
-    ``megatron_sp.mpu.random``); ``recompute`` is ``none | selective | full``.
-    """
-
-    group: Any = comm.LOCAL
-    size: int = 1
-    rank: int = 0
-    sequence_parallel: bool = False
-    recompute_allgather: bool = True
-    recompute: str = "none"
-    tracker: RNGTracker = field(default_factory=get_tracker)
-    cp_group: Any = comm.LOCAL
-    """The context-parallel group: each of its ranks holds ``s/cp`` of every sample's tokens."""
-    cp_algo: str = "ring"
-    """``parallel.cp_algo``: ring | zigzag | llama3 | ulysses (see ``attention.context_parallel``)."""
-    cp_heads_k_stride: int = 1
-    """``parallel.cp_heads_k_stride``: kv heads per llama3 all-gather."""
-    cp_ulysses_group: Any = None
-    """USP: the Ulysses sub-group of the cp group, and the ring sub-group across them."""
-    cp_ring_group: Any = None
-
-    def sharded_dropout(self) -> contextlib.AbstractContextManager:
-        """The RNG context for dropout on a tensor that is split over TP (different per TP rank)."""
-        return self.tracker.fork(TP_DIFFERENT) if TP_DIFFERENT in self.tracker else contextlib.nullcontext()
-
-    def hidden_dropout(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-        """Dropout on a hidden state: ``[s/t, b, h]`` shards under SP use the TP-different stream."""
-        if p <= 0 or not training:
-            return x
-        if self.sequence_parallel and self.size > 1:
-            with self.sharded_dropout():
-                return F.dropout(x, p, True)
-        return F.dropout(x, p, True)
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, parallel: ParallelContext) -> torch.Tensor:
+    """Dropout on a hidden state: ``[s/t, b, h]`` shards under SP draw from the TP-different stream."""
+    if p <= 0 or not training:
+        return x
+    if parallel.sp:
+        with parallel.sharded_rng():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
 
 
 def check_model_config(cfg: ModelConfig) -> None:
-    """Raise ValueError unless ``cfg`` is finalized and its shapes are consistent."""
+    """Raise ValueError unless ``cfg`` is finalized (the config's ``finalize`` checks its shapes)."""
     arch_spec(cfg.arch)
     derived = ("num_kv_heads", "ffn_hidden_size", "rotary_pct", "padded_vocab_size")
     missing = [name for name in derived if getattr(cfg, name) is None]
     if missing:
         raise ValueError(f"ModelConfig is not finalized, {', '.join(missing)} unset: run the config loader's "
                          "finalize() first")
-    if cfg.hidden_size % cfg.num_heads:
-        raise ValueError(f"hidden_size {cfg.hidden_size} is not divisible by num_heads {cfg.num_heads}")
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise ValueError(f"num_heads {cfg.num_heads} is not divisible by num_kv_heads {cfg.num_kv_heads}")
-    if rotary_dim(cfg) % 2:
-        raise ValueError(f"rotary dims per head ({rotary_dim(cfg)}) must be even")
 
 
 def head_dim(cfg: ModelConfig) -> int:
@@ -156,18 +87,15 @@ def rotary_dim(cfg: ModelConfig) -> int:
     return int(head_dim(cfg) * cfg.rotary_pct)
 
 
-def make_norm(cfg: ModelConfig, tp: TensorParallel | None = None) -> nn.Module:
-    """LayerNorm (neox) or RMSNorm (llama) over the hidden dim, eps ``norm_eps``.
-
-    Under sequence parallelism a norm sees s/t of the tokens on each TP rank, so its parameters
-    are tagged ``sequence_parallel`` (their grads are summed over TP after backward).
-    """
+def make_norm(cfg: ModelConfig, parallel: ParallelContext | None = None) -> nn.Module:
+    """LayerNorm (neox) or RMSNorm (llama) over the hidden dim. Under SP a norm sees s/t of the tokens,
+    so its parameters are tagged ``sequence_parallel`` (grads summed over TP after backward)."""
     norm: nn.Module
     if arch_spec(cfg.arch).layernorm:
         norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
     else:
         norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    sp = tp is not None and tp.sequence_parallel and tp.size > 1
+    sp = parallel is not None and parallel.sp
     for param in norm.parameters():
         set_tp_attributes(param, False, -1, sequence_parallel=sp)
     return norm
@@ -176,12 +104,9 @@ def make_norm(cfg: ModelConfig, tp: TensorParallel | None = None) -> nn.Module:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of the rotary angles ``position · base^(-2i/rotary_dim)``, i < rotary_dim/2.
 
-    The rotate-half convention (GPT-NeoX, HF Llama) pairs dim ``i`` with dim ``i + rotary_dim/2``
-    and uses the same angle for both; the tables are ``cat(cos, cos)`` and the signed
-    ``cat(-sin, sin)`` that ``apply_rotary`` expects. Angles are computed in fp32 (fp64 for an fp64 model),
-    as HF does, then cast to the compute dtype. The tables for the default positions
-    ``arange(s)`` are cached per (length, device, dtype); explicit ``position_ids`` are computed
-    once per forward and shared by all layers.
+    Rotate-half convention (GPT-NeoX, HF Llama): the tables are ``cat(cos, cos)`` and the signed
+    ``cat(-sin, sin)``. Angles in fp32 (fp64 for an fp64 model), then cast to the compute dtype;
+    tables of the default positions ``arange(s)`` are cached per (length, device, dtypes).
     """
 
     def __init__(self, rotary_dim: int, base: float) -> None:
@@ -197,10 +122,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device,
                 angle_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin), each ``[s, b, rotary_dim]`` (``[s, 1, rotary_dim]`` for default positions).
-
-        ``position_ids`` is ``[b, s]`` or None for ``arange(seq_len)``.
-        """
+        """(cos, signed sin), each ``[s, b, rd]`` (``[s, 1, rd]`` when ``position_ids [b, s]`` is None)."""
         if position_ids is None:
             key = (seq_len, device, angle_dtype, out_dtype)
             cached = self._cache.get(key)
@@ -220,12 +142,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding on the first ``rd = cos.shape[-1]`` dims of ``x``; the rest pass.
+    """Rotate-half rotary on the first ``rd = cos.shape[-1]`` dims of ``x [..., d]``; the rest pass.
 
-    ``x [..., d]``; ``cos = cat(c, c)`` and ``sin = cat(-s, s)`` broadcast to ``[..., rd]`` (see
-    ``RotaryEmbedding``). With ``x_rot = cat(x1, x2)``: ``x_rot · cos + cat(x2, x1) · sin``
-    ``= cat(x1·c − x2·s, x2·c + x1·s)``, HF's ``x_rot·cos + rotate_half(x_rot)·sin``. The swapped halves
-    come from one ``flip`` of a ``[..., 2, rd/2]`` view, so no concatenation is needed for full rotary.
+    ``x_rot · cos + cat(x2, x1) · sin = cat(x1·c − x2·s, x2·c + x1·s)`` (HF's ``rotate_half``); the
+    swapped halves are one ``flip`` of a ``[..., 2, rd/2]`` view, no concatenation for full rotary.
     """
     rd = cos.shape[-1]
     d = x.shape[-1]
@@ -238,21 +158,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class ReplicatedGroupQKV(nn.Module):
     """The fused QKV projection when tp > num_kv_heads: each rank computes one kv group's share.
 
-    The full weight ``[g·(r+2)·d, h]`` is replicated on every TP rank (tagged
-    ``sequence_parallel``: its grad is summed over TP, where each rank contributes only the rows
-    it used); rank ``j`` uses group ``j // (t/g)``: its ``r·g/t`` query heads numbered
-    ``j % (t/g)`` within the group, plus the group's key and value. Trade-off: the QKV weight and
-    its optimizer state are not sharded (t× their memory) in exchange for keeping the parameter
-    identical to the unsharded model's, so checkpoints stay layout-free.
+    The full weight ``[g·(r+2)·d, h]`` is replicated on every TP rank and tagged
+    ``sequence_parallel`` (its grad is summed over TP; each rank contributes the rows it used).
+    Rank ``j`` uses group ``j // (t/g)``: its query-head slice ``j % (t/g)`` plus the group's key and
+    value. Trade-off: t× the QKV weight and optimizer memory, for a parameter identical to the
+    unsharded model's (checkpoints stay layout-free).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, bias: bool) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext, bias: bool) -> None:
         super().__init__()
         g, n, d = cfg.num_kv_heads, cfg.num_heads, head_dim(cfg)
-        self.tp = tp
+        self.parallel = parallel
         self.groups, self.q_per_kv, self.head_dim = g, n // g, d
-        self.ranks_per_group = tp.size // g
-        self.group_index, self.sub = divmod(tp.rank, self.ranks_per_group)
+        self.ranks_per_group = parallel.tp_size // g
+        self.group_index, self.sub = divmod(parallel.tp_rank, self.ranks_per_group)
         self.local_q = self.q_per_kv // self.ranks_per_group
         width = g * (self.q_per_kv + 2) * d
         self.weight = nn.Parameter(torch.empty(width, cfg.hidden_size))
@@ -267,7 +186,8 @@ class ReplicatedGroupQKV(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → ``[s, b, (r'+2)·d]`` for this rank's heads."""
-        x_full = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)
+        group = self.parallel.tp_group
+        x_full = gather_from_sp(x, group) if self.parallel.sequence_parallel else copy_to_tp(x, group)  # [s, b, h]
         bias = self._rows(self.bias) if self.bias is not None else None
         return linear(x_full, self._rows(self.weight), bias)  # weight grad deferrable (zero-bubble W)
 
@@ -276,8 +196,7 @@ class LayerKV(Protocol):
     """What a layer needs of its KV cache (``model.inference.LayerKVCache``; the model does not import it)."""
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new ``k``/``v`` ``[s, b, g, d]``; return cached + new ``[past + s, b, g, d]``."""
-        ...
+        ...  # store the new k/v [s, b, g, d]; return cached + new [past + s, b, g, d]
 
 
 KernelHook = Callable[..., torch.Tensor]
@@ -285,40 +204,35 @@ KernelHook = Callable[..., torch.Tensor]
 
 
 class SelfAttention(nn.Module):
-    """Fused QKV projection (column-parallel over kv groups), rotary, causal attention, row-parallel output.
+    """Fused QKV projection, rotary, causal attention, row-parallel output; ``n/t`` query heads per TP
+    rank: whole kv groups (column-parallel QKV) or part of one group (``ReplicatedGroupQKV``)."""
 
-    Each TP rank holds ``n/t`` query heads: with ``num_kv_heads % t == 0`` a contiguous slice of
-    the kv groups; with ``t % num_kv_heads == 0`` part of one group whose key/value it shares
-    (``ReplicatedGroupQKV``).
-    """
-
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None) -> None:
         super().__init__()
-        tp = tp or TensorParallel()
-        self.tp = tp
+        parallel = parallel or ParallelContext()
+        self.parallel = parallel
         bias = arch_spec(cfg.arch).bias
         g, n, d = cfg.num_kv_heads, cfg.num_heads, head_dim(cfg)
         self.head_dim = d
         self.qkv: nn.Module
-        if g % tp.size == 0:
+        if g % parallel.tp_size == 0:
             self.q_per_kv = n // g
-            self.qkv = ColumnParallelLinear(cfg.hidden_size, g * (self.q_per_kv + 2) * d, bias=bias, group=tp.group,
-                                            sequence_parallel=tp.sequence_parallel,
-                                            recompute_allgather=tp.recompute_allgather)
+            self.qkv = ColumnParallelLinear(cfg.hidden_size, g * (self.q_per_kv + 2) * d, bias=bias,
+                                            group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
+                                            recompute_allgather=parallel.recompute_allgather)
         else:
-            self.qkv = ReplicatedGroupQKV(cfg, tp, bias)
+            self.qkv = ReplicatedGroupQKV(cfg, parallel, bias)
             self.q_per_kv = self.qkv.local_q
-        self.out = RowParallelLinear(n * d, cfg.hidden_size, bias=bias, group=tp.group,
-                                     sequence_parallel=tp.sequence_parallel, input_is_parallel=True)
+        self.out = RowParallelLinear(n * d, cfg.hidden_size, bias=bias, group=parallel.tp_group,
+                                     sequence_parallel=parallel.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
         self.attention_fn: Callable[..., torch.Tensor] = dot_product_attention
         self._kernel_hooks: OrderedDict[int, KernelHook] = OrderedDict()  # weak-referenceable, for RemovableHandle
 
     def register_kernel_hook(self, hook: KernelHook) -> RemovableHandle:
-        """Wrap this layer's ``attention_fn`` calls: ``hook(kernel, q, k, v, dropout_p)`` runs in their place
-        and returns the output (normally ``kernel(q, k, v, dropout_p)``); hooks registered later wrap
-        earlier ones. Not called on the context-parallel / packed-document path. ``handle.remove()``
-        unregisters it."""
+        """Wrap this layer's ``attention_fn`` calls: ``hook(kernel, q, k, v, dropout_p)`` returns the output
+        (normally ``kernel(q, k, v, dropout_p)``); later hooks wrap earlier ones. Not called on the
+        context-parallel / packed-document path."""
         handle = RemovableHandle(self._kernel_hooks)
         self._kernel_hooks[handle.id] = hook
         return handle
@@ -330,12 +244,8 @@ class SelfAttention(nn.Module):
         return call(q, k, v, p)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta | None = None) -> torch.Tensor:
-        """The attention core on local heads; its dropout draws from the TP-different stream.
-
-        With ``meta`` (context parallelism, or packed documents) the masks come from the tokens'
-        global indices and document ids (``attention.context_parallel``); attention dropout is
-        not available there (the config refuses it).
-        """
+        """The attention core on local heads; its dropout draws from the TP-different stream. With ``meta``
+        (CP or packed documents) masks come from the tokens' global indices and document ids."""
         p = self.dropout_p if self.training else 0.0
         if meta is not None:
             if p > 0:
@@ -343,7 +253,7 @@ class SelfAttention(nn.Module):
                                  "set model.attention_dropout=0")
             return context_parallel_attention(q, k, v, meta)
         if p > 0:
-            with self.tp.sharded_dropout():
+            with self.parallel.sharded_rng():
                 return self._kernel(q, k, v, p)
         return self._kernel(q, k, v, 0.0)
 
@@ -351,9 +261,8 @@ class SelfAttention(nn.Module):
                 meta: AttentionMeta | None = None, kv_cache: LayerKV | None = None) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]``, cos/sin ``[s, b|1, rd/2]`` → same shape as x.
 
-        Under context parallelism ``s`` is this rank's ``s/cp`` tokens and ``meta`` says which.
-        With ``kv_cache`` (inference, tp 1) the ``s`` tokens follow the cached ones: their keys and
-        values are appended and the queries attend over all of them (``cached_attention``)."""
+        Under CP ``s`` is this rank's ``s/cp`` tokens (``meta`` says which). With ``kv_cache``
+        (inference, tp 1) the tokens follow the cached ones and attend over all of them."""
         r, d = self.q_per_kv, self.head_dim
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
         s, b = qkv.shape[0], qkv.shape[1]
@@ -369,27 +278,26 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k_all, v_all = kv_cache.append(k, v)  # [past + s, b, g, d]
             return self.out(cached_attention(q, k_all, v_all).reshape(s, b, -1))
-        if self.tp.recompute == "selective" and self.training and torch.is_grad_enabled():
-            ctx = checkpoint(self.core, q, k, v, meta, tracker=self.tp.tracker)  # [s, b, n/t, d]
+        if self.parallel.recompute == "selective" and self.training and torch.is_grad_enabled():
+            ctx = checkpoint(self.core, q, k, v, meta, tracker=self.parallel.tracker)  # [s, b, n/t, d]
         else:
             ctx = self.core(q, k, v, meta)  # [s, b, n/t, d]
         return self.out(ctx.reshape(s, b, -1))  # [s/t, b, h] (SP) or [s, b, h]
 
 
 class MLP(nn.Module):
-    """neox: ``fc2(gelu(fc1(x)))`` with exact (erf) GeLU; llama: ``down(silu(gate(x)) * up(x))``.
+    """neox: ``fc2(gelu(fc1(x)))`` (erf GeLU); llama: ``down(silu(gate(x)) * up(x))``. Column-parallel
+    fc1/gate/up (``ffn/t`` per rank), row-parallel fc2/down."""
 
-    fc1/gate/up are column-parallel (``ffn/t`` per rank), fc2/down row-parallel.
-    """
-
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None) -> None:
         super().__init__()
-        tp = tp or TensorParallel()
+        parallel = parallel or ParallelContext()
         spec = arch_spec(cfg.arch)
         self.swiglu = spec.swiglu
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        col = {"group": tp.group, "sequence_parallel": tp.sequence_parallel, "recompute_allgather": tp.recompute_allgather}
-        row = {"group": tp.group, "sequence_parallel": tp.sequence_parallel, "input_is_parallel": True}
+        group, sp = parallel.tp_group, parallel.sequence_parallel
+        col = {"group": group, "sequence_parallel": sp, "recompute_allgather": parallel.recompute_allgather}
+        row = {"group": group, "sequence_parallel": sp, "input_is_parallel": True}
         if self.swiglu:
             self.gate = ColumnParallelLinear(h, f, bias=spec.bias, **col)
             self.up = ColumnParallelLinear(h, f, bias=spec.bias, **col)
@@ -413,24 +321,24 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer with parallel (neox) or sequential (llama) residual."""
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_number: int, parallel: ParallelContext | None = None) -> None:
         super().__init__()
-        tp = tp or TensorParallel()
-        self.tp = tp
+        parallel = parallel or ParallelContext()
+        self.parallel = parallel
         self.layer_number = layer_number
         self.parallel_residual = arch_spec(cfg.arch).parallel_residual
         self.hidden_dropout = cfg.hidden_dropout
-        self.attn_norm = make_norm(cfg, tp)
-        self.attention = SelfAttention(cfg, tp)
-        self.mlp_norm = make_norm(cfg, tp)
-        self.mlp = MLP(cfg, tp)
+        self.attn_norm = make_norm(cfg, parallel)
+        self.attention = SelfAttention(cfg, parallel)
+        self.mlp_norm = make_norm(cfg, parallel)
+        self.mlp = MLP(cfg, parallel)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.hidden_dropout(x, self.hidden_dropout, self.training)
+        return hidden_dropout(x, self.hidden_dropout, self.training, self.parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMeta | None = None, kv_cache: LayerKV | None = None) -> torch.Tensor:
-        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape (``meta``, ``kv_cache``: see ``SelfAttention.forward``)."""
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape (``meta``, ``kv_cache``: see ``SelfAttention``)."""
         if self.parallel_residual:
             attn = self._dropout(self.attention(self.attn_norm(x), cos, sin, meta, kv_cache))
             mlp = self._dropout(self.mlp(self.mlp_norm(x)))

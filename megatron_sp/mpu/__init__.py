@@ -1,44 +1,18 @@
-"""Model-parallel utilities: the rank grid and process groups (``parallel_state``), the collective
+"""Model-parallel utilities: the rank grid, process groups and ``ParallelContext`` (``parallel_state``), the collective
 wrappers (``comm``), the paired autograd communication functions (``mappings``), the TP/SP layers
 (``layers``), the vocab-parallel cross entropy and the gather buffer (``memory``)."""
 from . import comm
 from .comm import CommCounter
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tp_attributes, shard
-from .mappings import (
-    all_to_all,
-    copy_to_tp,
-    gather_from_sp,
-    gather_from_tp,
-    reduce_from_tp,
-    reduce_scatter_to_sp,
-    scatter_to_sp,
-    scatter_to_tp,
-)
+from .mappings import (all_to_all, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp,
+                       scatter_to_sp, scatter_to_tp)
 from .memory import GatherBuffer, default_gather_buffer
-from .parallel_state import ParallelDims, ParallelState, init_default_group, initialize
+from .parallel_state import ParallelContext, ParallelDims, ParallelState, init_default_group, initialize
 
 __all__ = [
-    "ColumnParallelLinear",
-    "CommCounter",
-    "GatherBuffer",
-    "ParallelDims",
-    "ParallelState",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "all_to_all",
-    "comm",
-    "copy_to_tp",
-    "default_gather_buffer",
-    "gather_from_sp",
-    "gather_from_tp",
-    "init_default_group",
-    "initialize",
-    "reduce_from_tp",
-    "reduce_scatter_to_sp",
-    "scatter_to_sp",
-    "scatter_to_tp",
-    "set_tp_attributes",
-    "shard",
-    "vocab_parallel_cross_entropy",
+    "ColumnParallelLinear", "CommCounter", "GatherBuffer", "ParallelContext", "ParallelDims", "ParallelState",
+    "RowParallelLinear", "VocabParallelEmbedding", "all_to_all", "comm", "copy_to_tp", "default_gather_buffer",
+    "gather_from_sp", "gather_from_tp", "init_default_group", "initialize", "reduce_from_tp", "reduce_scatter_to_sp",
+    "scatter_to_sp", "scatter_to_tp", "set_tp_attributes", "shard", "vocab_parallel_cross_entropy",
 ]

@@ -1,38 +1,33 @@
-"""The rank grid and every process group, built once.
+"""The rank grid, every process group (built once), and the ``ParallelContext`` handed to the model.
 
-Rank order is ``tp-cp-dp-pp`` with TP innermost (fastest varying), as Megatron's RankGenerator:
+Rank order is ``tp-cp-dp-pp``, TP innermost (Megatron's RankGenerator):
+``rank = tp_rank + tp · (cp_rank + cp · (dp_rank + dp · pp_rank))``, so a TP group is neighbouring
+ranks (one node) and PP, the cheapest traffic, is outermost. Groups: ``tp`` (TP/SP collectives),
+``cp`` (context-parallel attention; USP adds ``cp_ulysses`` and ``cp_ring``), ``dp`` (ZeRO
+sharding), ``pp`` (pipeline p2p, one group per directed link in ``p2p_groups``), ``dp_cp``
+(gradient, loss and token-count reductions), ``mp`` (tp × pp) and ``embedding`` (first + last
+stage, tied embedding gradients).
 
-    rank = tp_rank + tp · (cp_rank + cp · (dp_rank + dp · pp_rank))
-
-so the ranks of one TP group are neighbours (one node, fastest links), and PP is outermost (the
-cheapest traffic crosses nodes). Groups:
-
-==============  ============================  =====================================================
-name            varies along                  used for
-==============  ============================  =====================================================
-tp              tp                            tensor/sequence-parallel collectives
-cp              cp                            context-parallel attention
-dp              dp                            (ZeRO) data-parallel optimizer sharding
-pp              pp                            pipeline point-to-point
-dp_cp           cp, dp                        gradient reduction and the loss/token-count reduction
-mp              tp, pp                        model-parallel (one full model replica slice per cp)
-embedding       first + last pp stage         tied input/output embedding gradients
-==============  ============================  =====================================================
-
-Nothing here reads environment switches: a ``ParallelState`` is built from ``ParallelDims`` and
-passed explicitly to whatever needs a group.
+Nothing here reads environment switches: ``initialize(ParallelDims(...))`` builds a
+``ParallelState``; ``ParallelContext.from_state(state, cfg)`` is what the model takes.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from . import comm
+from .random import TP_DIFFERENT, RNGTracker, get_tracker
+
+if TYPE_CHECKING:
+    from ..config.schema import Config
 
 AXES = ("tp", "cp", "dp", "pp")  # innermost first
 
@@ -94,12 +89,10 @@ class ParallelDims:
         return sorted(result)
 
     def pipeline_links(self) -> list[tuple[int, int]]:
-        """Every directed pipeline link (src, dst) between ring neighbours of a pp group, in a fixed order.
+        """Every directed link (src, dst) between ring neighbours of a pp group (last ↔ first: virtual stages).
 
-        Stage r sends to r + 1 (activations) and r − 1 (gradients); with virtual stages the last
-        stage also sends to the first and back (the ring). Each direction gets its own two-rank
-        process group (``ParallelState.p2p_groups``) so that on NCCL the two directions of a link
-        never queue behind each other on one stream; on gloo it costs nothing.
+        Each direction gets its own two-rank group (``ParallelState.p2p_groups``) so that on NCCL the
+        two directions of a link never queue behind each other on one stream; on gloo it costs nothing.
         """
         links: set[tuple[int, int]] = set()
         if self.pp > 1:
@@ -194,6 +187,60 @@ class ParallelState:
             del self.p2p_groups[link]
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """What the model needs to know about its layout: TP/SP and CP settings, their groups, the RNG.
+
+    ``ParallelContext()`` is the plain model in one process (``comm.LOCAL``: no collective, even
+    inside a multi-rank job). Training builds it with ``from_state``; a bench or test may build
+    one for a bare group, e.g. ``ParallelContext(tp_group=g, sequence_parallel=True)``.
+    ``tp_size``/``tp_rank`` are read from ``tp_group``, so they cannot disagree with it.
+    """
+
+    tp_group: Any = comm.LOCAL
+    sequence_parallel: bool = False  # activations between TP regions are [s/t, b, h] (at tp > 1: ``sp``)
+    recompute_allgather: bool = True  # SP: column-parallel layers save [s/t, b, h] inputs, re-gather in backward
+    recompute: str = "none"  # model.recompute: none | selective (attention core) | full (whole layers)
+    tracker: RNGTracker = field(default_factory=get_tracker)  # its "tp-different" stream (mpu.random)
+    cp_group: Any = comm.LOCAL  # each of its ranks holds s/cp of every sample's tokens
+    cp_algo: str = "ring"  # ring | zigzag | llama3 | ulysses | usp (attention.context_parallel)
+    cp_heads_k_stride: int = 1  # llama3: kv heads per all-gather
+    cp_ulysses_group: Any = None  # USP: the Ulysses sub-group of cp_group ...
+    cp_ring_group: Any = None  # ... and the ring sub-group across them
+    tp_size: int = field(init=False)
+    tp_rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute {self.recompute!r}; expected one of {RECOMPUTE}")
+        object.__setattr__(self, "tp_size", comm.group_size(self.tp_group))
+        object.__setattr__(self, "tp_rank", comm.group_rank(self.tp_group))
+
+    @classmethod
+    def from_state(cls, state: ParallelState, cfg: Config | None = None) -> ParallelContext:
+        """This rank's context: the groups of ``state``, the settings of ``cfg.parallel`` and
+        ``cfg.model.recompute`` (without ``cfg``: plain TP and ring CP over the state's groups)."""
+        groups = {"tp_group": state.tp_group, "cp_group": state.cp_group,
+                  "cp_ulysses_group": state.groups.get("cp_ulysses"), "cp_ring_group": state.groups.get("cp_ring")}
+        if cfg is None:
+            return cls(**groups)
+        p = cfg.parallel
+        return cls(**groups, sequence_parallel=p.sequence_parallel, recompute_allgather=p.tp_recompute_allgather,
+                   recompute=cfg.model.recompute, cp_algo=p.cp_algo, cp_heads_k_stride=p.cp_heads_k_stride)
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect: activations between TP regions are ``[s/t, b, h]``."""
+        return self.sequence_parallel and self.tp_size > 1
+
+    def sharded_rng(self) -> contextlib.AbstractContextManager:
+        """The RNG context for random ops on a tensor split over TP (a different stream per TP rank)."""
+        return self.tracker.fork(TP_DIFFERENT) if TP_DIFFERENT in self.tracker else contextlib.nullcontext()
+
+
 def init_default_group(backend: str, timeout_s: float = 600.0) -> None:
     """Initialise the default process group from torchrun-style environment variables, once."""
     if dist.is_initialized():
@@ -217,11 +264,8 @@ def init_default_group(backend: str, timeout_s: float = 600.0) -> None:
 
 
 def initialize(dims: ParallelDims, timeout_s: float = 600.0) -> ParallelState:
-    """Build every group of the grid. The default process group must be initialised already.
-
-    Every rank creates every group in the same order (a torch.distributed requirement) and keeps
-    the ones it belongs to.
-    """
+    """Build every group of the grid (the default group must exist). Every rank creates every group in
+    the same order (a torch.distributed requirement) and keeps the ones it belongs to."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != dims.world_size:
         raise ConfigError(f"launched {world} ranks but tp·cp·dp·pp = {dims.world_size}; fix parallel.* or the launch")
@@ -231,10 +275,7 @@ def initialize(dims: ParallelDims, timeout_s: float = 600.0) -> ParallelState:
     layouts["embedding"] = dims.embedding_groups()
     for name, all_ranks in layouts.items():
         for ranks in all_ranks:
-            if len(ranks) == world:
-                group = dist.GroupMember.WORLD
-            else:
-                group = dist.new_group(ranks, timeout=timeout)
+            group = dist.GroupMember.WORLD if len(ranks) == world else dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 state.groups[name] = group
                 state.group_ranks[name] = ranks

@@ -1,8 +1,6 @@
-"""The AdamW side of ``DistributedOptimizer``, on this rank's owned shard: fp64-accumulated grad norm, clip, step.
+"""The AdamW side of ``DistributedOptimizer`` on this rank's owned shard: fp64 grad norm, clip, step.
 
-``NormBatches`` packs the gradient elements this rank counts into fp64 batches; ``clip_`` scales
-the owned grads by a coefficient computed in fp64; ``adamw_`` is exact ``torch.optim.AdamW``
-arithmetic on per-bucket flat pieces. Theory (norm ownership, the update): docs/optimizer.md.
+Theory (norm ownership, the update): docs/optimizer.md.
 """
 from __future__ import annotations
 
@@ -18,12 +16,10 @@ _NormBatch = tuple[list[torch.Tensor], list[torch.Tensor], int]  # fp32 sources,
 
 
 class NormBatches:
-    """An fp64 scratch buffer, and ``views`` packed into batches of at most ``NORM_CHUNK`` elements.
+    """``views`` packed into batches of at most ``NORM_CHUNK`` elements over one fp64 scratch buffer.
 
-    ``sum_of_squares`` copies a batch's fp32 sources into consecutive slices of the scratch buffer
-    and takes its dot product with itself. Invariant: the batches are processed one after the
-    other, so one scratch buffer serves them all; memory stays at ``NORM_CHUNK`` fp64 elements
-    whatever the model size.
+    Invariant: batches are processed one after the other, so one scratch buffer serves them all and
+    memory stays at ``NORM_CHUNK`` fp64 elements whatever the model size.
     """
 
     def __init__(self, views: Sequence[torch.Tensor], device: torch.device) -> None:

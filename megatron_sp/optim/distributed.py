@@ -1,16 +1,7 @@
 """``DistributedOptimizer``: replaces torch DDP + torch AdamW (data-parallel reduction, ZeRO-1, mixed precision).
 
-``DistributedOptimizer(named_params, cfg, state, zero, precision)`` takes over a model's trainable
-parameters; nothing wraps the model (its gradient hooks do what DDP did). It composes the flat
-buffers, bucketed dp_cp reduction and ZeRO-1 shards of ``reducer.GradReducer`` with the fp64 norm,
-clip and AdamW of ``adamw``, and adds the optimizer state by name (checkpoints, parity dumps).
-Entry points: ``no_sync()`` / ``sync_grads`` (micro-batches), ``finish_grad_sync()``, ``step(lr,
-clip)`` -> ``(grad_norm_before_clipping, stepped)`` (a non-finite norm skips the step),
-``main_grads_by_name()``, ``checkpoint_parts()``, ``state_dict_by_name()`` /
-``load_state_dict_by_name()`` (independent of the data-parallel size).
-
-Theory and invariants (buffer layout, shard layout, async-reduction rules, grad-norm ownership,
-the AdamW update): docs/optimizer.md.
+It adds the fp64 norm, clip and AdamW of ``adamw`` and the optimizer state by name (checkpoints,
+parity dumps) to ``reducer.GradReducer``. Theory and invariants: docs/optimizer.md.
 """
 from __future__ import annotations
 
@@ -32,22 +23,9 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 class DistributedOptimizer(GradReducer):
     """Flat fp32 main grads reduced over dp_cp in overlapping buckets, AdamW on flat buffers, optional ZeRO-1.
 
-    Args:
-        named_params: ``(name, parameter)`` of every trainable parameter, in ``named_parameters``
-            order (e.g. ``optim.named_trainable(model)``); the names key checkpoints and dumps.
-        cfg: betas, eps and weight decay (``adam_beta1/2``, ``adam_eps``, ``weight_decay``) and the
-            default ``clip_grad``.
-        state: the process groups (dp_cp for gradients and shards; tp for ``sequence_parallel``
-            grads and norm counting; mp for the norm). None: one process, no communication.
-        zero: 0 (every rank holds the full optimizer state) or 1 (state and master weights
-            sharded over dp_cp).
-        precision: ``"fp32"`` (params are the fp32 masters) or ``"bf16"`` / ``"fp16"`` (params become 16-bit,
-            fp32 masters kept here). Gradients always accumulate in fp32.
-        bucket_bytes: target size of a bucket's fp32 gradient.
-
-    Per step: ``zero_grad()``; for each micro-batch ``sync_grads = is_last`` (or ``with
-    no_sync():`` for all but the last) and backward; ``finish_grad_sync()`` (optional: ``step``
-    calls it); ``step(lr, clip)``.
+    Arguments as ``GradReducer``, plus ``cfg`` (AdamW betas, eps, weight decay, default ``clip_grad``);
+    ZeRO-1 also shards the Adam moments. Per step: ``zero_grad()``; for each micro-batch
+    ``sync_grads = is_last`` (or ``no_sync()``) and backward; ``step(lr, clip)``.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], cfg: TrainConfig,
@@ -67,24 +45,15 @@ class DistributedOptimizer(GradReducer):
         self._norm_views = [self.grad_buffer[a:b] for a, b in self._runs(lambda i: i.in_norm)]
         self._norm = NormBatches(self._norm_views, self.device)
 
-    # ---------------------------------------------------------------------------------------- step
-
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm (fp64 scalar) of the reduced gradients, each element counted once (collective).
-
-        Squares of fp32 values are exact in fp64, and their sums are accumulated and all-reduced
-        in fp64, in batches of ``NORM_CHUNK`` elements (see ``adamw.NormBatches``).
-        """
+        """The global L2 norm (fp64 scalar) of the reduced gradients, each element counted once (collective)."""
         self.finish_grad_sync()
         return global_norm(self._norm, self.state, self._sharded, self._dp_group)
 
     @torch.no_grad()
     def step(self, lr: float, clip: float | None = None) -> tuple[float, bool]:
         """Clip and apply AdamW; returns (grad norm before clipping, whether the update was applied).
-
-        ``clip`` None: ``cfg.clip_grad``; 0 disables clipping. A non-finite norm skips the update.
-        Collective over dp_cp, tp (via ``finish_grad_sync``) and mp.
-        """
+        ``clip`` None: ``cfg.clip_grad``; 0: no clipping. A non-finite norm skips the update. Collective."""
         clip = self.cfg.clip_grad if clip is None else clip
         norm = self.grad_norm()
         norm_value = float(norm)
@@ -97,25 +66,18 @@ class DistributedOptimizer(GradReducer):
         self.publish_params()
         return norm_value, True
 
-    # ------------------------------------------------------------------------------ state by name
-
     def main_grads_by_name(self) -> dict[str, torch.Tensor]:
         """{name: full reduced fp32 main grad, this TP rank's parameter shape} (collective over dp_cp under ZeRO).
-
-        Call after ``finish_grad_sync`` (and before ``step``, which clips in place) — e.g. for the
-        parity dump: ``gather_full(named, state, lambda p: grads[name_of[p]])``.
-        """
+        Call before ``step``, which clips in place."""
         self.finish_grad_sync()
         full = self._gather_global(self._local_of(self.grad_buffer)) if self._sharded else self.grad_buffer
         return {i.name: full[i.start:i.end].view_as(i.param).clone() for i in self._params}
 
     def checkpoint_parts(self) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
-        """{name: (start, {"param", "exp_avg", "exp_avg_sq"[, "master_param"]: flat tensor})}: what this rank saves.
+        """{name: (start, {"param", "exp_avg", "exp_avg_sq"[, "master_param"]: flat view})}: what this rank saves.
 
-        Data-parallel rank ``r`` saves chunk ``r`` of every bucket — the elements ZeRO-1 makes it
-        own, and the same split without ZeRO (every rank holds everything then, and the writing is
-        spread over dp_cp all the same). ``start`` is the part's first element in the parameter's
-        flattened (this TP rank's) shape; the tensors are views. No communication.
+        Data-parallel rank ``r`` saves chunk ``r`` of every bucket, with or without ZeRO (the writing is
+        spread over dp_cp); ``start`` is the part's first element in the flattened parameter.
         """
         out: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         for info in self._params:
@@ -134,9 +96,7 @@ class DistributedOptimizer(GradReducer):
 
     def state_dict_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         """{name: {"exp_avg", "exp_avg_sq", "step"[, "master_param"]}}: parameter-shaped fp32, same at any dp.
-
-        ``master_param`` (bf16 only) is the fp32 master weight. Collective over dp_cp under ZeRO.
-        """
+        ``master_param``: the fp32 master (16-bit params only). Collective over dp_cp under ZeRO."""
         full = {"exp_avg": self._gather_global(self.exp_avg), "exp_avg_sq": self._gather_global(self.exp_avg_sq)}
         if self._master_local is not None:
             full["master_param"] = self._gather_global(self._master_local)
@@ -146,12 +106,8 @@ class DistributedOptimizer(GradReducer):
 
     @torch.no_grad()
     def load_state_dict_by_name(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Restore from ``state_dict_by_name`` output (of any dp size), keeping this rank's part.
-
-        Tensors are this TP rank's parameter shape (slice TP shards before calling). Load the
-        model weights first: the masters are refreshed from the parameters, then overridden by
-        ``master_param`` where present (bf16 runs write it; for fp32 it is copied into the params).
-        """
+        """Restore from ``state_dict_by_name`` output (of any dp size, this TP rank's shapes), keeping this
+        rank's part. Load the model weights first: without ``master_param`` the masters are read from them."""
         names = {i.name for i in self._params}
         if set(saved) != names:
             missing, unknown = sorted(names - set(saved)), sorted(set(saved) - names)
@@ -181,8 +137,6 @@ class DistributedOptimizer(GradReducer):
         if has_master and self._params:
             if self._master_local is not None:
                 self._master_local.copy_(self._local_of(full["master_param"]))
-                self.param_buffer.copy_(full["master_param"])
-            else:
-                self.param_buffer.copy_(full["master_param"])
+            self.param_buffer.copy_(full["master_param"])
         else:
             self.sync_master_from_params()

@@ -1,10 +1,8 @@
-"""Dynamic loss scaling for fp16 training.
+"""Dynamic loss scaling for fp16 training (bf16 and fp32: ``enabled=False``, scale 1, never skip).
 
-fp16 has 5 exponent bits: small gradients underflow to zero. The loss is multiplied by ``scale``
-before backward, gradients are divided by it before the optimizer sees them, and the scale adapts:
-a step whose gradients hold an inf/NaN is skipped and the scale is multiplied by ``backoff``
-(after ``hysteresis`` overflows since the scale last changed, as Megatron); after ``growth_interval`` clean steps in a row it is
-multiplied by ``growth``. bf16 and fp32 keep ``scale = 1`` and never skip (``enabled=False``).
+The loss is multiplied by ``scale`` before backward and the grads divided by it. A step with inf/NaN
+grads is skipped, and after ``hysteresis`` such overflows the scale is multiplied by ``backoff`` (as
+Megatron); after ``growth_interval`` clean steps in a row it is multiplied by ``growth``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Gradient reduction and ZeRO-1 sharding on flat buffers: the ``GradReducer`` base of ``DistributedOptimizer``.
 
-Parameters, fp32 grads (``param.main_grad``) and the fp32 master weights live in flat bucketed
-buffers (reverse parameter order, each bucket padded to a multiple of dp_cp); under ZeRO-1
-data-parallel rank r owns chunk r of every bucket. Gradient hooks accumulate into the buffer and
-launch each finished bucket's dp_cp reduction asynchronously (``no_sync()`` / ``sync_grads`` for
-micro-batches, ``finish_grad_sync()`` waits and sums SP grads over TP); ``publish_params`` makes the
-parameters equal the updated masters (ZeRO: all-gather). Theory and invariants: docs/optimizer.md.
+Gradient hooks accumulate into flat bucketed fp32 buffers and launch each finished bucket's dp_cp
+reduction asynchronously; under ZeRO-1 dp rank r owns chunk r of every bucket. Buffer layout and the
+invariants of the asynchronous handles: docs/optimizer.md.
 """
 from __future__ import annotations
 
@@ -17,12 +14,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config.registry import check, choice
+from ..config.schema import Config
 from ..errors import ConfigError
 from ..mpu import ParallelState, comm
 from ..mpu.comm import Pending
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+
+def check_optimizer_options(zero: int, precision: str) -> None:
+    """``parallel.zero`` (0 or 1) and ``train.precision`` (a key of ``PRECISIONS``), or a config error."""
+    if zero not in (0, 1):
+        raise ConfigError(f"parallel.zero: {zero} must be 0 or 1")
+    choice("train.precision", precision, tuple(PRECISIONS))
+
+
+@check
+def check_optimizer_config(cfg: Config) -> None:
+    """The optimizer's config keys."""
+    check_optimizer_options(cfg.parallel.zero, cfg.train.precision)
 
 
 @dataclass
@@ -64,24 +75,15 @@ class _Bucket:
 class GradReducer:
     """Flat fp32 main grads reduced over dp_cp in overlapping buckets, optional ZeRO-1 shards of the masters.
 
-    Args:
-        named_params: ``(name, parameter)`` of every trainable parameter, in ``named_parameters``
-            order; the names key checkpoints and dumps.
-        state: the process groups (dp_cp for gradients and shards; tp for ``sequence_parallel``
-            grads and norm counting). None: one process, no communication.
-        zero: 0 (every rank holds all masters) or 1 (masters sharded over dp_cp).
-        precision: ``"fp32"`` (params are the fp32 masters) or ``"bf16"`` / ``"fp16"`` (params become 16-bit,
-            fp32 masters kept here). Gradients always accumulate in fp32.
-        bucket_bytes: target size of a bucket's fp32 gradient.
+    ``named_params``: (name, parameter) of every trainable parameter in ``named_parameters`` order (the
+    names key checkpoints). ``state`` None: one process. ``zero=1`` shards the masters over dp_cp.
+    ``precision`` ``"fp32"``: params are the masters; ``"bf16"``/``"fp16"``: params become 16-bit, fp32
+    masters kept here. Gradients always accumulate in fp32, in buckets of about ``bucket_bytes``.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], state: ParallelState | None,
                  zero: int = 0, precision: str = "fp32", bucket_bytes: int = 25 * 2**20) -> None:
-        if zero not in (0, 1):
-            raise ConfigError(f"parallel.zero = {zero}: must be 0 or 1")
-        if precision not in PRECISIONS:
-            raise ConfigError(f"precision '{precision}' is not supported by DistributedOptimizer "
-                              f"(one of {sorted(PRECISIONS)})")
+        check_optimizer_options(zero, precision)
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes = {bucket_bytes} must be positive")
         named = list(named_params)
@@ -275,9 +277,7 @@ class GradReducer:
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets not launched yet, wait for all, then sum ``sequence_parallel`` grads over TP.
-
-        Idempotent within a step (``zero_grad`` re-arms it). Collective over dp_cp (and tp).
-        """
+        Idempotent within a step (``zero_grad`` re-arms it). Collective over dp_cp (and tp)."""
         if self._synced:
             return
         if self.dp_size > 1:
@@ -294,18 +294,11 @@ class GradReducer:
             self.sync_grads_over(self._sp_params, self.state.tp_group)
 
     def sync_grads_over(self, params: Sequence[nn.Parameter], group: Any) -> None:
-        """Sum the reduced main grads of ``params`` over ``group`` in one flat all-reduce.
+        """Sum the reduced main grads of ``params`` over ``group`` (SP grads over TP, a tied embedding over
+        its stages); after ``finish_grad_sync``, every member passing corresponding parameters in order.
 
-        For ``sequence_parallel`` grads over TP (done by ``finish_grad_sync``) and for a tied
-        embedding over the embedding group (first and last pipeline stage: pass the embedding on
-        one and its ``shared_embedding`` copy on the other). Call after ``finish_grad_sync``;
-        every rank of ``group`` passes corresponding parameters of equal sizes in the same order.
-
-        Under ZeRO only the owned elements are valid. When every member owns the same elements of
-        each parameter (the usual case for TP: same layout on every TP rank) only those are
-        all-reduced. Otherwise the full gradients are first assembled over dp_cp (one all-reduce of
-        the parameters' size), then summed over ``group``. The choice is made once per
-        (group, parameters) and agreed on by all ranks involved.
+        Under ZeRO only owned elements are valid: when every member owns the same elements (TP) only
+        those are summed; otherwise the grads are first assembled over dp_cp (one extra all-reduce).
         """
         if comm.group_size(group) == 1 or not params:
             return
@@ -316,17 +309,13 @@ class GradReducer:
             elif self._owned_alike(infos, group):
                 self._all_reduce_slices([(i.own_start, i.own_end) for i in infos], group)
             else:
-                flat = torch.zeros(sum(i.numel for i in infos), dtype=torch.float32, device=self.device)
-                offset = 0
-                for i in infos:
-                    flat[offset + i.own_start - i.start:offset + i.own_end - i.start] = self.grad_buffer[i.own_start:i.own_end]
-                    offset += i.numel
-                comm.all_reduce(flat, self._dp_group)  # every rank now has the full reduced grads
-                comm.all_reduce(flat, group)
-                offset = 0
-                for i in infos:
-                    self.grad_buffer[i.start:i.end].copy_(flat[offset:offset + i.numel])
-                    offset += i.numel
+                for i in infos:  # zero what this rank does not own, so the dp_cp sum assembles the full grads
+                    lo, hi = (i.own_start, i.own_end) if i.own_end > i.own_start else (i.end, i.end)
+                    self.grad_buffer[i.start:lo].zero_()
+                    self.grad_buffer[hi:i.end].zero_()
+                spans = [(i.start, i.end) for i in infos]
+                self._all_reduce_slices(spans, self._dp_group)
+                self._all_reduce_slices(spans, group)
 
     def _info_of(self, p: nn.Parameter) -> _Param:
         info = self._by_id.get(id(p))
@@ -382,24 +371,18 @@ class GradReducer:
 
     def publish_params(self) -> None:
         """Make the model parameters equal the updated masters on every rank (ZeRO: all-gather)."""
-        if self._master_local is not None and not self._sharded:
-            self.param_buffer.copy_(self._master_local)
-            return
         if not self._sharded:
-            return  # fp32 without ZeRO: the parameters are the masters
-        pending = []
-        for b, w in zip(self._buckets, self._master_pieces):
-            own = w.to(self.param_dtype, copy=True)  # a copy: the input must not alias the output
-            region = self.param_buffer[b.start:b.start + b.numel]
-            pending.append(comm.all_gather_async(own, self._dp_group, out=region))
-        for p in pending:
-            p.wait()
+            if self._master_local is not None:  # (fp32 without ZeRO: the parameters are the masters)
+                self.param_buffer.copy_(self._master_local)
+            return
+        local = self._master_local if self._master_local is not None else self._local_of(self.param_buffer)
+        self._gather_global(local.to(self.param_dtype), out=self.param_buffer)  # a copy: no input aliases the output
 
-    def _gather_global(self, local: torch.Tensor) -> torch.Tensor:
-        """A full-buffer tensor from this rank's shard tensor (collective over dp_cp under ZeRO)."""
+    def _gather_global(self, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A full-buffer tensor (``out``) from this rank's shard tensor (collective over dp_cp under ZeRO)."""
         if not self._sharded:
             return local
-        out = torch.empty(self.numel, dtype=local.dtype, device=local.device)
+        out = torch.empty(self.numel, dtype=local.dtype, device=local.device) if out is None else out
         pending = [comm.all_gather_async(local[b.local_start:b.local_start + b.shard_numel], self._dp_group,
                                          out=out[b.start:b.start + b.numel]) for b in self._buckets]
         for p in pending:

@@ -1,24 +1,26 @@
 """Which layers a pipeline stage holds, and building that stage.
 
-The layers are split into ``pp · v`` contiguous blocks, one per virtual stage; virtual stage ``s``
-lives on pipeline rank ``s % pp`` as its chunk ``s // pp`` (Megatron's interleaved assignment). The
-first virtual stage also holds the embedding, the last the final norm, output layer and loss.
-Entry points: ``build_stage`` and ``tied_embedding_params``; block sizes come from
-``parallel.pp_partition`` (``uniform``, ``balanced`` or an explicit ``"2,3,3"``). Parameter names
-stay global, so checkpoints load into any pipeline layout.
-
-Theory and invariants (partition rules, tied embeddings over ``state.embedding_group``):
-docs/pipeline.md.
+The layers are split into ``pp · v`` contiguous blocks (``parallel.pp_partition``: ``uniform``,
+``balanced`` or ``"2,3,3"``); virtual stage ``s`` lives on pipeline rank ``s % pp`` as its chunk
+``s // pp``. The first virtual stage also holds the embedding, the last the final norm, output
+layer and loss. Parameter names stay global, so checkpoints load into any pipeline layout.
+Importing this module does not import torch (config checks use ``layer_split``). Theory and
+invariants (tied embeddings over ``state.embedding_group``): docs/pipeline.md.
 """
 from __future__ import annotations
 
-from torch import nn
+import difflib
+from typing import TYPE_CHECKING
 
-from ..config.schema import ModelConfig
+from ..config.registry import check
+from ..config.schema import Config, ModelConfig
 from ..errors import ConfigError
-from ..model.gpt import GPTModel, parameter_parts
-from ..model.transformer import TensorParallel
-from ..mpu.parallel_state import ParallelState
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..model.gpt import GPTModel
+    from ..mpu.parallel_state import ParallelContext, ParallelState
 
 PARTITIONS = ("uniform", "balanced")
 """Named partitions; ``parallel.pp_partition`` may also be a comma-separated list of layer counts."""
@@ -35,11 +37,7 @@ def layer_split(cfg_model: ModelConfig, pp: int, virtual_stages: int = 1, partit
     impossible: uneven ``uniform``, fewer layers than virtual stages, a bad explicit list.
     """
     n, stages = cfg_model.num_layers, pp * virtual_stages
-    if pp < 1 or virtual_stages < 1:
-        raise PipelineConfigError(f"parallel.pp = {pp} and parallel.virtual_stages = {virtual_stages} must be >= 1")
-    if n < stages:
-        raise PipelineConfigError(f"model.num_layers = {n} is fewer than parallel.pp·virtual_stages = {pp}·{virtual_stages}"
-                                  " (every virtual stage needs at least one layer)")
+    _check_stage_count(n, pp, virtual_stages)
     if partition == "uniform":
         if n % stages:
             raise PipelineConfigError(
@@ -52,6 +50,14 @@ def layer_split(cfg_model: ModelConfig, pp: int, virtual_stages: int = 1, partit
         counts = _explicit_counts(partition, n, stages, pp, virtual_stages)
     starts = [sum(counts[:s]) for s in range(stages)]
     return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def _check_stage_count(n: int, pp: int, virtual_stages: int) -> None:
+    if pp < 1 or virtual_stages < 1:
+        raise PipelineConfigError(f"parallel.pp = {pp} and parallel.virtual_stages = {virtual_stages} must be >= 1")
+    if n < pp * virtual_stages:
+        raise PipelineConfigError(f"model.num_layers = {n} is fewer than parallel.pp·virtual_stages = {pp}·{virtual_stages}"
+                                  " (every virtual stage needs at least one layer)")
 
 
 def _explicit_counts(partition: str, n: int, stages: int, pp: int, v: int) -> list[int]:
@@ -68,6 +74,8 @@ def _explicit_counts(partition: str, n: int, stages: int, pp: int, v: int) -> li
 
 def _balanced_counts(cfg_model: ModelConfig, stages: int) -> list[int]:
     """Layer counts minimising the largest stage's parameter count (ties: the most even layer counts)."""
+    from ..model.gpt import parameter_parts  # imports torch: only for the balanced split
+
     parts = parameter_parts(cfg_model)
     n, per_layer = cfg_model.num_layers, parts["layer"]
     head = parts["final_norm"] + parts["output_layer"]
@@ -111,16 +119,45 @@ def check_micro_batches(num_micro_batches: int, pp: int, schedule: str = "1f1b")
                                   "interleaved schedule needs a multiple of pp (adjust train.global_batch_size)")
 
 
-def build_stage(cfg_model: ModelConfig, seed: int, state: ParallelState, tp: TensorParallel | None = None, *,
+def check_schedule(name: str, pp: int, virtual_stages: int = 1) -> None:
+    """``parallel.pp_schedule`` with ``parallel.pp`` and ``parallel.virtual_stages``: an error unless runnable."""
+    from .schedules import SCHEDULES  # schedules imports this module
+
+    if name not in SCHEDULES:
+        close = difflib.get_close_matches(name, SCHEDULES, n=1, cutoff=0.5)
+        raise PipelineConfigError(f"parallel.pp_schedule = {name!r} is not supported; use one of {', '.join(SCHEDULES)}"
+                                  + (f" (did you mean '{close[0]}'?)" if close else ""))
+    if name == "interleaved" and (virtual_stages < 2 or pp < 2):
+        raise PipelineConfigError(f"parallel.pp_schedule = interleaved needs parallel.pp >= 2 and "
+                                  f"parallel.virtual_stages >= 2 (got {pp}, {virtual_stages})")
+    if name != "interleaved" and virtual_stages != 1:
+        raise PipelineConfigError(f"parallel.virtual_stages = {virtual_stages} needs parallel.pp_schedule = interleaved")
+
+
+@check
+def check_pipeline_config(cfg: Config) -> None:
+    """The pipeline keys of a config: schedule, layers per virtual stage, micro-batches per step."""
+    m, p = cfg.model, cfg.parallel
+    check_schedule(p.pp_schedule, p.pp, p.virtual_stages)
+    if p.pp_partition != "balanced" or m.padded_vocab_size is not None:  # balanced counts need the vocabulary
+        layer_split(m, p.pp, p.virtual_stages, p.pp_partition)
+    else:
+        _check_stage_count(m.num_layers, p.pp, p.virtual_stages)
+    check_micro_batches(cfg.train.grad_accum_steps, p.pp, p.pp_schedule)
+
+
+def build_stage(cfg_model: ModelConfig, seed: int, state: ParallelState, parallel: ParallelContext | None = None, *,
                 virtual_stages: int = 1, partition: str = "uniform", label_smoothing: float = 0.0,
                 z_loss: float = 0.0) -> GPTModel:
     """This rank's pipeline stage: its model chunks, the embedding on the first stage, the head on the last.
 
     ``label_smoothing`` and ``z_loss`` (``train.*``) go to the last stage's cross entropy.
     """
+    from ..model.gpt import GPTModel
+
     chunks = stage_chunks(cfg_model, state.pp_size, state.pp_rank, virtual_stages, partition)
     return GPTModel(cfg_model, seed=seed, layer_chunks=chunks, pre_process=state.is_first_stage,
-                    post_process=state.is_last_stage, tp=tp, label_smoothing=label_smoothing, z_loss=z_loss)
+                    post_process=state.is_last_stage, parallel=parallel, label_smoothing=label_smoothing, z_loss=z_loss)
 
 
 def tied_embedding_params(stage: GPTModel, state: ParallelState) -> list[nn.Parameter]:

@@ -10,7 +10,7 @@ def _build(rank, world):
     cfg = config.load(overrides=["data.paths=[x]", "tokenizer.type=byte", "model.num_layers=1", "model.hidden_size=32",
                                  "model.num_heads=2", "model.seq_length=16"])
     config.set_vocab(cfg, 258)
-    model = GPTModel(cfg.model, seed=1)  # default TensorParallel: this process alone, not the world group
+    model = GPTModel(cfg.model, seed=1)  # default ParallelContext: this process alone, not the world group
     tokens = torch.arange(16).view(1, 16)
     return model.embedding.weight.shape, model(tokens, labels=tokens)
 

@@ -23,17 +23,10 @@ import torch
 from megatron_sp.config import ModelConfig
 from megatron_sp.model import GPTModel
 from megatron_sp.mpu import ParallelDims, initialize
-from megatron_sp.pipeline import (
-    PipelineConfigError,
-    ScheduleStats,
-    build_schedule,
-    build_stage,
-    check_micro_batches,
-    forward_backward,
-    layer_split,
-    simulate,
-    tied_embedding_params,
-)
+from megatron_sp.pipeline.executor import ScheduleStats, forward_backward
+from megatron_sp.pipeline.partition import (PipelineConfigError, build_stage, check_micro_batches, layer_split,
+                                            tied_embedding_params)
+from megatron_sp.pipeline.schedules import build_schedule, simulate
 from megatron_sp.testing import run_distributed
 
 VOCAB, PADDED = 50, 64

@@ -19,10 +19,10 @@ from torch import nn
 
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel
-from megatron_sp.model.transformer import TensorParallel
 from megatron_sp.mpu import (
     ColumnParallelLinear,
     GatherBuffer,
+    ParallelContext,
     RowParallelLinear,
     VocabParallelEmbedding,
     comm,
@@ -215,8 +215,9 @@ def _gpt_loss_options_case(group, t: int, r: int, arch: str) -> dict[str, tuple[
     ref_model = GPTModel(cfg, seed=5, **options).double()
     ref_losses = run(ref_model)
     ref_grads = dict((n, p.grad) for n, p in ref_model.named_parameters())
-    tp = TensorParallel(group=group, size=t, rank=r, sequence_parallel=t > 1)
-    model = GPTModel(cfg, seed=5, tp=tp, **options).double()
+    parallel = ParallelContext(tp_group=group, sequence_parallel=t > 1)
+    assert (parallel.tp_size, parallel.tp_rank) == (t, r)
+    model = GPTModel(cfg, seed=5, parallel=parallel, **options).double()
     losses = run(model)
     out = {"loss": (_err(losses, ref_losses), TOL64 * max(1.0, ref_losses.abs().max().item()))}
     for name, p in model.named_parameters():

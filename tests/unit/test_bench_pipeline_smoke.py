@@ -15,7 +15,7 @@ if str(BENCH) not in sys.path:
 
 import pipeline_bubble  # noqa: E402
 
-from megatron_sp.pipeline import theory_bubble  # noqa: E402
+from megatron_sp.pipeline.schedules import theory_bubble  # noqa: E402
 
 SCHEDULES = ["none", "1f1b", "interleaved", "zero_bubble"]
 TINY = ["--pp", "2", "--micro", "2,3", "--schedules", ",".join(SCHEDULES), "--virtual", "2", "--layers", "4",

@@ -6,7 +6,7 @@
    barrier therefore goes through ``mpu.comm``, where ``comm.count()`` and ``comm.observe()`` see it.
 2. No monkey-patching: no assignment to (or ``setattr`` on) an attribute of an imported module,
    e.g. ``training.forward_backward = ...`` or ``schedules._P2P.send = ...``. Measure through the
-   supported hooks (``comm.observe``, ``pipeline.schedules.observe``,
+   supported hooks (``comm.observe``, ``pipeline.executor.observe``,
    ``SelfAttention.register_kernel_hook``) instead.
 
 Each failure names ``file:line``.
@@ -31,7 +31,7 @@ GROUP_MAKING = {
     "TCPStore": {"megatron_sp/mpu/parallel_state.py"},
     "PrefixStore": {"megatron_sp/mpu/parallel_state.py"},
     "distributed_c10d": {"megatron_sp/faults.py"},  # the default store's key-value reads (peer diagnosis)
-    "run": {"megatron_sp/training.py"},  # starting local ranks (torchrun's launcher)
+    "run": {"megatron_sp/launcher.py"},  # starting local ranks (torchrun's launcher)
 }
 """Group creation, teardown, the default store and the local launcher: allowed in the files that own them."""
 LAUNCHING = "torch.distributed.elastic"

@@ -108,7 +108,7 @@ def test_pipeline_layout_checks():
     pp2 = BASE + ["parallel.pp=2", "train.global_batch_size=4"]
     cases = {
         "interleaved needs parallel.pp >= 2 and parallel.virtual_stages >= 2": ["parallel.pp_schedule=interleaved"],
-        "needs parallel.pp_schedule=interleaved": ["parallel.virtual_stages=2", "model.num_layers=4"],
+        "virtual_stages = 2 needs parallel.pp_schedule = interleaved": ["parallel.virtual_stages=2", "model.num_layers=4"],
         "not divisible by parallel.pp·virtual_stages = 2·2": ["parallel.pp_schedule=interleaved",
                                                              "parallel.virtual_stages=2", "model.num_layers=6"],
         "pp_partition = '1,2'": ["parallel.pp_partition=1,2", "model.num_layers=4"],

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel
 from megatron_sp.mpu import vocab_parallel_cross_entropy
-from megatron_sp.pipeline import build_stage
+from megatron_sp.pipeline.partition import build_stage
 
 F64 = torch.float64
 VOCAB, PADDED = 37, 48

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_sp import training
+from megatron_sp import cli, launcher, training
 from megatron_sp.data.indexed import HEADER, IndexedDatasetWriter, data_file_paths
 
 BASE = ["tokenizer.type=byte", "data.build_demo=false", "train.iters=1", "model.seq_length=8"]
@@ -32,11 +32,11 @@ def _entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(training.log, "propagate", training.log.propagate)
     monkeypatch.setattr(training.log, "level", training.log.level)
     monkeypatch.setattr(training, "run", must_not_train)
-    monkeypatch.setattr(training, "_launch_local", must_not_train)
+    monkeypatch.setattr(launcher, "start_local", must_not_train)
 
 
 def _error_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, paths: str, *words: str) -> str:
-    code = training.main([*BASE, f"data.paths={paths}", f"logging.dir={tmp_path / 'run'}"])
+    code = cli.main([*BASE, f"data.paths={paths}", f"logging.dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err
     lines = err.strip().splitlines()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_sp import training
+from megatron_sp.data import batching
 from megatron_sp.config.schema import Config
 from megatron_sp.data import collate
 from megatron_sp.data.gpt_dataset import GPTDataset
@@ -76,7 +76,7 @@ def test_every_dp_layout_reads_the_same_global_batch(dataset: GPTDataset) -> Non
 
 
 def _runtime(dataset: GPTDataset, workers: int, dp_rank: int = 0, dp_size: int = 1) -> types.SimpleNamespace:
-    """The parts of training.Runtime that next_train_batch / rank_batch use (no process group)."""
+    """The parts of training.Runtime that batching.next_train_batch / rank_batch use (no process group)."""
     cfg = Config()
     cfg.train.global_batch_size = GBS
     cfg.data.num_workers = workers
@@ -89,11 +89,11 @@ def _runtime(dataset: GPTDataset, workers: int, dp_rank: int = 0, dp_size: int =
 def test_training_draws_rank_batch_through_the_loader(dataset: GPTDataset) -> None:
     rt = _runtime(dataset, workers=1, dp_rank=1, dp_size=2)
     for _ in range(3):  # what train_step does: one batch, then consumed_samples += gbs
-        batch = training.next_train_batch(rt)
-        assert _same(batch, training.rank_batch(rt, dataset, rt.consumed_samples))
+        batch = batching.next_train_batch(rt)
+        assert _same(batch, batching.rank_batch(rt, dataset, rt.consumed_samples))
         rt.consumed_samples += GBS
     first = rt.train_loader
     rt.consumed_samples = 1 * GBS  # a checkpoint of another step is loaded: the loader is rebuilt there
-    batch = training.next_train_batch(rt)
+    batch = batching.next_train_batch(rt)
     assert rt.train_loader is not first and _same(batch, _expected(dataset, 1, 1, 2))
     rt.train_loader.close()

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_sp import launcher
-from megatron_sp.launcher import Host, LaunchError, parse_hostfile, select_hosts
+from megatron_sp import launcher, multinode
+from megatron_sp.errors import LaunchError
+from megatron_sp.multinode import Host, parse_hostfile, select_hosts
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = ["-u", "-m", "torch.distributed.run"]
@@ -42,7 +43,7 @@ print("RESULT " + json.dumps({"rank": os.environ["RANK"], "world": os.environ["W
 def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A clean working directory with a script and a hostfile; no propagated variables from this shell."""
     for key in list(os.environ):
-        if key.startswith(launcher.AUTO_ENV_PREFIXES) or key in launcher.AUTO_ENV_NAMES or key.startswith("SLURM_"):
+        if key.startswith(multinode.AUTO_ENV_PREFIXES) or key in multinode.AUTO_ENV_NAMES or key.startswith("SLURM_"):
             monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my dir").mkdir()

@@ -2,7 +2,7 @@
 
 Every case must end with a non-zero exit code and exactly one stderr line ``error: ...`` that names
 the offending key or file, with no traceback, before any rank starts or any step runs. The cases go
-through ``megatron_sp.training.main(argv)`` in this process (the config and the input files are
+through ``megatron_sp.cli.main(argv)`` in this process (the config and the input files are
 checked before ``train.py`` launches ranks, so nothing else runs); a few also go through a real
 ``python train.py`` to show the process behaves the same. Data-file corruption and hostfile cases
 live with their own modules' tests.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_sp import training
+from megatron_sp import cli, launcher, training
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -286,7 +286,7 @@ def check_line(c: Case, code: int, stderr: str) -> str:
 
 
 def run_in_process(c: Case, d: Path, monkeypatch, capsys) -> tuple[int, str]:
-    """``training.main`` with train.py's argv; any launch or training would fail the case."""
+    """``cli.main`` with train.py's argv; any launch or training would fail the case."""
     def must_not_train(*_: object, **__: object) -> None:
         raise AssertionError(f"{c.name}: passed the checks and would train")
 
@@ -297,11 +297,11 @@ def run_in_process(c: Case, d: Path, monkeypatch, capsys) -> tuple[int, str]:
         m.setattr(training.log, "propagate", training.log.propagate)
         m.setattr(training.log, "level", training.log.level)
         m.setattr(training, "run", must_not_train)
-        m.setattr(training, "_launch_local", must_not_train)
+        m.setattr(launcher, "start_local", must_not_train)
         if c.hide:
             m.setitem(sys.modules, c.hide, None)  # as if not installed
         try:
-            code = training.main(argv_of(c, d))
+            code = cli.main(argv_of(c, d))
         except SystemExit as exc:  # argparse usage errors exit from parse_args
             code = exc.code if isinstance(exc.code, int) else 1
     return code, capsys.readouterr().err

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_sp import device, metrics
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel, count_parameters, flops_per_token
-from megatron_sp.model.transformer import TensorParallel
+from megatron_sp.mpu import ParallelContext
 from megatron_sp.testing import run_distributed
 
 
@@ -196,7 +196,7 @@ def test_parameter_summary_line() -> None:
 
 def _tp_counts(rank: int, world: int) -> dict[str, int]:
     cfg = tiny("neox", hidden_size=16, num_heads=4, num_kv_heads=4, vocab_size=30, padded_vocab_size=32)
-    model = GPTModel(cfg, seed=1, tp=TensorParallel(group=dist.group.WORLD, size=world, rank=rank))
+    model = GPTModel(cfg, seed=1, parallel=ParallelContext(tp_group=dist.group.WORLD))
     sharded = sum(p.numel() for p in model.parameters() if getattr(p, "tensor_model_parallel", False))
     return {"on_rank": model.num_parameters(), "sharded": sharded, "replicated": model.num_parameters() - sharded,
             "total": count_parameters(cfg, exclude_embeddings=False)}

@@ -1,9 +1,14 @@
 """Schedule tables (no processes): every action once, no deadlock, the textbook bubble on unit costs."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from megatron_sp.pipeline import Action, PipelineConfigError, build_schedule, simulate, theory_bubble
+from megatron_sp.pipeline.partition import PipelineConfigError
+from megatron_sp.pipeline.schedules import Action, build_schedule, checked_schedule, simulate, theory_bubble
 
 LAYOUTS = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 5, 8, 16)]
 
@@ -85,3 +90,22 @@ def test_zero_bubble_on_measured_costs_stays_below_1f1b() -> None:
             for actions in table:  # I's and W's in micro-batch order: the same gradient sums for any costs
                 for kind in "IW":
                     assert [a.micro_batch for a in actions if a.kind == kind] == list(range(m))
+
+
+def test_checked_schedule_is_validated_once_per_layout() -> None:
+    """The executor's table: build_schedule's, simulated once per (schedule, pp, m, v), not every step."""
+    first = checked_schedule("interleaved", 2, 4, 2)
+    assert first == tuple(map(tuple, build_schedule("interleaved", 2, 4, 2)))
+    assert checked_schedule("interleaved", 2, 4, 2) is first  # cached: no rebuild, no simulation
+    costs = {"F": 80.0, "B": 130.0, "I": 80.0, "W": 50.0}
+    assert checked_schedule("zero_bubble", 2, 4, costs=costs) == tuple(map(tuple, build_schedule(
+        "zero_bubble", 2, 4, costs=costs)))
+    with pytest.raises(PipelineConfigError, match="at least pp"):
+        checked_schedule("1f1b", 4, 2)
+
+
+def test_tables_need_no_torch() -> None:
+    """Config checks and the planner use partition and schedules without importing torch."""
+    code = ("import sys, megatron_sp.pipeline.partition, megatron_sp.pipeline.schedules as s; "
+            "s.checked_schedule('zero_bubble', 2, 4); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

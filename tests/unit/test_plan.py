@@ -1,11 +1,11 @@
-"""The layout planner (``megatron_sp.plan``, ``tools/plan.py``) against hand numbers and the real model.
+"""The layout planner (``tools/planner``, ``tools/plan.py``) against hand numbers and the real model.
 
 * formulas: a small neox config's parameters, state bytes, per-layer activations, Table 2 and
   tensor-parallel communication, computed by hand in the comments;
-* parameters, gradients and optimizer state: predicted bytes EXACTLY equal to a real ``GPTModel`` +
-  ``DistributedOptimizer`` built here (one process; pipeline stages built directly; dp > 1 with a
-  stand-in state object, which the optimizer only reads at construction; TP shapes from the model's
-  sharding attributes);
+* parameters, gradients and optimizer state: the planner's meta-device stages and optimizer give
+  EXACTLY the bytes of a real ``GPTModel`` + ``DistributedOptimizer`` built here on CPU (one process;
+  pipeline stages built directly; dp > 1 with a stand-in state object, which the optimizer only reads
+  at construction; TP shapes from the model's sharding attributes);
 * activations: within 10% (in fact equal) of the bytes autograd saves for one micro-batch, with and
   without recompute;
 * the layout search: every factorisation considered, refusals are the config loader's, sorted;
@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_sp import config, plan
+from megatron_sp import config
 from megatron_sp.errors import ConfigError
 from megatron_sp.model.gpt import GPTModel, parameter_parts
-from megatron_sp.model.transformer import TensorParallel
+from megatron_sp.mpu import ParallelContext
 from megatron_sp.mpu.random import get_tracker, init_rng
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 
@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "tools" / "plan.py")
 assert _spec is not None and _spec.loader is not None
 plan_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_cli)
+_spec.loader.exec_module(plan_cli)  # puts tools/ on sys.path: the planner package is importable from here on
+plan = plan_cli.plan
 
 TINY = ["data.paths=[unused]", "tokenizer.type=byte", "model.num_layers=2", "model.hidden_size=64",
         "model.num_heads=4", "model.seq_length=32", "train.micro_batch_size=2"]
@@ -154,8 +155,9 @@ def test_state_bytes_equal_the_real_optimizer(overrides: tuple[str, ...]) -> Non
     for r in range(cfg.parallel.pp):
         model = _stage_model(cfg, r)
         named = named_trainable(model)
-        specs = plan.stage_parameters(cfg, r)
-        assert [(s.name, s.shape) for s in specs] == [(n, tuple(p.shape)) for n, p in named]
+        planned = plan.stage_parameters(cfg, r)  # the same stage built on the meta device
+        assert all(q.is_meta for _, q in planned)
+        assert [(n, q.shape) for n, q in planned] == [(n, p.shape) for n, p in named]
         for dp_rank in {0, cfg.parallel.dp - 1}:
             opt = DistributedOptimizer(named, cfg.train, _stand_in_state(cfg, r, dp_rank), zero=cfg.parallel.zero,
                                        precision=cfg.train.precision, bucket_bytes=bucket)
@@ -181,8 +183,8 @@ def test_tensor_parallel_shapes_from_sharding_attributes(overrides: tuple[str, .
         if getattr(p, "tensor_model_parallel", False):
             shape[p.partition_dim] //= t
         local.append((name, tuple(shape)))
-    assert [(s.name, s.shape) for s in plan.stage_parameters(cfg)] == local
-    sp = {s.name for s in plan.stage_parameters(cfg) if s.sequence_parallel}
+    assert [(n, tuple(q.shape)) for n, q in plan.stage_parameters(cfg)] == local
+    sp = {n for n, q in plan.stage_parameters(cfg) if q.sequence_parallel}
     assert sp == ({n for n, _ in model.named_parameters() if "norm" in n or n.endswith(("out.bias", "fc2.bias"))}
                   if cfg.parallel.sequence_parallel else set())
 
@@ -190,10 +192,10 @@ def test_tensor_parallel_shapes_from_sharding_attributes(overrides: tuple[str, .
 def test_replicated_kv_heads_cost_under_tp() -> None:
     split = plan.stage_parameters(make_config("model.arch=llama", "model.num_kv_heads=2", "parallel.tp=2"))
     repl = plan.stage_parameters(make_config("model.arch=llama", "model.num_kv_heads=1", "parallel.tp=2"))
-    qkv = {s.name: s for s in repl if "qkv" in s.name}
+    qkv = {n: q for n, q in repl if "qkv.weight" in n}
     # one kv head, 4 query heads, head dim 16: the whole [1·(4+2)·16, 64] weight on both TP ranks, TP-summed grad
-    assert all(s.shape == (96, 64) and s.sequence_parallel for s in qkv.values())
-    assert {s.name: s.shape for s in split if "qkv" in s.name}["layers.0.attention.qkv.weight"] == (64, 64)
+    assert all(q.shape == (96, 64) and q.sequence_parallel and not q.tensor_model_parallel for q in qkv.values())
+    assert dict(split)["layers.0.attention.qkv.weight"].shape == (64, 64)
 
 
 # ------------------------------------------------------------------------------------------ activations
@@ -203,7 +205,7 @@ def _measure_micro_batch(cfg) -> int:
     """Bytes autograd saves for one micro-batch through the whole model, as training runs it."""
     tracker = get_tracker()
     init_rng(tracker, 1, 0, 0)
-    model = GPTModel(cfg.model, 1, tp=TensorParallel(recompute=cfg.model.recompute, tracker=tracker)).train()
+    model = GPTModel(cfg.model, 1, parallel=ParallelContext(recompute=cfg.model.recompute, tracker=tracker)).train()
     opt = DistributedOptimizer(named_trainable(model), cfg.train, None, precision=cfg.train.precision)
     g, s, b = cfg.train.global_batch_size, cfg.model.seq_length, cfg.train.micro_batch_size
     gen = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_sp import checkpointing, config, faults, training
+from megatron_sp import checkpointing, cli, config, faults, launcher, training
 from megatron_sp.checkpointing import Lineage, SaveDirLock
 from megatron_sp.errors import ConfigError, TrainingError
 from megatron_sp.model import GPTModel
@@ -76,8 +76,8 @@ def main_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, list[str
         m.setattr(training.log, "propagate", training.log.propagate)
         m.setattr(training.log, "level", training.log.level)
         m.setattr(training, "run", must_not_train)
-        m.setattr(training, "_launch_local", must_not_train)
-        code = training.main(argv)
+        m.setattr(launcher, "start_local", must_not_train)
+        code = cli.main(argv)
     return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 

@@ -2,28 +2,11 @@
 
 One forward of one neox ``TransformerLayer`` (ffn = 4h) on its input ``[s/t, b, h]`` (sequence
 parallel) or ``[s, b, h]``, for each tp × sequence parallel × recompute (none, selective, full).
-tp > 1 runs on gloo ranks (``run_distributed``) and reports rank 0. Measured bytes = every tensor
-autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``), counted once per
-storage (``untyped_storage().data_ptr()``), without the layer's parameters and without bf16 copies
-of them made by autocast (weights, not activations).
-
-Formula: Table 2 (Korthikanti et al. 2022; see docs/activation_memory.md) built term by term,
-then converted to the dtype used: every 16-bit activation term × (bytes per element / 2), so fp32
-doubles it; dropout masks stay 1 byte per element as in Table 2. Terms that cannot exist in the
-run are left out, and the printed terms column says so:
-
-* dropout 0 (the default): no masks, so the 34 of Table 2 becomes 32 (10 → 8 in the replicated
-  part) and the score term 5as/h becomes 2as/h (softmax output only);
-* the ``as/h`` score term appears only where the attention kernel really stores the ``[b, n/t, s, s]``
-  scores: not in fp32 with dropout 0 (torch's CPU flash SDPA keeps only q, k, v, out and the
-  log-sum-exp), yes in bf16 while ``b·(n/t)·s² <= MATH_ATTENTION_MAX_SCORES`` (the layer's
-  explicit-scores kernel, faster on CPU), and yes with dropout > 0 (CPU SDPA falls back to its math
-  kernel); never under selective recompute (the core is recomputed);
-* full recompute keeps the layer input only: 2sbh, ``/t`` under sequence parallelism.
-
-Each saved storage is attributed to a Table 2 term (by the module that saved it, the autograd
-slot holding it and the q/k/v given to the attention kernel); rows above 1.02 get a note naming
-the terms that exceed their formula share. ``--verbose`` prints every saved storage.
+tp > 1 runs on gloo ranks and reports rank 0. Measured bytes = every tensor autograd saves for
+backward, counted once per storage, without the parameters and autocast's copies of them. The
+formula column is Table 2 built term by term in the dtype used, leaving out terms that cannot
+exist in the run (docs/activation_memory.md, "The benchmark against Table 2"). Each saved storage
+is attributed to a term; rows above 1.02 get a note. ``--verbose`` prints every saved storage.
 
 Run from the repo root:  python tools/bench/activation_memory.py [--dtype bf16] [--dropout 0.1] ...
 Prints a table, notes, then one JSON line with every number.
@@ -31,36 +14,27 @@ Prints a table, notes, then one JSON line with every number.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-try:
-    import megatron_sp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from megatron_sp import config
+from common import bench_config, ints, per_rank, parser, print_json
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES
 from megatron_sp.model.transformer import (
     RotaryEmbedding,
     SelfAttention,
-    TensorParallel,
     TransformerLayer,
     head_dim,
     rotary_dim,
 )
+from megatron_sp.mpu import ParallelContext
 from megatron_sp.mpu.random import checkpoint, get_tracker, init_rng
-from megatron_sp.testing import run_distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RECOMPUTE = ("none", "selective", "full")
@@ -95,12 +69,7 @@ def explain(name: str, above: bool, args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=256, help="sequence length s")
-    p.add_argument("--batch", type=int, default=2, help="micro-batch b")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size h")
-    p.add_argument("--heads", type=int, default=8, help="attention heads a")
+    p = parser(__doc__, seq=256, batch=2, hidden=256, heads=8, seed=1234)
     p.add_argument("--tp", default="1,2,4", help="comma-separated TP sizes")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16: torch.autocast, fp32 parameters")
     p.add_argument("--input-dtype", choices=sorted(DTYPES), default="fp32",
@@ -108,7 +77,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
     p.add_argument("--no-recompute-allgather", action="store_true",
                    help="under SP, save the gathered QKV/fc1 input instead of the shard")
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--verbose", action="store_true", help="print every saved storage of every row")
     return p.parse_args(argv)
 
@@ -118,17 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """A finalized neox ModelConfig (ffn = 4h) from the flags."""
-    overrides = ["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte", "model.arch=neox",
-                 f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}", f"model.seq_length={args.seq}",
-                 f"model.hidden_dropout={args.dropout}", f"model.attention_dropout={args.dropout}"]
-    cfg = config.load(overrides=overrides)
-    config.set_vocab(cfg, 256)
-    return cfg.model
+    return bench_config(256, arch="neox", hidden_size=args.hidden, num_heads=args.heads, seq_length=args.seq,
+                        hidden_dropout=args.dropout, attention_dropout=args.dropout).model
 
 
-def build_layer(cfg: ModelConfig, tp: TensorParallel, seed: int) -> TransformerLayer:
+def build_layer(cfg: ModelConfig, parallel: ParallelContext, seed: int) -> TransformerLayer:
     """Layer 0 of a GPTModel with this rank's shards of the model's initial weights (the model's own init)."""
-    stage = GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, tp=tp)
+    stage = GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, parallel=parallel)
     return stage.layers["0"].train()
 
 
@@ -328,7 +292,7 @@ def categorize(rec: SavedStorage, ctx: dict[str, Any]) -> str:
 
 
 def scores_stored(args: argparse.Namespace, t: int, recompute: str) -> bool:
-    """Whether the attention kernel keeps the [b, n/t, s, s] scores (see the module docstring)."""
+    """Whether the attention kernel keeps the [b, n/t, s, s] scores (docs/activation_memory.md)."""
     if recompute != "none":
         return False
     explicit = args.dtype == "bf16" and args.batch * (args.heads // t) * args.seq ** 2 <= MATH_ATTENTION_MAX_SCORES
@@ -369,41 +333,41 @@ def table2(args: argparse.Namespace, cfg: ModelConfig, t: int, sp: bool, recompu
 # ------------------------------------------------------------------------------------------------ measuring
 
 
-def measure(args: argparse.Namespace, cfg: ModelConfig, tp: TensorParallel) -> dict[str, Any]:
+def measure(args: argparse.Namespace, cfg: ModelConfig, parallel: ParallelContext) -> dict[str, Any]:
     """One forward of one layer under the recorder: the row's numbers and its saved storages."""
-    layer = build_layer(cfg, tp, args.seed)
-    sp = tp.sequence_parallel and tp.size > 1
+    layer = build_layer(cfg, parallel, args.seed)
+    t, sp, recompute = parallel.tp_size, parallel.sp, parallel.recompute
     s, b, h = args.seq, args.batch, args.hidden
-    gen = torch.Generator().manual_seed(args.seed + tp.rank)
-    x = torch.randn(s // tp.size if sp else s, b, h, generator=gen).to(DTYPES[args.input_dtype]).requires_grad_()
+    gen = torch.Generator().manual_seed(args.seed + parallel.tp_rank)
+    x = torch.randn(s // t if sp else s, b, h, generator=gen).to(DTYPES[args.input_dtype]).requires_grad_()
     autocast = args.dtype == "bf16"
     rope = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)
     cos, sin = rope(None, s, x.device, torch.float32, DTYPES[args.dtype])  # as GPTModel.forward makes them
 
     recorder = SavedTensorRecorder(layer)
-    for t, name in ((x, "input"), (cos, "cos"), (sin, "sin")):
-        recorder.tag(t, name)
+    for tensor, name in ((x, "input"), (cos, "cos"), (sin, "sin")):
+        recorder.tag(tensor, name)
     with recorder.record(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        if tp.recompute == "full":
-            y = checkpoint(layer, x, cos, sin, tracker=tp.tracker)  # what GPTModel does per layer
+        if recompute == "full":
+            y = checkpoint(layer, x, cos, sin, tracker=parallel.tracker)  # what GPTModel does per layer
         else:
             y = layer(x, cos, sin)
     recorder.attribute_slots(y)
 
-    ctx = {"recompute": tp.recompute, "s": s, "head_dim": head_dim(cfg)}
+    ctx = {"recompute": recompute, "s": s, "head_dim": head_dim(cfg)}
     measured: dict[str, float] = {}
     excluded: dict[str, float] = {}
     for rec in recorder.storages.values():
         rec.category = categorize(rec, ctx)
         bucket = excluded if rec.category in ("parameter", "parameter cast") else measured
         bucket[rec.category] = bucket.get(rec.category, 0) + rec.nbytes
-    terms_text, expected = table2(args, cfg, tp.size, sp, tp.recompute)
+    terms_text, expected = table2(args, cfg, t, sp, recompute)
     total, formula = sum(measured.values()), sum(expected.values())
     terms = {name: {"measured": measured.get(name, 0), "formula": expected.get(name, 0)}
              for name in [*expected, *(m for m in measured if m not in expected)]}
     storages = sorted(recorder.storages.values(), key=lambda r: -r.nbytes)
-    return {"tp": tp.size, "sp": sp, "recompute": tp.recompute, "measured_bytes": total, "formula_bytes": formula,
-            "ratio": total / formula, "table2_terms": terms_text, "scores_expected": scores_stored(args, tp.size, tp.recompute),
+    return {"tp": t, "sp": sp, "recompute": recompute, "measured_bytes": total, "formula_bytes": formula,
+            "ratio": total / formula, "table2_terms": terms_text, "scores_expected": scores_stored(args, t, recompute),
             "scores_stored": "attention probs" in measured, "parameter_bytes": excluded.get("parameter", 0),
             "parameter_cast_bytes": excluded.get("parameter cast", 0), "terms": terms,
             "storages": [{**asdict(r), "modules": sorted(r.modules), "slots": sorted(r.slots), "tags": sorted(r.tags)}
@@ -425,9 +389,9 @@ def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
     init_rng(tracker, args.seed, rank, 0)
     rows = []
     for sp, recompute in configurations(world_size):
-        tp = TensorParallel(group=group, size=world_size, rank=rank, sequence_parallel=sp,
-                            recompute_allgather=not args.no_recompute_allgather, recompute=recompute, tracker=tracker)
-        rows.append(measure(args, cfg, tp))
+        parallel = ParallelContext(tp_group=group, sequence_parallel=sp, recompute=recompute, tracker=tracker,
+                                   recompute_allgather=not args.no_recompute_allgather)
+        rows.append(measure(args, cfg, parallel))
     return rows
 
 
@@ -497,22 +461,19 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                 print(f"  {st['nbytes']:>10,} {st['category']:22} {str(tuple(st['shape'])):22} {st['dtype']:9} "
                       f"{','.join(st['modules'])} | {', '.join(st['slots'])}")
     out = [{k: v for k, v in r.items() if k != "storages" or args.verbose} for r in rows]
-    print(json.dumps({"bench": "activation_memory", "torch": torch.__version__, "config": vars(args), "rows": out}))
+    print_json("activation_memory", config=vars(args), rows=out)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Measure every row and print the report; returns the rows."""
     args = parse_args(argv)
-    sizes = [int(t) for t in args.tp.split(",")]
+    sizes = ints(args.tp)
     for t in sizes:
         if args.heads % t or args.seq % t:
             raise SystemExit(f"--tp {t}: heads ({args.heads}) and seq ({args.seq}) must be divisible by it")
     rows: list[dict[str, Any]] = []
     for t in sizes:
-        if t == 1:
-            rows += rank_rows(0, 1, args)
-        else:
-            rows += run_distributed(rank_rows, t, args=args)[0]  # rank 0's numbers
+        rows += per_rank(rank_rows, t, args=args)[0]  # rank 0's numbers
     print_report(args, rows)
     return rows
 

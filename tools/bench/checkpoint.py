@@ -1,19 +1,9 @@
 """Sharded checkpoint save/load at world 4 (tp2 · dp2, ZeRO-1): bytes per rank, blocked time, load time.
 
-Every rank builds the same model (TP-sharded) and a ZeRO-1 ``DistributedOptimizer`` with
-non-zero Adam moments, then, ``--repeats`` times each:
-
-* ``sync``: ``Checkpointer.save`` with ``asynchronous=False`` — the time training is blocked;
-* ``async``: ``Checkpointer.save`` asynchronously — blocked time is the call (snapshot to host
-  memory + the index metadata exchange); ``until latest`` is the time to the first ``poll()``
-  that finalises it (polled every 10 ms, as a training loop would between steps);
-* ``gather to rank 0``: what format version 1 did — TP shards and ZeRO shards gathered to full
-  tensors and one ``torch.save`` on rank 0 (the baseline the sharded format replaces);
-* ``load same layout``: ``checkpointing.load`` at tp2 · dp2; ``load 1 rank``: ``read_full`` of
-  every tensor in one process (what the converter and generate.py do).
-
-Bytes per rank are the sizes of the shard files; the sharded format should split them evenly
-(max/min close to 1) and write no more in total than the baseline's one file.
+Every rank builds the same TP-sharded model and a ZeRO-1 ``DistributedOptimizer`` with non-zero
+Adam moments, then times, ``--repeats`` times each: a synchronous save, an asynchronous save
+(blocked time, and time until ``poll()`` finalises it), the old gather-to-rank-0 baseline, a load
+at the same layout, and ``read_full`` in one process. Method: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/checkpoint.py [--layers 4 --hidden 512 ...]
 Prints a table, then one JSON line with every number.
@@ -22,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -31,15 +22,10 @@ from typing import Any
 
 import torch
 
-try:
-    import megatron_sp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
+from common import bench_config, parser
 from megatron_sp import checkpointing, config
 from megatron_sp.model import GPTModel
-from megatron_sp.model.transformer import TensorParallel
-from megatron_sp.mpu import ParallelDims, comm, initialize
+from megatron_sp.mpu import ParallelContext, ParallelDims, comm, initialize
 from megatron_sp.mpu.sharding import gather_full
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 from megatron_sp.testing import run_distributed
@@ -48,23 +34,16 @@ TP, DP = 2, 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
+    p = parser(__doc__, layers=4, hidden=512, heads=8, vocab=8192)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     return p.parse_args(argv)
 
 
 def build(args: argparse.Namespace, root: str) -> config.Config:
-    cfg = config.load(overrides=["data.paths=[unused]", "tokenizer.type=byte", f"model.num_layers={args.layers}",
-                                 f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}",
-                                 f"parallel.tp={TP}", f"parallel.dp={DP}", "parallel.zero=1",
-                                 f"checkpoint.save={root}/ckpt"], world_size=TP * DP)
-    config.set_vocab(cfg, args.vocab)
-    return cfg
+    return bench_config(args.vocab, f"parallel.tp={TP}", f"parallel.dp={DP}", "parallel.zero=1",
+                        f"checkpoint.save={root}/ckpt", world_size=TP * DP, num_layers=args.layers,
+                        hidden_size=args.hidden, num_heads=args.heads)
 
 
 def _timed(fn: Any) -> float:
@@ -79,8 +58,7 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace, root: str) ->
     torch.set_num_threads(1)
     state = initialize(ParallelDims(tp=TP, dp=DP))
     cfg = build(args, root)
-    tp = TensorParallel(group=state.tp_group, size=TP, rank=state.tp_rank)
-    model = GPTModel(cfg.model, seed=1, tp=tp)
+    model = GPTModel(cfg.model, seed=1, parallel=ParallelContext.from_state(state))
     opt = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=1)
     gen = torch.Generator().manual_seed(rank)
     opt.exp_avg.copy_(torch.randn(opt.exp_avg.shape, generator=gen))
@@ -117,9 +95,8 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace, root: str) ->
     result["file_bytes"] = (ckpt / checkpointing.store.rank_file(rank)).stat().st_size
     if rank == 0:
         result["baseline_bytes"] = baseline.stat().st_size
-        result["params"] = sum(int(torch.tensor(s).prod()) for s, _ in
-                               [(v["shape"], 0) for k, v in checkpointing.Reader(ckpt).tensors.items()
-                                if k.startswith("model/")])
+        result["params"] = sum(math.prod(v["shape"]) for k, v in checkpointing.Reader(ckpt).tensors.items()
+                               if k.startswith("model/"))
     return result
 
 

@@ -1,25 +1,10 @@
 """Bytes each rank sends per transformer layer (forward + backward), against the TP / TP+SP theory.
 
 One forward and one backward of one ``TransformerLayer`` (neox and llama) on gloo ranks, for each
-tp × sequence parallel × ``tp_recompute_allgather``; ``megatron_sp.mpu.comm.count()`` records
-every collective with the bytes this rank sends under the ring algorithms (all-reduce
-``2(t−1)/t·bytes``, all-gather ``(t−1)/t·output bytes``, reduce-scatter ``(t−1)/t·input bytes``).
-Forward and backward are counted separately. fp32 activations; reported for rank 0.
-
-Theory, for Megatron's layer structure (per rank, ``N = s·b·h`` elements of ``e`` bytes): one
-fused column-parallel layer per block (fused QKV; fc1, or gate and up fused into one ``[2·ffn/t, h]``
-layer for SwiGLU) and one row-parallel layer per block (attention out; fc2 / down).
-
-* plain TP: forward 2 all-reduces (after out and fc2), backward 2 all-reduces (the input grads of
-  QKV and fc1, Megatron's f); each ``2(t−1)/t·N·e``: ``8(t−1)/t·N·e`` in all.
-* TP + SP: the same volume as all-gathers and reduce-scatters of ``(t−1)/t·N·e`` each: forward
-  2 all-gathers (inputs of QKV and fc1) + 2 reduce-scatters (outputs of out and fc2); backward
-  2 reduce-scatters (input grads of QKV and fc1) + 2 all-gathers (output grads of out and fc2).
-* TP + SP + recompute_allgather: + 1 all-gather in backward per column layer (its input is
-  gathered again for the weight grad): 2 more, ``10(t−1)/t·N·e``. The flag does nothing without SP.
-
-Not counted (not per layer per micro-batch): the TP all-reduce of the grads of SP-tagged
-parameters (norms, row-parallel biases), once per step in the trainer.
+tp × sequence parallel × ``tp_recompute_allgather``; ``comm.count()`` records every collective with
+the bytes this rank sends under the ring algorithms. fp32 activations; reported for rank 0. The
+theory (Megatron's layer structure: TP ``8(t−1)/t·N·e``, the same with SP, ``10(t−1)/t·N·e`` with
+SP + recompute_allgather, ``N = s·b·h``) and what is not counted: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/comm_volume.py [--tp 2,4] [--arch neox,llama] [--verbose]
 Prints a table, notes on rows off their theory, then one JSON line with every number.
@@ -27,23 +12,15 @@ Prints a table, notes on rows off their theory, then one JSON line with every nu
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-try:
-    import megatron_sp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from megatron_sp import config
+from common import bench_config, ints, parser, print_json
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.gpt import GPTModel
-from megatron_sp.model.transformer import RotaryEmbedding, TensorParallel, TransformerLayer, rotary_dim
-from megatron_sp.mpu import comm
+from megatron_sp.model.transformer import RotaryEmbedding, TransformerLayer, rotary_dim
+from megatron_sp.mpu import ParallelContext, comm
 from megatron_sp.mpu.random import get_tracker, init_rng
 from megatron_sp.testing import run_distributed
 
@@ -54,34 +31,22 @@ ELEMENT_BYTES = 4  # fp32
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, seq=256, batch=2, hidden=256, heads=8, kv_heads=None, seed=1234)
     p.add_argument("--arch", default="neox,llama", help="comma-separated: neox,llama")
     p.add_argument("--tp", default="2,4", help="comma-separated TP sizes (> 1)")
-    p.add_argument("--seq", type=int, default=256, help="sequence length s")
-    p.add_argument("--batch", type=int, default=2, help="micro-batch b")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size h")
-    p.add_argument("--heads", type=int, default=8, help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=None, help="llama key/value heads (default: --heads)")
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--verbose", action="store_true", help="per-op breakdown (calls x bytes per call) of every row")
     return p.parse_args(argv)
 
 
 def model_config(args: argparse.Namespace, arch: str) -> ModelConfig:
     """A finalized ModelConfig of ``arch`` from the flags (derived sizes from the config loader)."""
-    overrides = ["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte", f"model.arch={arch}",
-                 f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}", f"model.seq_length={args.seq}"]
-    if arch == "llama" and args.kv_heads is not None:
-        overrides.append(f"model.num_kv_heads={args.kv_heads}")
-    cfg = config.load(overrides=overrides)
-    config.set_vocab(cfg, 256)
-    return cfg.model
+    return bench_config(256, arch=arch, hidden_size=args.hidden, num_heads=args.heads, seq_length=args.seq,
+                        num_kv_heads=args.kv_heads if arch == "llama" else None).model
 
 
-def build_layer(cfg: ModelConfig, tp: TensorParallel, seed: int) -> TransformerLayer:
+def build_layer(cfg: ModelConfig, parallel: ParallelContext, seed: int) -> TransformerLayer:
     """Layer 0 of a GPTModel with this rank's shards of the model's initial weights (the model's own init)."""
-    stage = GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, tp=tp)
+    stage = GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, parallel=parallel)
     return stage.layers["0"].train()
 
 
@@ -89,7 +54,7 @@ def build_layer(cfg: ModelConfig, tp: TensorParallel, seed: int) -> TransformerL
 
 
 def theory(t: int, sp: bool, recompute_allgather: bool) -> dict[str, dict[str, int]]:
-    """``{phase: {op: calls}}`` of Megatron's layer (see the module docstring); every call moves N elements."""
+    """``{phase: {op: calls}}`` of Megatron's layer (docs/benchmarks.md); every call moves N elements."""
     if not sp:
         return {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
     return {"forward": {"all_gather": 2, "reduce_scatter": 2},
@@ -110,13 +75,12 @@ def structural_differences(cfg: ModelConfig, t: int, sp: bool, recompute_allgath
 # ------------------------------------------------------------------------------------------------ measuring
 
 
-def measure(args: argparse.Namespace, cfg: ModelConfig, tp: TensorParallel) -> dict[str, Any]:
+def measure(args: argparse.Namespace, cfg: ModelConfig, parallel: ParallelContext) -> dict[str, Any]:
     """Collectives of one forward and one backward of one layer on this rank."""
-    layer = build_layer(cfg, tp, args.seed)
-    sp = tp.sequence_parallel and tp.size > 1
+    layer = build_layer(cfg, parallel, args.seed)
     s, b, h = args.seq, args.batch, args.hidden
-    gen = torch.Generator().manual_seed(args.seed + tp.rank)
-    x = torch.randn(s // tp.size if sp else s, b, h, generator=gen).requires_grad_()  # [s/t, b, h] or [s, b, h]
+    gen = torch.Generator().manual_seed(args.seed + parallel.tp_rank)
+    x = torch.randn(s // parallel.tp_size if parallel.sp else s, b, h, generator=gen).requires_grad_()  # [s/t, b, h] or [s, b, h]
     cos, sin = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)(None, s, x.device, torch.float32, torch.float32)
     with comm.count() as fwd:
         y = layer(x, cos, sin)
@@ -137,10 +101,10 @@ def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
         cfg = model_config(args, arch)
         for sp in (False, True):
             for recompute_allgather in (False, True):
-                tp = TensorParallel(group=dist.group.WORLD, size=world_size, rank=rank, sequence_parallel=sp,
-                                    recompute_allgather=recompute_allgather, tracker=tracker)
+                parallel = ParallelContext(tp_group=dist.group.WORLD, sequence_parallel=sp,
+                                           recompute_allgather=recompute_allgather, tracker=tracker)
                 rows.append({"arch": arch, "tp": world_size, "sp": sp, "recompute_allgather": recompute_allgather,
-                             **measure(args, cfg, tp)})
+                             **measure(args, cfg, parallel)})
     return rows
 
 
@@ -207,13 +171,13 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             for phase in ("forward", "backward"):
                 print(f"    {phase:8} {_ops(r[phase])}  |  {_ops(r['theory'][phase])}")
     slim = [{**r, "differences": [{k: v for k, v in d.items() if k != "why"} for d in r["differences"]]} for r in rows]
-    print(json.dumps({"bench": "comm_volume", "torch": torch.__version__, "config": vars(args), "rows": slim}))
+    print_json("comm_volume", config=vars(args), rows=slim)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Measure every row and print the report; returns the rows."""
     args = parse_args(argv)
-    sizes = [int(t) for t in args.tp.split(",")]
+    sizes = ints(args.tp)
     for t in sizes:
         if t < 2 or args.heads % t or args.seq % t:
             raise SystemExit(f"--tp {t}: needs t > 1 dividing heads ({args.heads}) and seq ({args.seq})")

@@ -1,64 +1,13 @@
 """Context-parallel attention at a fixed total sequence: memory, work balance, bytes and time per layer per rank.
 
 For each ``parallel.cp_algo`` (ring, zigzag, llama3, ulysses) and cp size N, one transformer layer
-(``GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, tp=TensorParallel(
-cp_group=..., cp_algo=...))``, fp32, the path training takes) runs on N gloo ranks
-(``run_distributed``, one thread per rank). Every rank builds the same full ``[s, b, h]`` input and
-output gradient from the seed and keeps its shard in the algorithm's layout (``layout.shard``, dim 0),
-with ``token_index`` (and the rotary ``position_ids``) from ``layout.shard_indices``. cp = 1 is the
-baseline: no ``AttentionMeta``, the plain causal kernel (torch's CPU flash SDPA in fp32).
-
-Measured per rank, per (algorithm, N):
-
-* activation bytes: every tensor autograd saves during the forward
-  (``torch.autograd.graph.saved_tensors_hooks``), counted once per storage, without the
-  parameters; plus tensors the context-parallel autograd Functions keep as plain ``ctx`` attributes
-  (the ``AttentionMeta`` token indices: ``b·s`` int64 per micro-batch, shared by all layers; Ulysses'
-  concatenated positions, ``b·s`` int64 per layer), found by walking the graph. Goal (the issue):
-  at most ``1.05/N`` of cp = 1's bytes on the largest rank. Transients (the K,V block in flight, the
-  llama3 gathered K,V of one head group) are not activations and are not counted.
-* attention work: ``kernels.attention_forward``/``attention_backward`` are observed in the rank (``kernels.observe``), and
-  every call adds ``b · heads · visible (query, key) pairs`` of its block (``full``: ``sq·sk``;
-  ``causal``: ``sq(sq+1)/2``; ``masked``: ``visible(...).sum()``). Balance = max/min over ranks
-  (goal for zigzag: <= 1.1); ``max/ideal`` = the largest rank's work over ``1/N`` of the causal total
-  ``b·n·s(s+1)/2`` (the sum over ranks is checked to equal that total: no work is repeated). cp = 1
-  is that total by definition (one SDPA call).
-* bytes sent per layer (forward, backward) with ``comm.count()`` (``p2p`` = the ring exchange,
-  counted as the bytes sent). The ``AttentionMeta.build`` all-gather of the token indices is once
-  per micro-batch, not per layer: it is measured separately and left out of the layer's bytes.
-* time per layer: forward + backward wall time (``perf_counter``) and this rank's thread CPU time
-  (``time.thread_time``: the compute; gloo transfers run on other threads), median over
-  ``--reps`` after ``--warmup``, ranks started together by a barrier. Wall = the slowest rank.
-  With N ranks on fewer cores the ranks time-slice: wall grows, thread time does not. ``sum/cp1``:
-  thread time summed over the ranks over cp = 1's, the CPU cost of splitting (1.0 = none).
-
-Expected bytes of OUR implementation (exact; checked op by op). ``e`` = element size of q/k/v
-(4 in fp32), ``a`` = 4 (dK,dV accumulators and lse are fp32 whatever the input dtype),
-``KV = 2·s·b·g·d`` elements (K and V of the whole sequence; ``h_kv = g·d``), ``Q = s·b·n·d``:
-
-=========  ===============================================  ==============================================
-scheme     forward                                          backward
-=========  ===============================================  ==============================================
-ring,      p2p ``(N−1)/N·KV·e``: N−1 steps of this          p2p ``(N−1)/N·KV·e + KV·a``: K,V go round again
-zigzag     rank's K,V block                                 and the fp32 dK,dV accumulator of each block
-                                                            makes N hops (the last one brings it home)
-llama3     all_gather ``(N−1)/N·KV·e``                      all_gather ``(N−1)/N·KV·e`` (gathered again) +
-                                                            reduce_scatter ``(N−1)/N·KV·a`` (fp32 dK,dV)
-ulysses    all_to_all ``(N−1)/N²·(2Q + KV')·e``             all_to_all ``(N−1)/N²·(2Q + KV')·e``
-=========  ===============================================  ==============================================
-
-``KV' = KV`` when ``g % N == 0``, else each kv head is repeated to N heads first (``KV' = 2·s·b·N·d``).
-docs/attention.md's table, "Communication per layer per rank" (in elements × e): ring/zigzag
-``2·s·h_kv·(N−1)/N`` forward, the same + dK,dV (read as ``(N−1)/N`` of them again) backward;
-llama3 ``2·s·h_kv·(N−1)/N`` / ``4·s·h_kv·(N−1)/N``; Ulysses ``(2sh + 2s·h_kv)·(N−1)/N²`` each way.
-The report gives ours beside it and the ratio.
-
-Longest sequence at a fixed per-rank budget (``--long-algo``, ``--long-cp``): the budget is the
-activation bytes of the first ``--long-cp`` size at ``--seq`` (or ``--budget-mib``). Per cp size
-the forward's activation bytes are measured at ``--seq`` and ``2·--seq``; they are linear in s
-(flash-style kernels keep O(s) state; no ``masked`` reference block occurs without documents), so
-the two points give ``bytes(s) = a + c·s`` and the longest multiple of the layout's divisor that
-fits; that length and the next multiple are then measured to confirm (and stepped if the line was off).
+(fp32, the path training takes) runs on N gloo ranks, each holding its shard of the same seeded
+``[s, b, h]`` input in the algorithm's layout; cp = 1 (the plain causal kernel) is the baseline.
+Measured per rank: activation bytes saved for backward (goal: at most 1.05/N of cp = 1's), the
+attention work of every kernel call (balance max/min; goal for zigzag <= 1.1), bytes sent per
+layer (checked op by op against our implementation's closed forms and set beside
+docs/attention.md's table), and forward + backward time. Then the longest sequence that fits the
+per-rank activation budget, per ``--long-cp`` size. Method and the expected bytes: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/context_parallel.py [--seq 2048] [--cp 1,2,4] [--algos ring,zigzag]
 Prints tables and notes, then one JSON line with every number.
@@ -66,33 +15,24 @@ Prints tables and notes, then one JSON line with every number.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 import torch
 
-try:
-    import megatron_sp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from megatron_sp import config
+from common import bench_config, ints, mib, names, parser, print_json
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import ALGORITHMS, AttentionMeta
 from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard, shard_indices
 from megatron_sp.model.gpt import GPTModel
-from megatron_sp.model.transformer import TensorParallel
-from megatron_sp.mpu import comm
+from megatron_sp.mpu import ParallelContext, comm
 from megatron_sp.mpu.random import get_tracker, init_rng
 from megatron_sp.testing import run_distributed
 
@@ -111,11 +51,8 @@ BASELINE = "-"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, batch=1, hidden=256, seed=1234)
     p.add_argument("--seq", type=int, default=2048, help="total sequence length s (fixed over cp sizes)")
-    p.add_argument("--batch", type=int, default=1, help="micro-batch b")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size h")
     p.add_argument("--heads", type=int, default=8, help="attention (query) heads n")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads g (GQA; needs --arch llama)")
     p.add_argument("--arch", choices=("neox", "llama"), default="neox")
@@ -128,33 +65,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-cp", default="1,4", help="cp sizes of the longest-sequence search; the first sets the budget")
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank activation budget (default: the first --long-cp size's bytes at --seq)")
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--verbose", action="store_true", help="per-rank numbers and per-op bytes of every row")
     return p.parse_args(argv)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def model_config(args: argparse.Namespace, seq: int) -> ModelConfig:
     """A finalized ModelConfig from the flags (derived sizes from the config loader)."""
-    overrides = ["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte", f"model.arch={args.arch}",
-                 f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}", f"model.seq_length={seq}"]
-    if args.kv_heads is not None:
-        overrides.append(f"model.num_kv_heads={args.kv_heads}")
-    cfg = config.load(overrides=overrides)
-    config.set_vocab(cfg, 256)
-    return cfg.model
+    return bench_config(256, arch=args.arch, hidden_size=args.hidden, num_heads=args.heads, seq_length=seq,
+                        num_kv_heads=args.kv_heads).model
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
     """Raise SystemExit on flags that cannot run; return the (cp, algo) combinations skipped, with why."""
-    for name in _names(args.algos) + ([args.long_algo] if args.long_algo else []):
+    for name in names(args.algos) + ([args.long_algo] if args.long_algo else []):
         if name not in ALGORITHMS:
             raise SystemExit(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
     if args.kv_heads is not None and args.arch != "llama":
@@ -162,16 +85,16 @@ def check_args(args: argparse.Namespace) -> list[str]:
     g = args.kv_heads or args.heads
     if args.heads % g or args.hidden % args.heads:
         raise SystemExit(f"--heads {args.heads} must divide --hidden {args.hidden} and be divisible by kv heads {g}")
-    sizes = _ints(args.cp) + (_ints(args.long_cp) if args.long_algo else [])
+    sizes = ints(args.cp) + (ints(args.long_cp) if args.long_algo else [])
     if any(n < 1 for n in sizes):
         raise SystemExit("cp sizes must be >= 1")
     skipped = []
-    for n in _ints(args.cp):
-        for algo in _names(args.algos) if n > 1 else []:
+    for n in ints(args.cp):
+        for algo in names(args.algos) if n > 1 else []:
             why = skip_reason(args, algo, n, args.seq)
             if why:
                 skipped.append(f"{algo} cp={n}: {why}")
-    for n in _ints(args.long_cp) if args.long_algo else []:
+    for n in ints(args.long_cp) if args.long_algo else []:
         why = skip_reason(args, args.long_algo, n, args.seq)
         if why:
             raise SystemExit(f"--long-algo {args.long_algo} at cp={n}: {why}")
@@ -280,9 +203,9 @@ class LayerRun:
     def __init__(self, args: argparse.Namespace, algo: str, seq: int, rank: int, n: int, group: Any) -> None:
         tracker = get_tracker()
         init_rng(tracker, args.seed, 0, 0)  # dropout is 0: the streams only have to exist
-        tp = TensorParallel(cp_group=group, cp_algo=algo, cp_heads_k_stride=args.heads_k_stride, tracker=tracker)
+        parallel = ParallelContext(cp_group=group, cp_algo=algo, cp_heads_k_stride=args.heads_k_stride, tracker=tracker)
         self.stage = GPTModel(model_config(args, seq), args.seed, layer_range=range(1), pre_process=False,
-                              post_process=False, tp=tp).train()
+                              post_process=False, parallel=parallel).train()
         self.layout = sequence_layout(algo) if n > 1 else "contiguous"
         gen = torch.Generator().manual_seed(args.seed)
         x_full = torch.randn(seq, args.batch, args.hidden, generator=gen)  # [s, b, h]
@@ -359,18 +282,19 @@ def _minus(summary: dict[str, dict[str, float]], other: dict[str, dict[str, floa
 
 def rank_rows(rank: int, world_size: int, args: argparse.Namespace, algos: list[str]) -> list[dict[str, Any]]:
     """``measure`` of every algorithm in ``algos`` at cp = world_size, on this rank (one launch for all)."""
-    import torch.distributed as dist
-
-    group = dist.group.WORLD if world_size > 1 else comm.LOCAL
-    return [{"algo": algo, **measure(args, algo, rank, world_size, group)} for algo in algos]
+    return [{"algo": algo, **measure(args, algo, rank, world_size, _cp_group(world_size))} for algo in algos]
 
 
 def rank_memory(rank: int, world_size: int, args: argparse.Namespace, algo: str, seqs: list[int]) -> list[int]:
     """This rank's activation bytes (saved + ctx-held) of one forward at each total sequence in ``seqs``."""
+    return [LayerRun(args, algo, s, rank, world_size, _cp_group(world_size)).activation_bytes()["total"] for s in seqs]
+
+
+def _cp_group(world_size: int) -> Any:
+    """The cp group of a ``run_distributed`` rank: the world, or ``comm.LOCAL`` alone."""
     import torch.distributed as dist
 
-    group = dist.group.WORLD if world_size > 1 else comm.LOCAL
-    return [LayerRun(args, algo, s, rank, world_size, group).activation_bytes()["total"] for s in seqs]
+    return dist.group.WORLD if world_size > 1 else comm.LOCAL
 
 
 # ------------------------------------------------------------------------------------------------ theory
@@ -381,7 +305,7 @@ def kv_heads(args: argparse.Namespace) -> int:
 
 
 def expected_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[str, dict[str, int]]:
-    """``{phase: {op: bytes}}`` this implementation sends per layer per rank (module docstring table)."""
+    """``{phase: {op: bytes}}`` this implementation sends per layer per rank (docs/benchmarks.md's table)."""
     if n == 1:
         return {"forward": {}, "backward": {}}
     b, heads, g = args.batch, args.heads, kv_heads(args)
@@ -415,10 +339,8 @@ def table_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[str
     b, h, e = args.batch, args.hidden, ELEMENT_BYTES
     h_kv = kv_heads(args) * (h // args.heads)
     ring = 2 * s * b * h_kv * (n - 1) / n * e
-    if algo in ("ring", "zigzag"):
-        return {"forward": ring, "backward": 2 * ring}  # "same + dK,dV"
-    if algo == "llama3":
-        return {"forward": ring, "backward": 2 * ring}
+    if algo in ("ring", "zigzag", "llama3"):
+        return {"forward": ring, "backward": 2 * ring}  # ring/zigzag: "same + dK,dV"
     ulysses = (2 * s * b * h + 2 * s * b * h_kv) * (n - 1) / n ** 2 * e
     return {"forward": ulysses, "backward": ulysses}
 
@@ -498,7 +420,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def longest_sequence(args: argparse.Namespace) -> dict[str, Any]:
     """The longest total sequence whose per-rank activation bytes fit the budget, per ``--long-cp`` size."""
-    algo, sizes = args.long_algo, _ints(args.long_cp)
+    algo, sizes = args.long_algo, ints(args.long_cp)
     s1, s2 = args.seq, 2 * args.seq
     fits: dict[int, dict[str, Any]] = {}
     measured: dict[int, dict[int, int]] = {}
@@ -542,10 +464,6 @@ def longest_sequence(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ report
 
 
-def _mib(x: float) -> str:
-    return f"{x / 2 ** 20:,.2f}"
-
-
 def _ratio(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -563,7 +481,7 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dic
     for r in rows:
         calls = f"{min(r['fwd_calls'])}-{max(r['fwd_calls'])}" if r["cp"] > 1 else "1 sdpa"
         ok = "-" if r["act_ok"] is None else ("yes" if r["act_ok"] else "NO")
-        print(f"{r['cp']:>3} {r['algo']:8} {_mib(r['act_bytes']):>9} {_ratio(r['act_ratio']):>6} {r['act_goal']:>6.3f} "
+        print(f"{r['cp']:>3} {r['algo']:8} {mib(r['act_bytes']):>9} {_ratio(r['act_ratio']):>6} {r['act_goal']:>6.3f} "
               f"{ok:>3} {max(r['work']):>12,} {r['balance']:>8.3f} {r['max_over_ideal']:>9.3f} {calls:>10}")
     print("\nbytes sent per layer per rank (fp32 q/k/v; the per-micro-batch token-index all-gather not included)")
     print(f"{'cp':>3} {'algo':8} {'forward B':>12} {'backward B':>12} {'ours exp.':>9} {'table fwd B':>12} "
@@ -585,13 +503,13 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dic
               f"{t['thread_max']:>10.1f} {t['thread_min']:>10.1f} {t['thread_max'] / t['thread_min']:>11.2f} "
               f"{_ratio(r['cpu_vs_cp1'], '.2f'):>7}")
     if long:
-        print(f"\nlongest sequence, {long['algo']}, per-rank activation budget {_mib(long['budget_bytes'])} MiB "
+        print(f"\nlongest sequence, {long['algo']}, per-rank activation budget {mib(long['budget_bytes'])} MiB "
               f"({long['budget_from']})")
         print(f"{'cp':>3} {'longest s':>10} {'x first':>8} {'MiB at s':>9} {'next s':>8} {'MiB at next':>11} "
               f"{'B/token':>9} {'fixed B':>9} {'confirmed':>9}")
         for f in long["rows"]:
-            print(f"{f['cp']:>3} {f['longest']:>10,} {f['vs_first']:>8.3f} {_mib(f['bytes_at_longest']):>9} "
-                  f"{f['next']:>8,} {_mib(f['bytes_at_next']):>11} {f['bytes_per_token']:>9,.1f} "
+            print(f"{f['cp']:>3} {f['longest']:>10,} {f['vs_first']:>8.3f} {mib(f['bytes_at_longest']):>9} "
+                  f"{f['next']:>8,} {mib(f['bytes_at_next']):>11} {f['bytes_per_token']:>9,.1f} "
                   f"{f['fixed_bytes']:>9,.0f} {'yes' if f['confirmed'] else 'NO':>9}")
     print_notes(args, rows, skipped)
     if args.verbose:
@@ -605,8 +523,7 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dic
                     ops = ", ".join(f"{op} {v['calls']} x {v['bytes'] / v['calls']:,.0f}" for op, v in r["comm"][phase].items())
                     print(f"    {phase:8} {ops}  | ours expected {r['expected'][phase]}")
     slim = [{k: v for k, v in r.items() if k != "per_rank" or args.verbose} for r in rows]
-    print(json.dumps({"bench": "context_parallel", "torch": torch.__version__, "config": vars(args), "load": load,
-                      "skipped": skipped, "rows": slim, "long_context": long}))
+    print_json("context_parallel", config=vars(args), load=load, skipped=skipped, rows=slim, long_context=long)
 
 
 def print_notes(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: list[str]) -> None:
@@ -614,7 +531,7 @@ def print_notes(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: l
     g = kv_heads(args)
     cores = os.cpu_count() or 1
     print("\nnotes:")
-    print("  ours = the exact bytes of this implementation (module docstring); 'exact' = measured op by op equal to it.")
+    print("  ours = the exact bytes of this implementation (docs/benchmarks.md); 'exact' = measured op by op equal to it.")
     print("  ring/zigzag backward: K,V go round again ((N-1)/N·KV·e) and each block's fp32 dK,dV accumulator makes N hops "
           "(KV·4, not (N-1)/N·KV·e): backward/table = (1 + N/(N-1)·4/e)/2 = 1.5 at N=2, 1.167 at N=4 in fp32.")
     print("  llama3 backward: the dK,dV reduce-scatter is fp32 (4 B/element); equal to the table in fp32, "
@@ -653,9 +570,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     skipped = check_args(args)
     load = {"before": list(os.getloadavg())}
-    algos = _names(args.algos)
+    algos = names(args.algos)
     rows: list[dict[str, Any]] = []
-    for n in _ints(args.cp):
+    for n in ints(args.cp):
         run = [BASELINE] if n == 1 else [a for a in algos if not skip_reason(args, a, n, args.seq)]
         if not run:
             continue

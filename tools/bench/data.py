@@ -1,23 +1,14 @@
 """Data pipeline at scale: preprocessing throughput against megatron-core, random sample access, loader overhead.
 
-1. Preprocess: the demo corpus (the standard library's sources, ``--max-bytes``) tokenized with a
-   SentencePiece model (vocab 4096, trained once into the work directory) into ``.bin/.idx``:
-   ours (``preprocess_jsonl``) against Megatron-LM's ``tools/preprocess_data.py`` loop reproduced
-   with megatron-core's ``IndexedDatasetBuilder`` (``Pool(workers).imap(encode, lines, 32)``, one
-   ``add_document`` per document), same tokenizer, so both write the same bytes (checked). Each
-   worker count runs ``--repeats`` times, alternating ours / megatron; the best run counts (noise
-   from other processes on the cores only slows runs down). docs/s and input MB/s.
-   Also the writers alone: the same pre-tokenized documents (the corpus 8 times) written by our
-   ``IndexedDatasetWriter`` (per document, and packed chunks as our workers produce them) and by
-   ``IndexedDatasetBuilder``.
-2. Random access: ``GPTDataset[i]`` for random ``i`` (samples/s), and random whole documents from
-   our ``IndexedDataset`` and megatron-core's.
-3. Loader overhead: a demo-sized training step (configs/demo.yml model: 4 layers, hidden 256,
-   seq 256, one rank's 8 samples in 2 micro-batches, AdamW) against the time the step waits for its
-   batch: ``BatchLoader`` with 0 workers (reads inside the step) and 1 worker (reads ahead).
-   Goal: < 2 % of a step.
+1. Preprocess: the demo corpus tokenized with a SentencePiece model into ``.bin/.idx``, ours against
+   Megatron-LM's ``tools/preprocess_data.py`` loop (same tokenizer, same bytes, checked), best of
+   ``--repeats`` alternating runs; and the writers alone.
+2. Random access: ``GPTDataset[i]`` for random ``i``, and random whole documents, ours and megatron-core's.
+3. Loader overhead: the time a demo-sized training step waits for its batch with ``BatchLoader``
+   at 0 and 1 workers. Goal: < 2 % of a step.
 
-megatron-core is optional (``pip install -e '.[compat]'``); without it the megatron columns are empty.
+Details: docs/benchmarks.md. megatron-core is optional (``pip install -e '.[compat]'``); without it
+the megatron columns are empty.
 Run from the repo root:  python tools/bench/data.py [--workers 1,2] [--max-bytes 4000000] ...
 Prints a table, then one JSON line with every number.
 """
@@ -27,7 +18,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -36,11 +26,7 @@ from typing import Any
 
 import numpy as np
 
-try:
-    import megatron_sp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
+from common import bench_config, ints, parser
 from megatron_sp.config.schema import TokenizerConfig
 from megatron_sp.data.corpus import make_demo_corpus
 from megatron_sp.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, data_file_paths
@@ -49,8 +35,7 @@ from megatron_sp.data.tokenizer import Tokenizer, build_tokenizer, train_sentenc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--workers", default="1,2", help="comma-separated preprocessing worker counts")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="size of the demo corpus")
     p.add_argument("--vocab", type=int, default=4096, help="SentencePiece vocabulary")
@@ -120,7 +105,7 @@ def megatron_preprocess(mc: Any, corpus: Path, prefix: Path, tokenizer: Tokenize
 def bench_preprocess(args: argparse.Namespace, mc: Any, work: Path, corpus: Path, tokenizer: Tokenizer) -> list[dict]:
     """Best-of-``repeats`` docs/s and MB/s per worker count, ours vs megatron, alternating runs."""
     rows = []
-    for workers in (int(w) for w in args.workers.split(",")):
+    for workers in ints(args.workers):
         best: dict[str, dict[str, float]] = {}
         for _ in range(args.repeats):
             runs = {"ours": lambda w=workers: preprocess_jsonl([corpus], work / "ours", tokenizer, workers=w,
@@ -221,19 +206,12 @@ def bench_loader(args: argparse.Namespace, prefix: Path, tokenizer: Tokenizer) -
     """Seconds a demo-sized step waits for its batch, as a fraction of the step, for 0 and 1 loader workers."""
     import torch
 
-    from megatron_sp.config import Config, finalize, set_vocab
     from megatron_sp.data.gpt_dataset import GPTDataset
     from megatron_sp.data.loader import BatchLoader, rank_collate
     from megatron_sp.model import GPTModel
 
     torch.set_num_threads(os.cpu_count() or 1)
-    cfg = Config()
-    m = cfg.model
-    m.arch, m.num_layers, m.hidden_size, m.num_heads, m.seq_length = "neox", 4, 256, 4, args.seq
-    cfg.tokenizer.type = "byte"
-    cfg.data.paths = [str(prefix)]
-    finalize(cfg)
-    set_vocab(cfg, tokenizer.vocab_size)
+    cfg = bench_config(tokenizer.vocab_size, arch="neox", num_layers=4, hidden_size=256, num_heads=4, seq_length=args.seq)
     model = GPTModel(cfg.model, seed=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gbs, dp, micro = 16, 2, 4  # configs/demo.yml: this rank's 8 samples in 2 micro-batches

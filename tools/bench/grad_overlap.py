@@ -1,55 +1,12 @@
 """How much of the data-parallel gradient reduction the DistributedOptimizer hides behind backward.
 
-Two gloo ranks (dp = 2, ``run_distributed``) train a small GPT for a few steps; each step is
-``zero_grad`` → forward → backward (the optimizer's post-accumulate-grad hooks launch each bucket's
-reduction as soon as its parameters have their gradients) → ``finish_grad_sync`` (waits) → ``step``.
-Four optimizers, each on its own copy of the same model and data, take steps in turn (so other
-load on the shared cores hits all alike): ZeRO-1 off/on × small buckets (``--bucket-bytes``:
-several buckets, the early ones launched while backward still runs) / one bucket (``bucket_bytes``
-huge: the only bucket is ready with the last gradient and launched as backward ends, i.e. the
-no-overlap baseline).
-
-Method
-------
-The benchmark observes ``megatron_sp.mpu.comm`` through its supported hook (``comm.observe``; no
-function is replaced): every asynchronous collective the optimizer issues — ``reduce_scatter_async``
-(ZeRO-1), ``all_reduce_async`` (ZeRO off), ``all_gather_async`` (ZeRO-1 parameters in ``step``) —
-arrives as a ``CommEvent`` with ``time.perf_counter`` stamps of when its launch call began and
-returned, and its ``Pending``'s ``wait()`` stamps when the optimizer's wait began and returned; per
-step the benchmark records the ends of forward, backward (``loss.backward()`` returned),
-``finish_grad_sync`` and ``step``. A collective is in flight from the return of its launch call to
-its completion; for the gradient collectives (launched during backward or in ``finish_grad_sync``)::
-
-    hidden = Σ_ops |[launched, done] ∩ (−∞, backward end]|  ÷  Σ_ops (done − launched)
-
-and, counting concurrent collectives once, the same over the union of the intervals ("wall").
-The time inside the launch calls runs on the main thread and is reported apart ("launch").
-
-Completion time. A gloo collective runs on the process group's worker threads, which complete the
-``Work``'s future; an ``add_done_callback`` on the event's ``work`` stamps the time. gloo's own
-``reduce_scatter_single`` returns a work without a future, so ``comm.reduce_scatter_async`` does on
-gloo what gloo does inside it (clone, ``all_reduce(async_op=True)``, chunk copy in ``wait()``) in the
-open, and its work is the all-reduce's; ``check_replica`` checks at start-up that the result is
-bit-identical to gloo's reduce-scatter. ``wait()`` return times are no substitute: the optimizer
-waits only in ``finish_grad_sync``, after backward, so every op would look unfinished when backward
-ends.
-
-Limits
-------
-* The callback needs the GIL: its stamp can lag completion by up to the interpreter's switch
-  interval (5 ms) while the main thread runs Python (backward mostly runs without the GIL).
-* A collective launched after backward (in ``finish_grad_sync``) cannot overlap at all: "bound"
-  is the share of the in-flight time of those launched before backward ends. The current
-  optimizer launches every bucket from the hooks (ZeRO off: one all-reduce per bucket; earlier
-  revisions did a reduce-scatter in backward + an all-gather in ``finish_grad_sync``, of which
-  only the first half could overlap); the last bucket (the embedding, whose gradient comes last)
-  is launched as backward ends, so it is hardly hidden either.
-* [launched, done] includes waiting for the other rank to launch the same collective (rank skew)
-  and queueing behind earlier collectives on the worker threads, so Σ in flight grows with the
-  number of buckets; the wall column counts concurrent ones once.
-* On this CPU the "background" transfer and gloo's summation share the 2 cores with both ranks'
-  compute: hidden communication still slows backward. The step times (small buckets vs one
-  bucket) are the real test; "finish" is the exposed part of the reduction.
+Two gloo ranks (dp = 2) train a small GPT; each step is ``zero_grad`` → forward → backward (the
+optimizer's hooks launch each bucket's reduction as soon as its gradients are ready) →
+``finish_grad_sync`` → ``step``. Four optimizers on copies of the same model take steps in turn:
+ZeRO-1 off/on × small buckets (``--bucket-bytes``) / one bucket (the no-overlap baseline). Every
+asynchronous collective is observed through ``comm.observe`` (launch, completion via the work's
+future callback, wait), and the share of its in-flight time before backward ends is "hidden".
+Method, the reduce-scatter replica check and the limits: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/grad_overlap.py [--bucket-bytes 1048576] [--steps 10] [--verbose]
 Prints a table, notes (--verbose: rank 0's per-collective timeline of the last step), then one
@@ -58,28 +15,20 @@ JSON line with every number.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-try:
-    import megatron_sp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from megatron_sp import config
+from common import bench_config, parser, print_json
 from megatron_sp.config import Config
 from megatron_sp.model import GPTModel
-from megatron_sp.model.transformer import TensorParallel
-from megatron_sp.mpu import ParallelDims, ParallelState, comm, initialize
+from megatron_sp.mpu import ParallelContext, ParallelDims, ParallelState, comm, initialize
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 from megatron_sp.testing import run_distributed
 
@@ -93,33 +42,22 @@ KIND_LABEL = {"reduce_scatter": "RS", "all_reduce": "AR", "all_gather": "AG"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, layers=4, hidden=256, heads=8, seq=128, vocab=4096, seed=1234)
     p.add_argument("--bucket-bytes", type=int, default=2**20, help="the small-bucket configuration's bucket_bytes")
     p.add_argument("--arch", default="neox", choices=("neox", "llama"))
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="micro-batch per rank (one micro-batch per step)")
-    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: bf16 params (fp32 masters) under autocast, as the trainer")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--verbose", action="store_true", help="print rank 0's per-op timeline of the last timed step")
     return p.parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> Config:
     """A finalized Config from the flags (derived sizes from the config loader)."""
-    cfg = config.load(overrides=["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte",
-                                 f"model.arch={args.arch}", f"model.num_layers={args.layers}",
-                                 f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}",
-                                 f"model.seq_length={args.seq}"])
-    config.set_vocab(cfg, args.vocab)
-    return cfg
+    return bench_config(args.vocab, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
+                        num_heads=args.heads, seq_length=args.seq)
 
 
 # ------------------------------------------------------------------------------------------------ tracing
@@ -211,11 +149,11 @@ class Setup:
 
 def make_setups(args: argparse.Namespace, cfg: Config, state: ParallelState) -> list[Setup]:
     """ZeRO off/on × small buckets/one bucket, each on its own model built from the same seed."""
-    tp = TensorParallel(group=state.tp_group, size=1, rank=0)  # explicit: group None would mean the world
+    parallel = ParallelContext.from_state(state)
     setups = []
     for zero in (0, 1):
         for label, bucket_bytes in (("small buckets", args.bucket_bytes), ("one bucket", ONE_BUCKET)):
-            model = GPTModel(cfg.model, seed=args.seed, tp=tp).train()
+            model = GPTModel(cfg.model, seed=args.seed, parallel=parallel).train()
             opt = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=zero, precision=args.precision,
                                        bucket_bytes=bucket_bytes)
             setups.append(Setup(f"zero={zero} {label}", zero, bucket_bytes, model, opt))
@@ -264,11 +202,8 @@ def union_length(spans: list[tuple[float, float]], cut: float) -> tuple[float, f
 
 
 def summarize_step(rec: dict[str, Any]) -> dict[str, Any]:
-    """Per op kind: in-flight and hidden reduction time of one step (seconds), launch cost, and the op timeline.
-
-    An op is in flight from the return of its launch call to its completion; the launch call itself
-    (gloo's reduce-scatter clones its input there) runs on the main thread and is counted apart.
-    """
+    """Per op kind: in-flight (launch call returned → done) and hidden reduction time of one step (seconds),
+    the launch calls' own time (main thread), and the op timeline."""
     bwd_end, t0 = rec.pop("backward_end"), rec.pop("t0")
     out: dict[str, Any] = {k: v for k, v in rec.items() if k != "ops"}
     totals = {f"{kind}_{what}": 0.0 for kind in KINDS for what in ("time", "hidden")}
@@ -422,8 +357,7 @@ def print_report(args: argparse.Namespace, per_rank: list[dict[str, Any]], rows:
                 print(f"  {op['kind']:14} {op['phase']:8} {op['nbytes']:>10,} B  launch {ms(op['launch'])}..{ms(op['launched'])}"
                       f"  done {ms(op['done'])}  wait {ms(op['wait_start'])}..{ms(op['wait_end'])}")
     slim = [{k: v for k, v in r.items() if k != "last_step_timeline_rank0" or args.verbose} for r in rows]
-    print(json.dumps({"bench": "grad_overlap", "torch": torch.__version__, "world": WORLD, "config": vars(args),
-                      "traced": list(TRACED), "replica_matches_gloo": ok, "rows": slim}))
+    print_json("grad_overlap", world=WORLD, config=vars(args), traced=list(TRACED), replica_matches_gloo=ok, rows=slim)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -4,15 +4,12 @@
 Prints a table of the first (cold) launch and the mean of warm launches per world size, then one
 JSON line. Target: <= 0.5 s per warm launch.
 """
-import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 import torch
+
+from common import parser
 from megatron_sp.mpu import comm
 from megatron_sp.testing import run_distributed
 
@@ -24,7 +21,7 @@ def _all_reduce(rank: int, world: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = parser(__doc__)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()

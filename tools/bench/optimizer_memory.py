@@ -2,36 +2,12 @@
 
 For each precision (bf16 params with fp32 masters; fp32) × data-parallel size d × ZeRO-1 off/on,
 a ``GPTModel`` is handed to a ``DistributedOptimizer`` and the bytes are read off the tensors it
-actually holds, each storage counted once (``untyped_storage().data_ptr()``), in three categories:
+actually holds, each storage counted once: parameters, gradients, optimizer state. d = 1 runs in
+this process; d > 1 on gloo ranks (the table shows rank 0 and flags ranks that differ).
 
-* parameters: the storages of the model's parameters and ``param_buffer`` (every parameter is a
-  view of it, so this is one storage; any other means a copy survived the hand-over);
-* gradients: the fp32 main-grad buffer ``grad_buffer`` (and the storages of the ``main_grad`` views
-  and of any ``param.grad`` left behind);
-* optimizer state: the Adam moments ``exp_avg``, ``exp_avg_sq`` and, for bf16, the fp32 master
-  weights ``_master_local`` (for fp32 the masters ARE the parameters, counted there once).
-
-d = 1 runs in this process without process groups; d > 1 on ``run_distributed`` gloo ranks with
-world = d (every rank is measured; the table shows rank 0 and flags ranks that differ).
-
-Theory, bytes per parameter with P-byte parameters, 4-byte (fp32) gradients, a separate M-byte
-fp32 master (M = 4 for bf16, 0 for fp32: the parameters are the masters) and two 4-byte Adam
-moments, the optimizer state (master + moments) sharded over d_z = d ranks under ZeRO-1
-(d_z = 1 without)::
-
-    bytes/param = P + 4 + (M + 8) / d_z
-    bf16 (P = 2, M = 4):  18 without ZeRO,  6 + 12/d with ZeRO-1   (docs/optimizer.md)
-    fp32 (P = 4, M = 0):  16 without ZeRO,  8 +  8/d with ZeRO-1
-
-Parameters and gradients are NOT sharded (ZeRO-1 shards only the optimizer state; the full fp32
-gradient buffer is kept so buckets can be reduced while backward runs).
-
-Padding: every bucket is zero-padded to a multiple of d, so the flat buffers hold ``numel >= N``
-elements; the measured bytes include it (measured/theory - 1 is exactly the padding) and the table
-prints the padded elements. Not counted (transient, not held between steps): the reduction's
-temporaries (ZeRO-1 on gloo: a reduce-scatter clones its whole input bucket and all-reduces the
-clone; the clones of all launched buckets live until ``finish_grad_sync``),
-the per-bucket ``denom`` of the AdamW step, the bf16 copy of the owned shard that ZeRO all-gathers.
+Theory: bytes/param = P + 4 + (M + 8) / d_z (P param bytes, M separate fp32 master bytes, d_z = d
+under ZeRO-1, else 1): bf16 18 | 6 + 12/d, fp32 16 | 8 + 8/d. Measured/theory − 1 is exactly the
+bucket padding. Categories, padding and what is not counted: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/optimizer_memory.py [--dp 1,2,4] [--precision bf16,fp32] ...
 Prints a table, notes, then one JSON line with every number.
@@ -40,26 +16,16 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
-import sys
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-try:
-    import megatron_sp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from megatron_sp import config
+from common import bench_config, ints, mib, names, parser, per_rank, print_json
 from megatron_sp.config import Config
 from megatron_sp.model import GPTModel
-from megatron_sp.model.transformer import TensorParallel
-from megatron_sp.mpu import ParallelDims, ParallelState, initialize
+from megatron_sp.mpu import ParallelContext, ParallelDims, ParallelState, initialize
 from megatron_sp.optim import DistributedOptimizer, named_trainable
-from megatron_sp.testing import run_distributed
 
 PARAM_BYTES = {"bf16": 2, "fp32": 4}
 """P: bytes of one model parameter."""
@@ -72,37 +38,26 @@ DEFAULT_BUCKET_BYTES = inspect.signature(DistributedOptimizer).parameters["bucke
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, layers=4, hidden=256, heads=8, seq=128, vocab=4096, seed=1234)
     p.add_argument("--dp", default="1,2,4", help="comma-separated data-parallel sizes")
     p.add_argument("--precision", default="bf16,fp32", help="comma-separated: bf16,fp32")
     p.add_argument("--arch", default="neox", choices=("neox", "llama"))
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
                    help="DistributedOptimizer bucket_bytes (default: the optimizer's)")
-    p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> Config:
     """A finalized Config from the flags (derived sizes from the config loader)."""
-    cfg = config.load(overrides=["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte",
-                                 f"model.arch={args.arch}", f"model.num_layers={args.layers}",
-                                 f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}",
-                                 f"model.seq_length={args.seq}"])
-    config.set_vocab(cfg, args.vocab)
-    return cfg
+    return bench_config(args.vocab, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
+                        num_heads=args.heads, seq_length=args.seq)
 
 
 # ------------------------------------------------------------------------------------------------ theory
 
 
 def theory_per_param(precision: str, d: int, zero: int) -> dict[str, float]:
-    """Bytes per parameter of each category: ``P``, ``4`` and ``(M + 8) / d_z`` (see the module docstring)."""
+    """Bytes per parameter of each category: ``P``, ``4`` and ``(M + 8) / d_z``."""
     d_z = d if zero else 1
     return {"params": PARAM_BYTES[precision], "grads": GRAD_BYTES,
             "optim": (MASTER_BYTES[precision] + MOMENT_BYTES) / d_z}
@@ -151,14 +106,12 @@ def measure(opt: DistributedOptimizer, params: list[torch.nn.Parameter]) -> dict
 def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (precision, zero) row for d = ``world_size`` on this rank (d = 1: no process groups)."""
     state: ParallelState | None = initialize(ParallelDims(dp=world_size)) if world_size > 1 else None
-    # An explicit TP group of one: the parallel layers size themselves from their group, and group None
-    # means the default (world) group once torch.distributed is initialised.
-    tp = TensorParallel(group=state.tp_group, size=1, rank=0) if state is not None else TensorParallel()
+    parallel = ParallelContext.from_state(state) if state is not None else ParallelContext()
     cfg = build_config(args)
     rows = []
-    for precision in args.precision.split(","):
+    for precision in names(args.precision):
         for zero in (0, 1):
-            model = GPTModel(cfg.model, seed=args.seed, tp=tp)  # fp32: a bf16 optimizer keeps these values as masters
+            model = GPTModel(cfg.model, seed=args.seed, parallel=parallel)  # fp32: a bf16 optimizer keeps these values as masters
             named = named_trainable(model)
             opt = DistributedOptimizer(named, cfg.train, state, zero=zero, precision=precision,
                                        bucket_bytes=args.bucket_bytes)
@@ -192,10 +145,6 @@ def finish_row(row: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, A
 # ------------------------------------------------------------------------------------------------ report
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.3f}"
-
-
 def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """The table, the notes, and the JSON line."""
     n = rows[0]["n_params"]
@@ -206,8 +155,8 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         b = r["bytes"]
         flag = "  *" if r["ranks_differ"] or r["storages"]["params"] != 1 else ""
-        print(f"{r['precision']:>9} {r['dp']:>3} {'on' if r['zero'] else 'off':>4} {_mib(b['params']):>11} "
-              f"{_mib(b['grads']):>10} {_mib(b['optim']):>10} {_mib(r['total_bytes']):>10} {r['bytes_per_param']:>8.4f} "
+        print(f"{r['precision']:>9} {r['dp']:>3} {'on' if r['zero'] else 'off':>4} {mib(b['params'], 3):>11} "
+              f"{mib(b['grads'], 3):>10} {mib(b['optim'], 3):>10} {mib(r['total_bytes'], 3):>10} {r['bytes_per_param']:>8.4f} "
               f"{r['formula']:>9} {r['theory_per_param']:>7.3f} {r['ratio']:>11.6f} {r['padding_numel']:>9,}{flag}")
     print("formula: bytes/param = P + 4 + (M + 8)/d_z; P = param bytes (bf16 2, fp32 4), 4 = fp32 grad, "
           "M = separate fp32 master (bf16 4, fp32 0: the params are the masters), 8 = Adam exp_avg + exp_avg_sq; "
@@ -237,7 +186,7 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         if r["ranks_differ"]:
             print(f"  * {r['precision']} dp={r['dp']} zero={r['zero']}: ranks {r['ranks_differ']} hold different bytes")
     zero_rows = {(r["precision"], r["dp"]): r for r in rows if r["zero"]}
-    for precision in args.precision.split(","):
+    for precision in names(args.precision):
         base = next((r for r in rows if r["precision"] == precision and not r["zero"]), None)
         big = max((d for p, d in zero_rows if p == precision), default=1)
         if base is not None and big > 1:
@@ -248,24 +197,23 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
           "the clones live until finish_grad_sync waits, so during backward up to +4 B/param (a second fp32 grad "
           "buffer) + 4/d B/param of reduced chunks; the AdamW denominators (one bucket chunk); ZeRO's copy of the "
           "owned shard for the parameter all-gather.")
-    print(json.dumps({"bench": "optimizer_memory", "torch": torch.__version__, "config": vars(args), "rows": rows}))
+    print_json("optimizer_memory", config=vars(args), rows=rows)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Measure every row and print the report; returns the rows (rank 0's)."""
     args = parse_args(argv)
-    sizes = [int(d) for d in args.dp.split(",")]
+    sizes = ints(args.dp)
     if any(d < 1 for d in sizes):
         raise SystemExit(f"--dp {args.dp}: sizes must be >= 1")
-    for precision in args.precision.split(","):
+    for precision in names(args.precision):
         if precision not in PARAM_BYTES:
             raise SystemExit(f"--precision {precision}: one of {sorted(PARAM_BYTES)}")
     rows: list[dict[str, Any]] = []
     for d in sizes:
-        per_rank = [rank_rows(0, 1, args)] if d == 1 else run_distributed(rank_rows, d, args=args)
-        for i, row in enumerate(per_rank[0]):
-            rows.append(finish_row(row, [ranks[i] for ranks in per_rank[1:]]))
-    rows.sort(key=lambda r: (args.precision.split(",").index(r["precision"]), r["zero"], r["dp"]))
+        ranks = per_rank(rank_rows, d, args=args)
+        rows += [finish_row(row, [other[i] for other in ranks[1:]]) for i, row in enumerate(ranks[0])]
+    rows.sort(key=lambda r: (names(args.precision).index(r["precision"]), r["zero"], r["dp"]))
     print_report(args, rows)
     return rows
 

@@ -1,51 +1,13 @@
 """Measured idle fraction of each pipeline stage under every pipeline schedule, against the theory.
 
-For each pp = p (world = p gloo ranks, one thread each, tp = dp = 1), each micro-batch count m and
-each schedule (``--schedules``: ``1f1b``, ``interleaved``, ``zero_bubble``, ``none``), every rank
-builds its stage of one GPT (``build_stage``; ``--virtual`` = v model chunks per rank for
-``interleaved``, one otherwise, ``uniform`` partition) and runs full steps of
-``forward_backward(..., schedule)``. Cases run m by m; the schedules of one m take their steps in
-turn (round robin, one ``run_distributed`` per pp), so changes of the machine's load hit them alike.
-
-How idle is measured
---------------------
-The executor records in ``ScheduleStats.intervals`` the ``(start, end)`` ``perf_counter`` of the
-compute of every action it runs (F forward, incl. the loss on the last stage; B backward; I / W
-the input- / weight-gradient halves of zero-bubble), receive waits excluded; zipped with the
-non-"sync" ``ScheduleStats.events`` they give each interval's kind. ``perf_counter`` is system-wide
-on Linux, so intervals of different ranks share one time axis. A step starts after a barrier; its
-window is [earliest start, latest end] over the ranks of the ``forward_backward`` call, and stage
-(rank) r's idle fraction is ``1 − busy_r / window`` with ``busy_r`` the sum of its intervals:
-everything that is not compute (waiting for a neighbour, posting sends/receives, building and
-checking the schedule table). The first ``--warmup`` steps are dropped; the median over the other
-``--steps`` is reported. The events are checked (per rank m·v F and m·v B, or m each of F, I, W).
-
-Theory (``megatron_sp.pipeline.theory_bubble``; docs/pipeline.md, "Bubble (theory)"), with equal
-per-stage costs and free communication:
-
-* ``1f1b``: a step lasts (m+p−1)·(t_f+t_b), each stage computes m·(t_f+t_b): idle (p−1)/(m+p−1);
-* ``interleaved`` (v chunks per rank): the warm-up/cool-down shrink to (p−1) chunk-steps of 1/v
-  the size: bubble (p−1)/(v·m) of the ideal time, i.e. idle (p−1)/(v·m+p−1);
-* ``zero_bubble`` (ZB-H1, F = I = W): the W halves fill most of the cool-down: idle (p−1)/(3m+p−1),
-  about a third of 1F1B's. As in train.py, each step's table is list-scheduled on the costs
-  measured in the previous step (``agree_costs``), the first on unit costs;
-* ``none`` (one micro-batch in flight, stages take turns): idle (p−1)/p.
-
-The textbook numbers assume B = 2F (= 2I = 2W) and identical stages; on this machine neither
-holds exactly (the first stage holds the embedding, the last the output layer and the loss; I and
-W do not split B evenly, F ≠ I). So the row also shows "sim": ``simulate`` of the same schedule
-table with this run's MEASURED mean F, B, I, W durations (mean over ranks, steps and
-micro-batches) and free communication — the fair theory here for the cost ratios. With one cost
-per kind for all ranks, 1F1B's and interleaved's bubbles do not depend on the F:B ratio, so their
-sim equals the textbook value; zero-bubble's does (W shorter than F and I leaves holes). Per-stage
-imbalance is not in sim (``simulate`` takes one cost per kind): measured/sim > 1 is the cost of
-communication, Python overhead and that imbalance.
-
-CPU note: the ranks share the machine's cores. With p ranks on fewer than p cores, compute
-intervals that overlap in time are time-sliced, so a busy interval's wall time includes time the
-rank was descheduled; ``cpu/wall`` (the rank thread's CPU time over the ``forward_backward`` call
-÷ the wall time of its busy intervals — a blocked receive costs no CPU) shows it (≈ 1 when each
-rank has its own core).
+For each pp = p (p gloo ranks, one thread each), micro-batch count m and schedule (``1f1b``,
+``interleaved`` with ``--virtual`` chunks per rank, ``zero_bubble``, ``none``), every rank builds its
+stage of one GPT and runs full steps of ``forward_backward``; the schedules of one m take their
+steps in turn. A stage's idle fraction is ``1 − busy / window``: its compute intervals
+(``ScheduleStats.intervals``) over the step's window on the shared ``perf_counter`` axis; median
+over ``--steps`` after ``--warmup``. Beside it: the textbook bubble (``theory_bubble``), "sim" (the
+same schedule table simulated with this run's measured F/B/I/W costs), and ``cpu/wall`` (time-slicing
+when ranks outnumber cores). Method and caveats: docs/benchmarks.md.
 
 Run from the repo root:
   python tools/bench/pipeline_bubble.py [--pp 2,4] [--micro 4,8,16] [--schedules 1f1b,interleaved,zero_bubble]
@@ -55,37 +17,19 @@ every number.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-try:
-    import megatron_sp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from megatron_sp import config
+from common import bench_config, ints, names, parser, print_json
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.transformer import TensorParallel
-from megatron_sp.mpu import ParallelDims, comm, initialize
-from megatron_sp.pipeline import (
-    SCHEDULES,
-    PipelineConfigError,
-    ScheduleStats,
-    agree_costs,
-    build_schedule,
-    build_stage,
-    check_micro_batches,
-    forward_backward,
-    simulate,
-    theory_bubble,
-)
+from megatron_sp.mpu import ParallelContext, ParallelDims, comm, initialize
+from megatron_sp.pipeline.executor import ScheduleStats, agree_costs, forward_backward
+from megatron_sp.pipeline.partition import PipelineConfigError, build_stage, check_micro_batches
+from megatron_sp.pipeline.schedules import SCHEDULES, build_schedule, simulate, theory_bubble
 from megatron_sp.testing import run_distributed
 
 VOCAB = 256  # byte tokenizer
@@ -93,8 +37,7 @@ KINDS = ("F", "B", "I", "W")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, hidden=256, heads=8, seq=128, batch=2, seed=1234)
     p.add_argument("--pp", default="2,4", help="comma-separated pipeline sizes (world = pp)")
     p.add_argument("--micro", default="4,8,16", help="comma-separated micro-batch counts m (each >= pp; "
                    "interleaved: a multiple of pp)")
@@ -104,24 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arch", default="neox", help="neox or llama")
     p.add_argument("--layers", type=int, default=8, help="transformer layers (divisible by every pp, and by pp·v "
                    "for interleaved)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size h")
-    p.add_argument("--heads", type=int, default=8, help="attention heads")
-    p.add_argument("--seq", type=int, default=128, help="sequence length s")
-    p.add_argument("--batch", type=int, default=2, help="micro-batch size b")
     p.add_argument("--warmup", type=int, default=1, help="steps dropped per (schedule, pp, m)")
     p.add_argument("--steps", type=int, default=3, help="steps measured per (schedule, pp, m); the median is reported")
-    p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """A finalized ModelConfig from the flags (derived sizes from the config loader)."""
-    overrides = ["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte", f"model.arch={args.arch}",
-                 f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
-                 f"model.num_heads={args.heads}", f"model.seq_length={args.seq}"]
-    cfg = config.load(overrides=overrides)
-    config.set_vocab(cfg, VOCAB)
-    return cfg.model
+    return bench_config(VOCAB, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                        seq_length=args.seq).model
 
 
 def micro_batches(args: argparse.Namespace, m: int) -> list[dict[str, torch.Tensor]]:
@@ -154,18 +88,16 @@ def check_events(rank: int, schedule: str, m: int, v: int, stats: ScheduleStats)
 
 def rank_run(rank: int, world_size: int, args: argparse.Namespace,
              cases: list[tuple[str, int]]) -> list[dict[str, Any]]:
-    """Every (schedule, m) on this rank: per measured step its call's bounds, thread CPU time and intervals.
-
-    The schedules of one m take their steps in turn (round robin), so load changes hit them alike.
-    """
+    """Every (schedule, m) on this rank: per measured step its call's bounds, thread CPU time and intervals
+    (the schedules of one m take their steps in turn)."""
     state = initialize(ParallelDims(pp=world_size))
     cfg = model_config(args)
-    tp = TensorParallel(group=state.tp_group, size=1, rank=0)
+    parallel = ParallelContext.from_state(state)
     stages: dict[int, Any] = {}
     for schedule, _ in cases:
         v = chunks_for(schedule, args)
         if v not in stages:
-            stages[v] = build_stage(cfg, args.seed, state, tp, virtual_stages=v, partition="uniform").train()
+            stages[v] = build_stage(cfg, args.seed, state, parallel, virtual_stages=v, partition="uniform").train()
     results = {case: {"schedule": case[0], "m": case[1], "v": chunks_for(case[0], args), "steps": []} for case in cases}
     measured: dict[tuple[str, int], dict[str, float]] = {}
     for m in dict.fromkeys(m for _, m in cases):
@@ -296,15 +228,12 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: 
              for r in clean if r["schedule"] in ("interleaved", "zero_bubble") and (r["pp"], r["m"]) in one]
     if below:
         print(f"- goal interleaved / zero_bubble idle below 1f1b's (pp <= cores): {', '.join(below)}")
-    print(json.dumps({"bench": "pipeline_bubble", "torch": torch.__version__, "cores": cores, "config": vars(args),
-                      "skipped": skipped, "rows": rows, "gains": gain}))
+    print_json("pipeline_bubble", cores=cores, config=vars(args), skipped=skipped, rows=rows, gains=gain)
 
 
 def plan(args: argparse.Namespace) -> tuple[list[int], dict[int, list[tuple[str, int]]], list[str]]:
     """Validate the flags; per pp the (schedule, m) cases to run (m outer) and the skipped combinations."""
-    pps = [int(x) for x in args.pp.split(",")]
-    micros = [int(x) for x in args.micro.split(",")]
-    schedules = [s.strip() for s in args.schedules.split(",")]
+    pps, micros, schedules = ints(args.pp), ints(args.micro), names(args.schedules)
     for s in schedules:
         if s not in SCHEDULES:
             raise SystemExit(f"--schedules {s}: one of {', '.join(SCHEDULES)}")

@@ -16,23 +16,15 @@ Prints a table, then one JSON line with every number.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-try:
-    import megatron_sp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
+from common import bench_config, parser, print_json
 from megatron_sp import device
-from megatron_sp.config import Config, finalize, set_vocab
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel, flops_per_token
 from megatron_sp.model.hf_names import build_hf_model
@@ -41,39 +33,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, layers=4, hidden=256, heads=8, kv_heads=None, seq=256, batch=4, vocab=4096, seed=1234)
     p.add_argument("--arch", default="neox,llama", help="comma-separated: neox,llama")
     p.add_argument("--dtype", default="fp32,bf16", help="comma-separated: fp32,bf16")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="llama key/value heads (default: --heads)")
     p.add_argument("--ffn", type=int, default=None, help="MLP width (default: the config's derived value)")
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps per round (and model)")
     p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per model")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-hf", action="store_true", help="only time our model")
     return p.parse_args(argv)
 
 
 def model_config(args: argparse.Namespace, arch: str) -> ModelConfig:
     """A finalized ModelConfig for ``arch`` from the flags (derived sizes from the config loader)."""
-    cfg = Config()
-    m = cfg.model
-    m.arch, m.num_layers, m.hidden_size, m.num_heads = arch, args.layers, args.hidden, args.heads
-    m.num_kv_heads = args.kv_heads if arch == "llama" else None
-    m.ffn_hidden_size, m.seq_length = args.ffn, args.seq
-    cfg.tokenizer.type = "byte"
-    cfg.data.paths = ["unused-by-the-benchmark"]
-    finalize(cfg)
-    set_vocab(cfg, args.vocab)
-    return cfg.model
+    return bench_config(args.vocab, arch=arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                        num_kv_heads=args.kv_heads if arch == "llama" else None, ffn_hidden_size=args.ffn,
+                        seq_length=args.seq).model
 
 
 def build_hf(cfg: ModelConfig, ours: GPTModel) -> torch.nn.Module:
@@ -105,12 +81,8 @@ def time_step(step: Callable[[], float]) -> float:
 
 
 def best_peak_flops(dtype: torch.dtype, tries: int = 5) -> float:
-    """The best of ``tries`` ``device.measured_peak_flops`` measurements (the MFU denominator).
-
-    Like the step times, the best measurement is the one least disturbed by other processes on the
-    cores. ``measured_peak_flops`` caches per argument tuple, so slightly different durations give
-    independent measurements.
-    """
+    """The best of ``tries`` ``device.measured_peak_flops`` measurements (the MFU denominator): the least
+    disturbed by other processes; slightly different durations defeat its per-argument cache."""
     return max(device.measured_peak_flops(dtype, seconds=0.3 + 0.01 * i) for i in range(tries))
 
 
@@ -163,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         ratio = f"{r['ratio']:6.2f}" if "ratio" in r else f"{'-':>6}"
         print(f"{r['arch']:6} {r['dtype']:5} {r['ours_tokens_per_s']:11.0f} {hf} {ratio} {r['ours_mfu']:8.1%}")
     config = {k: v for k, v in vars(args).items() if k not in ("arch", "dtype")}
-    print(json.dumps({"bench": "throughput", "torch": torch.__version__, "config": config, "results": results}))
+    print_json("throughput", config=config, results=results)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,15 @@ Theory (load balance of each layout under a causal mask): docs/attention.md.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+from megatron_sp.config.registry import check, choice
+from megatron_sp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_sp.config.schema import Config
 
 LAYOUTS = {"ring": "contiguous", "zigzag": "zigzag", "llama3": "contiguous", "ulysses": "contiguous", "usp": "zigzag"}
 """The sequence layout each ``parallel.cp_algo`` expects its input in."""
@@ -134,3 +141,35 @@ def required_divisor(algo: str, cp: int, tp: int = 1, sequence_parallel: bool = 
         raise ValueError(f"cp and tp must be >= 1, got cp={cp}, tp={tp}")
     divisor = cp * _chunks_per_rank(sequence_layout(algo), cp)
     return divisor * tp if sequence_parallel else divisor
+
+
+@check
+def check_context_parallel_config(cfg: Config) -> None:
+    """The context-parallel keys of a config: the algorithm, its sequence divisor, the Ulysses head split."""
+    m, p = cfg.model, cfg.parallel
+    choice("parallel.cp_algo", p.cp_algo, tuple(LAYOUTS))
+    if p.cp > 1:
+        need = required_divisor(p.cp_algo, p.cp, p.tp, p.sequence_parallel)
+        if m.seq_length % need:
+            raise ConfigError(f"model.seq_length {m.seq_length} must be divisible by {need} for parallel.cp={p.cp} "
+                              f"with cp_algo={p.cp_algo}" + (f" (× tp {p.tp} under sequence parallelism)"
+                                                             if p.sequence_parallel else ""))
+        if m.attention_dropout > 0:
+            raise ConfigError("model.attention_dropout > 0 with parallel.cp > 1 is not available; set "
+                              "model.attention_dropout=0")
+        if p.cp_algo == "usp" and (p.cp_ulysses < 1 or p.cp % p.cp_ulysses):
+            raise ConfigError(f"parallel.cp_ulysses={p.cp_ulysses} must divide parallel.cp={p.cp}")
+        degree = {"ulysses": p.cp, "usp": p.cp_ulysses}.get(p.cp_algo, 1)
+        local_heads, local_kv = m.num_heads // p.tp, max(1, m.num_kv_heads // p.tp)
+        if degree > 1 and (local_heads % degree or (local_kv % degree and degree % local_kv)):
+            key = "parallel.cp" if p.cp_algo == "ulysses" else "parallel.cp_ulysses"
+            raise ConfigError(f"parallel.cp_algo={p.cp_algo}: the {local_heads} query heads per TP rank must be "
+                              f"divisible by {key}={degree}, and the {local_kv} kv heads per TP rank must "
+                              "divide it or be divisible by it; use ring, zigzag or llama3")
+    if p.cp_ulysses != 1 and (p.cp_algo != "usp" or p.cp == 1):
+        raise ConfigError(f"parallel.cp_ulysses={p.cp_ulysses} needs parallel.cp_algo=usp and parallel.cp > 1")
+    if cfg.data.reset_attention_mask and m.attention_dropout > 0:
+        raise ConfigError("data.reset_attention_mask with model.attention_dropout > 0 is not available; set "
+                          "model.attention_dropout=0")
+    if p.cp_heads_k_stride < 1:
+        raise ConfigError(f"parallel.cp_heads_k_stride: {p.cp_heads_k_stride} must be >= 1")

@@ -1,0 +1,66 @@
+"""This rank's batch of a step: global batch → DP shard → CP shard, on the device.
+
+Global batch ``k`` is samples ``k·gbs … (k+1)·gbs - 1`` for every layout; DP rank ``r`` takes the
+``r``-th contiguous block of it (``loader.BatchLoader``), and with context parallelism each CP rank
+keeps its part of every sample's sequence (``model.attention.layout.shard_batch``; labels were
+shifted on the full sequence first).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from megatron_sp.config.schema import Config
+
+
+class Run(Protocol):
+    """What batching reads of a run (``training.Runtime``); ``train_loader`` is its read-ahead loader."""
+
+    cfg: Config
+    state: Any  # mpu.ParallelState: dp_rank, dp_size, cp_rank, cp_size
+    device: torch.device
+    tokenizer: Any
+    train_ds: Any
+    train_loader: Any
+    consumed_samples: int
+
+
+def rank_batch(rt: Run, ds: Any, first_sample: int) -> dict[str, torch.Tensor]:
+    """This rank's share of the global batch of ``ds`` starting at ``first_sample``."""
+    from megatron_sp.data import collate
+
+    cfg, st = rt.cfg, rt.state
+    per_rank = cfg.train.global_batch_size // st.dp_size  # type: ignore[operator]
+    start = first_sample + st.dp_rank * per_rank
+    batch = collate([ds[i] for i in range(start, start + per_rank)], rt.tokenizer.eod, cfg.data.eod_mask_loss,
+                    reset_position_ids=cfg.data.reset_position_ids, reset_attention_mask=cfg.data.reset_attention_mask)
+    return place_batch(rt, batch)
+
+
+def next_train_batch(rt: Run) -> dict[str, torch.Tensor]:
+    """``rank_batch(rt, rt.train_ds, rt.consumed_samples)``, from the read-ahead loader (rebuilt whenever it is
+    not positioned at ``consumed_samples``: the first step, after a resume)."""
+    from megatron_sp.data.loader import BatchLoader, rank_collate
+
+    cfg, st = rt.cfg, rt.state
+    loader = rt.train_loader
+    if loader is None or loader.next_sample != rt.consumed_samples:
+        if loader is not None:
+            loader.close()
+        collate_fn = rank_collate(rt.tokenizer.eod, cfg.data.eod_mask_loss, cfg.data.reset_position_ids,
+                                  cfg.data.reset_attention_mask)
+        loader = rt.train_loader = BatchLoader(
+            rt.train_ds, rt.consumed_samples, cfg.train.global_batch_size, st.dp_rank, st.dp_size,  # type: ignore[arg-type]
+            collate_fn, num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
+            pin_memory=rt.device.type == "cuda")
+    return place_batch(rt, next(loader))
+
+
+def place_batch(rt: Run, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This CP rank's s/cp tokens of every sample, moved to the device."""
+    st = rt.state
+    if st.cp_size > 1:
+        from megatron_sp.model.attention.layout import sequence_layout, shard_batch
+        batch = shard_batch(batch, st.cp_size, st.cp_rank, sequence_layout(rt.cfg.parallel.cp_algo))
+    return {k: v.to(rt.device) for k, v in batch.items()}

@@ -1,0 +1,83 @@
+"""What the tools/bench scripts share: the import path, the model flags, a config, launching, output.
+
+The scripts import it as a sibling (``import common``): ``python tools/bench/x.py`` puts
+tools/bench first on ``sys.path``, and the tests (and their ``run_distributed`` children) add it.
+Importing it makes ``megatron_sp`` importable from a checkout that is not installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+try:
+    import megatron_sp  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from megatron_sp import config
+from megatron_sp.config import Config
+from megatron_sp.testing import run_distributed
+
+MODEL_FLAGS: dict[str, tuple[type, str]] = {
+    "layers": (int, "transformer layers"),
+    "hidden": (int, "hidden size h"),
+    "heads": (int, "attention heads"),
+    "kv_heads": (int, "llama key/value heads (default: --heads)"),
+    "seq": (int, "sequence length s"),
+    "batch": (int, "micro-batch size b"),
+    "vocab": (int, "vocabulary size"),
+    "seed": (int, "random seed"),
+}
+"""The flags most benchmarks take: ``name: (type, help)``; each script picks its own defaults."""
+
+
+def parser(doc: str, **defaults: Any) -> argparse.ArgumentParser:
+    """A parser described by ``doc``'s first paragraph, with the ``MODEL_FLAGS`` named in ``defaults``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for name, default in defaults.items():
+        kind, text = MODEL_FLAGS[name]
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
+    return p
+
+
+def bench_config(vocab: int, *overrides: str, world_size: int | None = None, **model: Any) -> Config:
+    """A finalized Config with the byte tokenizer and no data: ``model.<key>=value`` for every ``model``
+    item that is not None, then the dotted ``overrides``; the vocabulary set to ``vocab``."""
+    items = ["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte",
+             *(f"model.{k}={v}" for k, v in model.items() if v is not None), *overrides]
+    cfg = config.load(overrides=items, world_size=world_size)
+    config.set_vocab(cfg, vocab)
+    return cfg
+
+
+def ints(text: str) -> list[int]:
+    """``"1,2,4"`` → ``[1, 2, 4]``."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def names(text: str) -> list[str]:
+    """``"ring, zigzag"`` → ``["ring", "zigzag"]``."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def per_rank(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any]:
+    """``fn(rank, world_size, **kwargs)`` of every rank: in this process for one rank, else on gloo ranks."""
+    if world_size == 1:
+        return [fn(0, 1, **kwargs)]
+    return run_distributed(fn, world_size, **kwargs)
+
+
+def mib(n: float, digits: int = 2) -> str:
+    """Bytes as MiB with thousands separators."""
+    return f"{n / 2**20:,.{digits}f}"
+
+
+def print_json(bench: str, **fields: Any) -> None:
+    """The report's last line: ``{"bench": bench, "torch": version, **fields}`` as JSON."""
+    print(json.dumps({"bench": bench, "torch": torch.__version__, **fields}))

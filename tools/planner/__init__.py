@@ -1,0 +1,23 @@
+"""The layout planner behind ``tools/plan.py``: per-rank memory and communication of a training layout, and
+the (tp, pp, cp, dp) layouts that fit. Theory, formulas and what ``--verify`` measures: docs/planner.md.
+
+``dims`` the numbers a config fixes | ``state`` parameters, gradients, optimizer state: the real pipeline
+stage and ``DistributedOptimizer`` built on the meta device | ``activations`` bytes saved for backward and
+buffers | ``traffic`` bytes sent per step | ``layouts`` a layout's plan, step time and the search |
+``measure`` ``--verify`` on gloo ranks through the training code's hooks.
+"""
+from .activations import attention_kernel, attention_terms, chunk_activations, layer_terms, megatron_in_flight
+from .activations import schedule_peak, table2_layer_bytes
+from .dims import DEFAULT_BANDWIDTH_GBS, DEFAULT_BUCKET_BYTES, DEFAULT_PEAK_TFLOPS, PlanDims, dims_of, stage_layers
+from .layouts import Candidate, LayoutPlan, RankPlan, estimate_step_time, factorizations, format_bytes
+from .layouts import layout_overrides, parse_memory, plan_layout, search, stage_flops
+from .measure import SavedBytes, measure_state, parameter_exclusions, run_verify, verify_rank
+from .state import StateBytes, stage_parameters, state_bytes
+from .traffic import comm_per_step
+
+__all__ = ["DEFAULT_BANDWIDTH_GBS", "DEFAULT_BUCKET_BYTES", "DEFAULT_PEAK_TFLOPS", "Candidate", "LayoutPlan", "PlanDims",
+           "RankPlan", "SavedBytes", "StateBytes", "attention_kernel", "attention_terms", "chunk_activations",
+           "comm_per_step", "dims_of", "estimate_step_time", "factorizations", "format_bytes", "layer_terms",
+           "layout_overrides", "measure_state", "megatron_in_flight", "parameter_exclusions", "parse_memory",
+           "plan_layout", "run_verify", "schedule_peak", "search", "stage_flops", "stage_layers", "stage_parameters",
+           "state_bytes", "table2_layer_bytes", "verify_rank"]

@@ -1,0 +1,263 @@
+"""Bytes saved for backward per layer, chunk and schedule peak, and the buffers beside them (docs/activation_memory.md)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_sp.config.schema import Config
+from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES
+from megatron_sp.model.transformer import arch_spec
+from megatron_sp.pipeline.schedules import build_schedule
+
+from .dims import PlanDims, dims_of, stage_layers
+
+
+def attention_kernel(D: PlanDims) -> str:
+    """``cp`` (context-parallel / packed-document kernels), ``math`` (CPU explicit scores, 16-bit, small),
+    ``sdpa_math`` (CPU SDPA with dropout) or ``flash`` (CPU flash SDPA; flash-attn / SDPA on CUDA)."""
+    if D.cp > 1 or D.documents:
+        return "cp"
+    if D.device == "cuda":
+        return "flash"
+    if D.e == 2 and D.micro_batch * D.local_heads * D.s_local ** 2 <= MATH_ATTENTION_MAX_SCORES:
+        return "math"
+    if D.attention_dropout > 0:
+        return "sdpa_math"
+    return "flash"
+
+
+def cp_algo_of(D: PlanDims) -> str:
+    """The context-parallel algorithm that runs (``local`` at cp 1; usp of Ulysses degree 1 is zigzag)."""
+    if D.cp == 1:
+        return "local"
+    if D.cp_algo == "usp" and D.cp_ulysses == 1:
+        return "zigzag"
+    return D.cp_algo
+
+
+def ulysses_kv(D: PlanDims, degree: int) -> int:
+    """kv heads per rank sent through the Ulysses all-to-all (repeated up to ``degree`` when fewer)."""
+    return D.local_kv if D.local_kv % degree == 0 else degree
+
+
+def attention_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]:
+    """Bytes the attention block saves per layer per micro-batch, by term (docs/activation_memory.md)."""
+    recompute = D.recompute if recompute is None else recompute
+    e, tok, b, s = D.e, D.tokens, D.micro_batch, D.s_local
+    n_l, g_l, d = D.local_heads, D.local_kv, D.head_dim
+    q_extra = n_l > g_l > 1  # q.reshape copies when a rank holds several groups of several heads
+    inputs = {"q,k (rotated)": tok * (n_l + g_l) * d * e, "q copy": tok * n_l * d * e if q_extra else 0,
+              "v": tok * g_l * d * e}
+    out = tok * n_l * d * e
+    lse = b * n_l * s * 4
+    if recompute == "selective":
+        return _nonzero({**inputs, "attention output": out})
+    kernel = attention_kernel(D)
+    if kernel == "flash":
+        return _nonzero({**inputs, "attention output": out, "log-sum-exp": lse})
+    scores = b * n_l * s * s * e
+    if kernel == "math":
+        terms = {"q,k (rotated)": inputs["q,k (rotated)"], "q copy": tok * n_l * d * e if n_l > g_l else 0,
+                 "v": inputs["v"], "attention probs": scores}
+        if D.attention_dropout > 0:
+            terms |= {"attention dropout mask": b * n_l * s * s * D.mask_bytes, "attention dropout output": scores}
+        return _nonzero({**terms, "attention output": out})
+    if kernel == "sdpa_math":
+        v = inputs["v"] if n_l == g_l else tok * n_l * d * e  # GQA: k, v expanded to every query head
+        return _nonzero({"q (scaled)": tok * n_l * d * e, "k (scaled)": tok * n_l * d * e, "v": v, "attention probs": scores,
+                         "attention dropout mask": b * n_l * s * s * D.mask_bytes, "attention dropout output": scores,
+                         "attention output": out})
+    algo = cp_algo_of(D)
+    acc = tok * n_l * d * 4  # the fp32 output accumulator
+    if algo in ("ulysses", "usp"):
+        degree = D.cp if algo == "ulysses" else D.cp_ulysses
+        kv = ulysses_kv(D, degree)
+        return _nonzero({"q (all-to-all)": tok * n_l * d * e, "k,v (all-to-all)": 2 * tok * kv * d * e,
+                         "fp32 output accumulator": acc, "log-sum-exp": lse, "attention output": out})
+    return _nonzero({**inputs, "fp32 output accumulator": acc, "log-sum-exp": lse,
+                     "attention output": out if e != 4 else 0})
+
+
+def _nonzero(terms: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in terms.items() if v}
+
+
+def layer_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]:
+    """Bytes one layer saves for backward per micro-batch on one rank, by term: Korthikanti et al.'s
+    Table 2 adapted to our layers (docs/activation_memory.md)."""
+    recompute = D.recompute if recompute is None else recompute
+    e, h = D.e, D.h
+    x = D.shard_tokens * h
+    if recompute == "full":
+        return {"layer input": x * e}
+    spec = arch_spec(D.arch)
+    gathered = D.shard_tokens if D.sp and D.recompute_allgather else D.tokens
+    terms: dict[str, int] = {}
+    if spec.layernorm:
+        if D.device == "cuda" and e == 2:  # CUDA autocast runs layer_norm in fp32: each norm saves an fp32 copy
+            terms |= {"norm inputs": 2 * x * 4, "norm statistics": 2 * 2 * D.shard_tokens * 4}
+        else:
+            terms |= {"norm inputs": x * e, "norm statistics": 2 * 2 * D.shard_tokens * e}
+    else:
+        terms |= {"norm inputs": 2 * 2 * x * 4, "norm statistics": 2 * D.shard_tokens * 4}
+    if D.kv_split:
+        terms["QKV input"] = gathered * h * e
+    else:
+        terms["QKV input"] = D.tokens * h * e
+        terms["replicated QKV weight rows"] = (D.local_heads + 2) * D.head_dim * h * e
+    terms |= attention_terms(D, recompute)
+    terms["MLP input"] = gathered * h * e
+    f = D.tokens * D.local_ffn * e
+    if spec.swiglu:
+        terms |= {"gate/up output": 2 * f, "SiLU output": f, "down input": f,
+                  "gate/up weight copy": 2 * D.local_ffn * h * e}
+    else:
+        terms |= {"GeLU input": f, "fc2 input": f}
+    if D.hidden_dropout > 0:
+        terms["dropout masks"] = 2 * x * D.mask_bytes
+    return terms
+
+
+def table2_layer_bytes(D: PlanDims, scores: bool = True) -> int:
+    """Table 2 of Korthikanti et al. as printed (``ffn = 4h``, 16-bit terms × ``e/2``, ``s = seq/cp``), to compare
+    with ``layer_terms``; ``scores=False`` drops ``5as/h`` (a fused kernel stores no ``s × s`` scores)."""
+    s, b, h, a, t = D.s_local, D.micro_batch, D.h, D.heads, D.tp
+    scale = D.e / 2
+    if D.recompute == "full":
+        return int(2 * s * b * h / (t if D.sp else 1) * scale)
+    score = 0 if D.recompute == "selective" or not scores else 5 * a * s / (h * t)
+    coeff = 34 / t + score if D.sp else 10 + 24 / t + score
+    return int(s * b * h * coeff * scale)
+
+
+@dataclass
+class ChunkActivations:
+    """Bytes one model chunk of a stage saves for one micro-batch."""
+
+    layers: int
+    per_layer: dict[str, int]
+    extra: dict[str, int]
+    """Embedding, rotary tables, final norm, output layer and cross entropy (on the chunks that hold them)."""
+    shared: dict[str, int]
+    """Tensors shared by every micro-batch of the step (slices of this rank's batch): counted once."""
+    transient: int
+    """Extra bytes while one of its layers runs backward (the recomputed layer or attention core)."""
+    freed: int = 0
+    """Bytes freed before the transient appears: the head's and, under selective recompute, the last layer's MLP."""
+
+    @property
+    def per_micro_batch(self) -> int:
+        """Layers × per-layer terms + the extras (``shared`` not included)."""
+        return self.layers * sum(self.per_layer.values()) + sum(self.extra.values())
+
+
+def chunk_activations(cfg: Config, pp_rank: int, chunk: int) -> ChunkActivations:
+    """The bytes model chunk ``chunk`` of pipeline rank ``pp_rank`` saves per micro-batch."""
+    D = dims_of(cfg)
+    chunks = stage_layers(cfg, pp_rank)
+    first = pp_rank == 0 and chunk == 0
+    last = pp_rank == D.pp - 1 and chunk == len(chunks) - 1
+    e, tok, h = D.e, D.tokens, D.h
+    rank_samples = D.global_batch // D.dp
+    extra: dict[str, int] = {"rotary cos/sin": 2 * tok * D.rotary_dim * e}
+    shared: dict[str, int] = {}
+    if first:
+        if D.tp == 1:
+            shared["token ids (embedding)"] = rank_samples * D.s_local * 8
+        else:
+            extra["embedding local ids + mask"] = tok * 9
+        if D.hidden_dropout > 0:
+            extra["embedding dropout mask"] = D.shard_tokens * h * D.mask_bytes
+    if last:
+        spec = arch_spec(D.arch)
+        x = D.shard_tokens * h
+        if not spec.layernorm:
+            extra["final norm"] = 2 * x * 4 + D.shard_tokens * 4
+        elif D.device == "cuda" and e == 2:
+            extra["final norm"] = x * 4 + 2 * D.shard_tokens * 4
+        else:
+            extra["final norm"] = x * e + 2 * D.shard_tokens * e
+        gathered = D.shard_tokens if D.sp and D.recompute_allgather else tok
+        extra["output layer input"] = gathered * h * e
+        extra["cross entropy (fp32 probs, targets)"] = tok * (D.padded_vocab // D.tp) * 4 + tok * 10
+        shared["loss mask"] = rank_samples * D.s_local * 4
+    per_layer = layer_terms(D)
+    transient = 0
+    if D.recompute == "full":  # the recomputed layer; its input is already held (the norm may save it itself)
+        norm_saves_input = (arch_spec(D.arch).layernorm and not (D.device == "cuda" and e == 2)) or \
+            (not arch_spec(D.arch).layernorm and e == 4)
+        transient = sum(layer_terms(D, "none").values()) - (D.shard_tokens * h * e if norm_saves_input else 0)
+    elif D.recompute == "selective":
+        none, sel = attention_terms(D, "none"), attention_terms(D, "selective")
+        transient = sum(none.values()) - sum(sel.values()) + sel.get("attention output", 0)
+    freed = sum(v for k, v in extra.items() if k in ("final norm", "output layer input", "cross entropy (fp32 probs, targets)"))
+    if D.recompute == "selective":
+        mlp = ("MLP input", "GeLU input", "fc2 input", "gate/up output", "SiLU output", "down input", "gate/up weight copy")
+        freed += sum(v for k, v in per_layer.items() if k in mlp)
+    return ChunkActivations(layers=len(chunks[chunk]), per_layer=per_layer, extra=extra, shared=shared,
+                            transient=transient, freed=freed)
+
+
+@dataclass
+class SchedulePeak:
+    """Peak saved-activation bytes of a rank under its schedule."""
+
+    peak: int
+    in_flight: int
+    """Most (chunk, micro-batch) pairs holding activations at once (forwarded, weight grads not done)."""
+    in_flight_micro_batches: float
+    """``in_flight`` in whole-stage micro-batches (``in_flight / virtual_stages``)."""
+
+
+def schedule_peak(cfg: Config, pp_rank: int, chunks: Sequence[ChunkActivations] | None = None) -> SchedulePeak:
+    """Walk rank ``pp_rank``'s action table: F adds the chunk's bytes, B (or I) frees them, a backward adds
+    the chunk's transient once ``freed`` is gone; shared tensors count once (docs/activation_memory.md)."""
+    D = dims_of(cfg)
+    if chunks is None:
+        chunks = [chunk_activations(cfg, pp_rank, c) for c in range(D.virtual_stages)]
+    live = peak = count = most = 0
+    for a in build_schedule(D.schedule, D.pp, D.micro_batches, D.virtual_stages)[pp_rank]:
+        c = chunks[a.chunk]
+        if a.kind == "F":
+            live += c.per_micro_batch
+            count += 1
+            peak, most = max(peak, live), max(most, count)
+        elif a.kind in ("B", "I"):
+            if c.transient:  # the last layer (or its attention core) recomputes once ``freed`` is freed
+                peak = max(peak, live - c.freed + c.transient)
+            live -= c.per_micro_batch
+            count -= a.kind == "B"
+        else:
+            count -= 1
+    shared = sum(sum(c.shared.values()) for c in chunks)
+    return SchedulePeak(peak=peak + shared, in_flight=most, in_flight_micro_batches=most / D.virtual_stages)
+
+
+def megatron_in_flight(D: PlanDims, pp_rank: int) -> float:
+    """The textbook micro-batches in flight on ``pp_rank`` (for display beside the table walk)."""
+    m, p, v = D.micro_batches, D.pp, D.virtual_stages
+    if D.schedule == "none":
+        return 1
+    if D.schedule == "interleaved":
+        return min((p - pp_rank - 1) * 2 + (v - 1) * p + 1, m * v) / v
+    return min(p - pp_rank if D.schedule == "1f1b" else p, m)
+
+
+def buffer_terms(cfg: Config, pp_rank: int, in_flight: int) -> dict[str, int]:
+    """Bytes held outside the saved activations: the SP gather buffer, pipeline buffers, logits/CE transients."""
+    D = dims_of(cfg)
+    out: dict[str, int] = {}
+    if D.sp and D.recompute_allgather:
+        out["SP gather buffer (mpu.memory)"] = D.tokens * D.h * D.e
+    if D.pp > 1:
+        stage_io = D.shard_tokens * D.h * D.e
+        links = (pp_rank > 0 or D.virtual_stages > 1) + (pp_rank < D.pp - 1 or D.virtual_stages > 1)
+        held = in_flight if (pp_rank < D.pp - 1 or D.virtual_stages > 1) else 0
+        out["pipeline receive buffers + held outputs"] = (links + held) * stage_io
+    if pp_rank == D.pp - 1:
+        cast = D.e != 4 or D.padded_vocab > D.vocab  # an fp32 copy (bf16) or a clone hiding the padded rows
+        forward = D.e + (4 if cast else 0)
+        backward = 4 + (D.e if D.e != 4 else 0)
+        out["logits + cross-entropy transients"] = D.tokens * (D.padded_vocab // D.tp) * max(forward, backward)
+    return out
+

@@ -1,0 +1,106 @@
+"""The numbers every formula reads, from a finalized config (vocabulary set)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_sp.config.schema import Config
+from megatron_sp.model.transformer import head_dim, rotary_dim
+from megatron_sp.pipeline.partition import stage_chunks
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of a parameter / activation element per ``train.precision``."""
+GRAD_BYTES = 4
+"""Main gradients are always fp32."""
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""``DistributedOptimizer``'s default ``bucket_bytes``."""
+DEFAULT_PEAK_TFLOPS = 312.0
+"""Default per-device peak for the ranking: an A100's dense bf16 rate (pass your device's)."""
+DEFAULT_BANDWIDTH_GBS = 100.0
+"""Default per-rank bus bandwidth for the ranking, GB/s (pass your interconnect's)."""
+
+
+@dataclass(frozen=True)
+class PlanDims:
+    """Model shape, batch, layout and precision of a config (not ``mpu.ParallelDims``, which sizes groups)."""
+
+    arch: str
+    layers: int
+    h: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    rotary_dim: int
+    vocab: int
+    padded_vocab: int
+    seq: int
+    micro_batch: int
+    micro_batches: int
+    global_batch: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    virtual_stages: int
+    sp: bool
+    recompute_allgather: bool
+    recompute: str
+    precision: str
+    zero: int
+    cp_algo: str
+    cp_ulysses: int
+    device: str
+    hidden_dropout: float
+    attention_dropout: float
+    documents: bool
+    tie: bool
+    schedule: str
+    e: int
+    """Bytes of an activation element (the autocast / parameter dtype)."""
+    s_local: int
+    """Tokens of a sample on this rank: ``seq / cp``."""
+    tokens: int
+    """Tokens of one micro-batch on this rank (``b · s/cp``), as the TP regions see them."""
+    shard_tokens: int
+    """Tokens between TP regions: ``/tp`` under sequence parallelism."""
+    kv_split: bool
+    """kv heads split over TP (else every rank holds the whole QKV weight: ``ReplicatedGroupQKV``)."""
+    local_heads: int
+    local_kv: int
+    """kv heads a TP rank computes (1 when replicated: each rank uses one group)."""
+    local_ffn: int
+    dp_cp: int
+    """The gradient-reduction group (and ZeRO-1 shard count)."""
+    world: int
+    mask_bytes: int
+    """A dropout mask element: CPU dropout multiplies by a mask in the activation dtype; CUDA keeps a bool."""
+
+
+def dims_of(cfg: Config) -> PlanDims:
+    """The ``PlanDims`` of a finalized config whose vocabulary is set (``config.set_vocab``)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.padded_vocab_size is None or m.vocab_size is None:
+        raise ValueError("the config's vocabulary is not set: call config.set_vocab(cfg, vocab_size) first")
+    schedule = p.pp_schedule
+    if p.pp == 1 and schedule in ("1f1b", "interleaved", "none") and p.virtual_stages == 1:
+        schedule = "none"  # what forward_backward runs at pp == 1
+    sp, e, device = p.sequence_parallel and p.tp > 1, DTYPE_BYTES[t.precision], p.device or "cpu"
+    tokens, kv_split = t.micro_batch_size * (m.seq_length // p.cp), m.num_kv_heads % p.tp == 0
+    return PlanDims(arch=m.arch, layers=m.num_layers, h=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
+                    head_dim=head_dim(m), ffn=m.ffn_hidden_size, rotary_dim=rotary_dim(m), vocab=m.vocab_size,
+                    padded_vocab=m.padded_vocab_size, seq=m.seq_length, micro_batch=t.micro_batch_size,
+                    micro_batches=t.grad_accum_steps, global_batch=t.global_batch_size, tp=p.tp, pp=p.pp, cp=p.cp,
+                    dp=p.dp, virtual_stages=p.virtual_stages, sp=sp, recompute_allgather=p.tp_recompute_allgather,
+                    recompute=m.recompute, precision=t.precision, zero=p.zero, cp_algo=p.cp_algo,
+                    cp_ulysses=p.cp_ulysses if p.cp_algo == "usp" else 1, device=device, hidden_dropout=m.hidden_dropout,
+                    attention_dropout=m.attention_dropout, documents=cfg.data.reset_attention_mask,
+                    tie=m.tie_embeddings, schedule=schedule, e=e, s_local=m.seq_length // p.cp, tokens=tokens,
+                    shard_tokens=tokens // p.tp if sp else tokens, kv_split=kv_split, local_heads=m.num_heads // p.tp,
+                    local_kv=m.num_kv_heads // p.tp if kv_split else 1, local_ffn=m.ffn_hidden_size // p.tp,
+                    dp_cp=p.dp * p.cp, world=p.tp * p.pp * p.cp * p.dp, mask_bytes=1 if device == "cuda" else e)
+
+
+def stage_layers(cfg: Config, pp_rank: int) -> list[range]:
+    """The layer ranges of pipeline rank ``pp_rank``'s model chunks (the pipeline's own split)."""
+    p = cfg.parallel
+    return stage_chunks(cfg.model, p.pp, pp_rank, p.virtual_stages, p.pp_partition)

@@ -1,0 +1,216 @@
+"""The plan of a layout (every stage), its step-time estimate, and the search over layouts (docs/planner.md)."""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_sp.config.schema import Config
+from megatron_sp.errors import ConfigError
+from megatron_sp.model.gpt import parameter_parts
+from megatron_sp.pipeline.schedules import theory_bubble
+
+from .activations import ChunkActivations, SchedulePeak, buffer_terms, chunk_activations, schedule_peak
+from .dims import DEFAULT_BUCKET_BYTES, PlanDims, dims_of, stage_layers
+from .state import StateBytes, state_bytes
+from .traffic import comm_per_step
+
+
+@dataclass
+class RankPlan:
+    """Everything predicted for a rank of one pipeline stage."""
+
+    pp_rank: int
+    state: StateBytes
+    chunks: list[ChunkActivations]
+    schedule: SchedulePeak
+    buffers: dict[str, int]
+    comm: dict[str, dict[str, float]]
+    flops: float
+
+    @property
+    def activations(self) -> int:
+        return self.schedule.peak
+
+    @property
+    def per_micro_batch(self) -> int:
+        """One micro-batch through every chunk of the stage, the batch-shared tensors included."""
+        return sum(c.per_micro_batch for c in self.chunks) + sum(sum(c.shared.values()) for c in self.chunks)
+
+    @property
+    def total(self) -> int:
+        return self.state.total + self.activations + sum(self.buffers.values())
+
+    def comm_bytes(self, dim: str | None = None) -> float:
+        dims = [dim] if dim else list(self.comm)
+        return sum(sum(self.comm.get(k, {}).values()) for k in dims)
+
+
+@dataclass
+class LayoutPlan:
+    """The plan of one layout: a ``RankPlan`` per pipeline stage and the step-time estimate."""
+
+    cfg: Config
+    dims: PlanDims
+    stages: list[RankPlan]
+    time: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.stages, key=lambda r: r.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.worst.total
+
+    @property
+    def layout(self) -> tuple[int, int, int, int]:
+        return (self.dims.tp, self.dims.pp, self.dims.cp, self.dims.dp)
+
+
+def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None) -> float:
+    """Model FLOPs per step on one rank of stage ``pp_rank``: ``6·N_stage + 6·L_stage·h·s`` per token
+    (``model.flops_per_token``: PaLM, attention over the causal half), N without the input embedding,
+    divided over TP and CP; ``recompute`` (default the config's) adds the recomputed forward:
+    ``2·N + 2·L·h·s`` (full) or ``2·L·h·s`` (selective)."""
+    D = dims_of(cfg)
+    recompute = D.recompute if recompute is None else recompute
+    parts = parameter_parts(cfg.model)
+    layers = sum(len(c) for c in stage_layers(cfg, pp_rank))
+    n = layers * parts["layer"] + (parts["final_norm"] + parts["output_layer"] if pp_rank == D.pp - 1 else 0)
+    attention = 6 * layers * D.heads * D.head_dim * D.seq
+    per_token = 6 * n + attention
+    if recompute == "full":
+        per_token += 2 * n + attention / 3
+    elif recompute == "selective":
+        per_token += attention / 3
+    tokens = D.global_batch // D.dp * D.seq // D.cp
+    return tokens * per_token / D.tp
+
+
+def plan_layout(cfg: Config, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> LayoutPlan:
+    """Predict every pipeline stage of a finalized config (vocabulary set)."""
+    D = dims_of(cfg)
+    stages = []
+    for r in range(D.pp):
+        chunks = [chunk_activations(cfg, r, c) for c in range(D.virtual_stages)]
+        peak = schedule_peak(cfg, r, chunks)
+        stages.append(RankPlan(pp_rank=r, state=state_bytes(cfg, r, bucket_bytes), chunks=chunks, schedule=peak,
+                               buffers=buffer_terms(cfg, r, peak.in_flight), comm=comm_per_step(cfg, r, bucket_bytes),
+                               flops=stage_flops(cfg, r)))
+    return LayoutPlan(cfg=cfg, dims=D, stages=stages)
+
+
+def estimate_step_time(lp: LayoutPlan, peak_tflops: float, bandwidth_gbs: float) -> dict[str, float]:
+    """Seconds per step, for ranking: compute / (1 − bubble) + exposed communication (docs/planner.md)."""
+    D = lp.dims
+    peak, bw = peak_tflops * 1e12, bandwidth_gbs * 1e9
+    bubble = theory_bubble(D.schedule, D.pp, D.micro_batches, D.virtual_stages) if D.pp > 1 else 0.0
+    busiest = max(lp.stages, key=lambda r: r.flops)
+    compute = busiest.flops / peak / (1 - bubble)
+    exposed = 0.0
+    for r in lp.stages:
+        own = sum(r.comm_bytes(k) for k in ("tp", "cp", "pp")) / bw
+        dp = r.comm.get("dp", {})
+        gather = dp.get("all_gather", 0.0) / bw
+        reduce = (dp.get("reduce_scatter", 0.0) + dp.get("all_reduce", 0.0)) / bw
+        last_backward = 2 / 3 * r.flops / peak / max(D.micro_batches, 1)
+        exposed = max(exposed, own + gather + max(0.0, reduce - last_backward))
+    step = compute + exposed
+    model_flops = sum(stage_flops(lp.cfg, r.pp_rank, "none") for r in lp.stages) * D.tp * D.cp * D.dp
+    return {"step_s": step, "compute_s": compute, "comm_s": exposed, "bubble": bubble,
+            "tokens_per_s": D.global_batch * D.seq / step, "mfu": model_flops / (step * peak * D.world)}
+
+
+def factorizations(devices: int) -> list[tuple[int, int, int, int]]:
+    """Every (tp, pp, cp, dp) with tp·pp·cp·dp = devices."""
+    small = [k for k in range(1, math.isqrt(devices) + 1) if devices % k == 0]
+    divisors = sorted(set(small + [devices // k for k in small]))
+    out = []
+    for tp in divisors:
+        for pp in divisors:
+            for cp in divisors:
+                if devices % (tp * pp * cp) == 0:
+                    out.append((tp, pp, cp, devices // (tp * pp * cp)))
+    return out
+
+
+def layout_overrides(base: Config, tp: int, pp: int, cp: int, dp: int) -> list[str]:
+    """Dotted overrides that move ``base``'s parallel section to (tp, pp, cp, dp), keeping its choices
+    where they still apply: sequence parallelism only at tp > 1, an interleaved schedule (and its
+    virtual stages) only at pp > 1 (else 1f1b), the cp algorithm as given."""
+    p = base.parallel
+    sp = p.sequence_parallel and tp > 1
+    schedule, virtual = p.pp_schedule, p.virtual_stages
+    if pp == 1 and schedule == "interleaved":
+        schedule, virtual = "1f1b", 1
+    out = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.dp={dp}",
+           f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.pp_schedule={schedule}",
+           f"parallel.virtual_stages={virtual}", "parallel.world_size=none"]
+    if p.cp_algo == "usp" and (cp == 1 or cp % p.cp_ulysses):
+        out += ["parallel.cp_algo=zigzag", "parallel.cp_ulysses=1"]
+    return out
+
+
+@dataclass
+class Candidate:
+    """One (tp, pp, cp, dp) of the search: its plan and time, or why it cannot run."""
+
+    layout: tuple[int, int, int, int]
+    plan: LayoutPlan | None = None
+    error: str = ""
+    fits: bool = False
+
+
+def search(build: Callable[[list[str]], Config], base: Config, devices: int, memory_bytes: int,
+           peak_tflops: float, bandwidth_gbs: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Candidate]:
+    """Every layout of ``devices`` ranks: ``build(overrides)`` makes the finalized config (raising
+    ``ConfigError`` when the config loader's checks refuse it); returns the candidates ranked: those
+    that fit first, by estimated step time, then those that do not fit, then the refused ones."""
+    out = []
+    for layout in factorizations(devices):
+        cand = Candidate(layout)
+        try:
+            cfg = build(layout_overrides(base, *layout))
+        except ConfigError as exc:
+            cand.error = str(exc)
+            out.append(cand)
+            continue
+        cand.plan = plan_layout(cfg, bucket_bytes)
+        cand.plan.time = estimate_step_time(cand.plan, peak_tflops, bandwidth_gbs)
+        cand.fits = cand.plan.peak_bytes <= memory_bytes
+        out.append(cand)
+
+    def key(c: Candidate) -> tuple[Any, ...]:
+        if c.plan is None:
+            return (2, 0.0, 0, c.layout)
+        return (0 if c.fits else 1, c.plan.time["step_s"], c.plan.peak_bytes, c.layout)
+    return sorted(out, key=key)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from ``80GB``, ``80 GiB``, ``512MB``, ``1.5TiB`` or a plain number of bytes (GB = 10⁹, GiB = 2³⁰)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"--memory '{text}' is not a memory size; write e.g. 80GB, 80GiB or 512MB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 2**20:  # "0.5B" was read as 0 bytes
+        raise ConfigError(f"--memory '{text}' is {value} bytes; give the memory of one device with its unit, "
+                          "e.g. 80GB, 80GiB or 512MB")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """``1.23 GiB`` style (binary units)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+

@@ -1,0 +1,119 @@
+"""Parameters, fp32 main gradients and optimizer state per rank: the real stage and optimizer on the meta device."""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from megatron_sp.config.schema import Config
+from megatron_sp.mpu.parallel_state import ParallelContext
+from megatron_sp.optim import DistributedOptimizer, named_trainable
+from megatron_sp.pipeline.partition import build_stage
+
+from .dims import DEFAULT_BUCKET_BYTES, dims_of
+
+VOCAB_TABLES = ("embedding.weight", "output_layer.weight")
+_STAGES: dict[tuple[object, ...], list[tuple[str, nn.Parameter]]] = {}
+
+
+class _NoInitDraws(TorchFunctionMode):
+    """Skips ``Tensor.normal_`` (in place, returns its input): on meta tensors the init draws compute nothing
+    yet cost milliseconds each; shapes and attributes do not depend on them."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.normal_:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def stage_parameters(cfg: Config, pp_rank: int = 0) -> list[tuple[str, nn.Parameter]]:
+    """Stage ``pp_rank``'s trainable parameters as one TP rank holds them: meta tensors of the local shape
+    with the model's attributes (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel``,
+    ``shared_embedding``), built by ``pipeline.build_stage``.
+
+    A layer takes its TP size from its process group, and the planner has none: a layer built at a
+    size other than ``tp`` gets the rules the layers apply at ``tp`` — a ``tensor_model_parallel``
+    tensor keeps ``1/tp`` along ``partition_dim``, a QKV with fewer kv heads than ``tp`` stays whole
+    with its grad summed over TP (``ReplicatedGroupQKV``), under SP so do the norms' (``make_norm``).
+    """
+    D, p = dims_of(cfg), cfg.parallel
+    key = _stage_key(cfg, pp_rank)
+    if key in _STAGES:  # a search asks for each stage many times
+        return _STAGES[key]
+    where = types.SimpleNamespace(pp_size=D.pp, pp_rank=pp_rank, is_first_stage=pp_rank == 0,
+                                  is_last_stage=pp_rank == D.pp - 1)
+    with torch.device("meta"), _NoInitDraws():
+        stage = build_stage(cfg.model, 0, where, ParallelContext(sequence_parallel=D.sp), virtual_stages=D.virtual_stages,
+                            partition=p.pp_partition)
+    built = {id(q): getattr(mod, "tp_size", 1) for mod in stage.modules() for q in mod.parameters(recurse=False)}
+    norms = {id(q) for mod in stage.modules() if isinstance(mod, nn.LayerNorm | nn.RMSNorm) for q in mod.parameters()}
+    named = named_trainable(stage)
+    for name, q in named:
+        if built[id(q)] == D.tp:
+            continue
+        if not D.kv_split and ".attention.qkv." in name:
+            q.tensor_model_parallel, q.partition_dim, q.sequence_parallel = False, -1, True
+        elif getattr(q, "tensor_model_parallel", False) and q.partition_dim >= 0:
+            shape = list(q.shape)
+            shape[q.partition_dim] = shape[q.partition_dim] * built[id(q)] // D.tp
+            q.data = q.new_empty(shape)
+        q.sequence_parallel = q.sequence_parallel or (D.sp and id(q) in norms)
+    _STAGES[key] = named
+    return named
+
+
+@dataclass
+class StateBytes:
+    """Per-rank bytes of the parameters, fp32 main gradients and optimizer state (exact)."""
+
+    params: int
+    grads: int
+    optim: int
+    param_elements: int
+    padded_elements: int
+    """Elements of the flat buffers, bucket padding (to a multiple of dp·cp) included."""
+    shard_elements: int
+    tp_synced: int
+    """Elements of ``sequence_parallel`` gradients this rank sums over TP after the dp·cp reduction."""
+    vocab_tables: int
+    """Vocabulary tables (embedding, output layer) on this stage: each has ``padded_vocab − vocab`` padding rows."""
+    param_dtype: str
+    master: bool
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optim
+
+
+_STATE: dict[tuple[object, ...], StateBytes] = {}
+
+
+def _stage_key(cfg: Config, pp_rank: int) -> tuple[object, ...]:
+    D = dims_of(cfg)
+    return (repr(cfg.model), D.tp, D.sp, D.pp, D.virtual_stages, cfg.parallel.pp_partition, pp_rank)
+
+
+def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StateBytes:
+    """The sizes of ``DistributedOptimizer``'s ``param_buffer``, ``grad_buffer``, ``exp_avg``/``exp_avg_sq``
+    and fp32 masters on data-parallel rank 0 of stage ``pp_rank``: the real optimizer over the meta stage."""
+    D = dims_of(cfg)
+    key = (*_stage_key(cfg, pp_rank), D.dp_cp, D.zero, D.precision, bucket_bytes)
+    if key in _STATE:
+        return _STATE[key]
+    named = stage_parameters(cfg, pp_rank)
+    groups = types.SimpleNamespace(dp_cp_group=None, dp_cp_size=D.dp_cp, dp_cp_rank=0, tp_rank=0, tp_size=D.tp,
+                                   pp_size=D.pp, is_first_stage=pp_rank == 0)  # read at construction only
+    opt = DistributedOptimizer(named, cfg.train, groups, zero=D.zero, precision=D.precision, bucket_bytes=bucket_bytes)
+    opt.remove_hooks()
+    owned = [opt._info_of(q) for _, q in named if q.sequence_parallel]
+    moments = [opt.exp_avg, opt.exp_avg_sq] + ([opt._master_local] if opt._master_local is not None else [])
+    _STATE[key] = StateBytes(
+        params=opt.param_buffer.numel() * opt.param_buffer.element_size(), grads=opt.grad_buffer.numel() * 4,
+        optim=sum(t.numel() * t.element_size() for t in moments), param_elements=sum(q.numel() for _, q in named),
+        padded_elements=opt.numel, shard_elements=opt.shard_numel, tp_synced=sum(i.own_end - i.own_start for i in owned),
+        vocab_tables=sum(n in VOCAB_TABLES for n, _ in named), param_dtype=D.precision, master=D.precision != "fp32")
+    return _STATE[key]
