@@ -65,6 +65,11 @@ LAYOUTS = {
     "cp4_usp_ulysses2": ([], ["parallel.cp=4", "parallel.cp_algo=usp", "parallel.cp_ulysses=2"]),
     "packed_cp2_zigzag": (PACKED, ["parallel.cp=2", "parallel.cp_algo=zigzag"]),
     "packed_cp2_llama3": (PACKED, ["parallel.cp=2", "parallel.cp_algo=llama3"]),
+    # packed documents on the document-aligned kernel under the other algorithms, cp4 and TP+SP
+    "packed_cp2_ring": (PACKED, ["parallel.cp=2", "parallel.cp_algo=ring"]),
+    "packed_cp2_ulysses": (PACKED, ["parallel.cp=2", "parallel.cp_algo=ulysses"]),
+    "packed_cp4_usp_ulysses2": (PACKED, ["parallel.cp=4", "parallel.cp_algo=usp", "parallel.cp_ulysses=2"]),
+    "packed_cp2_zigzag_tp2_sp": (PACKED, ["parallel.cp=2", "parallel.cp_algo=zigzag", "parallel.tp=2", *SP]),
 }
 
 
