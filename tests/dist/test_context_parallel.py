@@ -249,3 +249,33 @@ def test_cp1_packed_documents_local_path(heads: str, docs: str, dtype: str) -> N
     ref = _oracle(q, k, v, dout, pos, doc)
     errors = {t: _rel(got[t], ref[t]) for t in TENSORS}
     assert all(e <= TOL[dtype] for e in errors.values()), errors
+
+
+def _ulysses_saved(rank: int, world: int) -> dict[str, int]:
+    """Bytes saved for backward by Ulysses attention followed by an output projection (which saves its input)."""
+    q, k, v, _, pos, doc = _inputs("mha", "packed", "fp32")
+    lay = sequence_layout("ulysses")
+    ql, kl, vl = (shard(x, world, rank, lay, dim=0).requires_grad_(True) for x in (q, k, v))
+    meta = AttentionMeta.build(shard(pos, world, rank, lay, dim=1), shard(doc, world, rank, lay, dim=1), "ulysses",
+                               dist.group.WORLD)
+    weight = torch.randn(N * D, N * D, requires_grad=True)
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = context_parallel_attention(ql, kl, vl, meta)
+        y = out.reshape(out.shape[0], B, N * D) @ weight
+    y.sum().backward()
+    assert ql.grad is not None and kl.grad is not None
+    activation = sum(n for n in storages.values() if n != weight.untyped_storage().nbytes())
+    return {"activation": activation, "out": out.untyped_storage().nbytes()}
+
+
+def test_ulysses_holds_its_output_once() -> None:
+    """Saved for backward: q, k, v after the all-to-all, the output once (shared with the projection) and lse."""
+    for r in run_distributed(_ulysses_saved, 2):
+        lse_bytes = B * (N // 2) * 2 * r["out"] // (B * N * D)  # [b, n/cp, s] fp32 vs out [s/cp, b, n, d] fp32
+        assert r["activation"] == 4 * r["out"] + lse_bytes, r

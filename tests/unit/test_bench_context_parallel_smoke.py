@@ -35,7 +35,8 @@ def _bytes(algo: str, n: int, g: int) -> tuple[int, int]:
         return (n - 1) * kv * 4 // n, 2 * (n - 1) * kv * 4 // n
     g_sent = g if g % n == 0 else n
     each_way = (n - 1) * (2 * S * HEADS * d + 2 * S * g_sent * d) * 4 // n ** 2
-    return each_way, each_way  # the lse is not sent (context_parallel_attention needs only out)
+    output_back = (n - 1) * S * HEADS * d * 4 // n ** 2  # backward moves the saved output back to [s, n/N]
+    return each_way, each_way + output_back  # the lse is not sent (context_parallel_attention needs only out)
 
 
 def test_context_parallel_tiny(capsys: pytest.CaptureFixture[str]) -> None:

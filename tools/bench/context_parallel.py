@@ -321,7 +321,8 @@ def expected_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[
     elif algo == "ulysses":
         g_sent = g if g % n == 0 else n  # kv heads repeated up to n when n % g == 0
         each_way = Fraction(n - 1, n * n) * (2 * s * b * heads * d + 2 * s * b * g_sent * d) * e
-        out = {"forward": {"all_to_all": each_way}, "backward": {"all_to_all": each_way}}
+        output_back = Fraction(n - 1, n * n) * s * b * heads * d * e  # backward moves the saved output back
+        out = {"forward": {"all_to_all": each_way}, "backward": {"all_to_all": each_way + output_back}}
     else:
         raise ValueError(algo)
     for ops in out.values():

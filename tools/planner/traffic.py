@@ -74,7 +74,8 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
             per_layer["all_gather"] = (N - 1) * kv * e * (repeats + 1)
             per_layer["reduce_scatter"] = (N - 1) * kv * 4
         elif algo == "ulysses":
-            ulysses(N)
+            ulysses(N)  # + backward's all-to-all of the saved output back to the local layout:
+            per_layer["all_to_all"] += (N - 1) / N * tok * D.local_heads * d * e
         else:  # usp: Ulysses of degree u inside a ring over cp / u
             u = D.cp_ulysses
             ulysses(u)

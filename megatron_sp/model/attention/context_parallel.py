@@ -363,7 +363,46 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionM
              with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     if meta.size == 1:
         return _Local.apply(q, k, v, meta, scale)
-    qh, kh, vh = _heads_to_sequence(q, k, v, meta.group)  # [s, b, n_heads/cp, d]
-    out, lse = _Local.apply(qh, kh, vh, meta, scale)  # every rank's chunk in rank order = the gathered order
-    lse = comm.all_to_all(lse, meta.group, scatter_dim=2, gather_dim=1) if with_lse else None  # [b, n_heads, s/cp]
-    return all_to_all(out, meta.group, scatter_dim=0, gather_dim=2), lse  # [s/cp, b, n_heads, d]
+    out, lse_h = _Ulysses.apply(q, k, v, meta, scale)  # [s/cp, b, n_heads, d], [b, n_heads/cp, s]
+    lse = comm.all_to_all(lse_h, meta.group, scatter_dim=2, gather_dim=1) if with_lse else None  # [b, n_heads, s/cp]
+    return out, lse
+
+
+class _Ulysses(torch.autograd.Function):
+    """Ulysses in one Function: heads→sequence all-to-all, exact local attention, and back.
+
+    Memory invariant: the attention output is held once. The returned ``[s/cp, b, n, d]`` output
+    (which the output projection saves anyway) is what is saved; backward recovers the
+    ``[s, b, n/cp, d]`` layout with one more all-to-all instead of keeping a second copy.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            qh, kh, vh = _heads_to_sequence(q, k, v, meta.group)  # [s, b, n_heads/cp, d]
+        pos = torch.cat(meta.positions, 1)
+        doc = None if meta.documents is None else torch.cat(meta.documents, 1)
+        acc = _Accumulator(qh, pos, doc, meta.size * meta.parts, scale)
+        acc.add(kh, vh, pos, doc, meta.size * meta.parts)
+        out_h, lse_h = acc.result()  # every rank's chunk in rank order = the gathered order
+        out = comm.all_to_all(out_h.to(q.dtype), meta.group, scatter_dim=0, gather_dim=2)  # [s/cp, b, n_heads, d]
+        ctx.save_for_backward(qh, kh, vh, out, lse_h)
+        ctx.meta, ctx.scale, ctx.pos, ctx.doc, ctx.kv_heads = meta, scale, pos, doc, k.shape[2]
+        ctx.mark_non_differentiable(lse_h)
+        return out, lse_h
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[torch.Tensor | None, ...]:
+        qh, kh, vh, out, lse_h = ctx.saved_tensors
+        group = ctx.meta.group
+        out_h = comm.all_to_all(out, group, scatter_dim=2, gather_dim=0)  # the local output, recomputed by moving
+        dout_h = comm.all_to_all(dout.contiguous(), group, scatter_dim=2, gather_dim=0)
+        parts = ctx.meta.size * ctx.meta.parts
+        dqh, dkh, dvh = _block_backward(dout_h, qh, out_h, lse_h, ctx.pos, ctx.doc, kh, vh, ctx.pos, ctx.doc, parts,
+                                        ctx.scale)
+        dq, dk, dv = (comm.all_to_all(x.to(qh.dtype), group, scatter_dim=0, gather_dim=2) for x in (dqh, dkh, dvh))
+        if dk.shape[2] != ctx.kv_heads:  # kv heads were repeated for the Ulysses degree: sum the copies
+            s, b, _, d = dk.shape
+            dk, dv = (x.view(s, b, ctx.kv_heads, -1, d).sum(3) for x in (dk, dv))
+        return dq, dk, dv, None, None
