@@ -22,6 +22,7 @@ import torch
 
 from megatron_sp import config
 from megatron_sp.config import Config
+from megatron_sp.model.attention.layout import required_divisor
 from megatron_sp.testing import run_distributed
 
 MODEL_FLAGS: dict[str, tuple[type, str]] = {
@@ -81,3 +82,22 @@ def mib(n: float, digits: int = 2) -> str:
 def print_json(bench: str, **fields: Any) -> None:
     """The report's last line: ``{"bench": bench, "torch": version, **fields}`` as JSON."""
     print(json.dumps({"bench": bench, "torch": torch.__version__, **fields}))
+
+
+def ulysses_degree(args: argparse.Namespace, algo: str, n: int) -> int:
+    """``parallel.cp_ulysses`` for ``algo`` at cp = n: ``--cp-ulysses`` (capped at n) for usp, else 1."""
+    return min(getattr(args, "cp_ulysses", 1), n) if algo == "usp" else 1
+
+
+def cp_skip_reason(args: argparse.Namespace, algo: str, n: int, seq: int) -> str:
+    """Why ``algo`` cannot run at cp = n on ``seq`` tokens with ``--heads``/``--kv-heads`` ('' if it can)."""
+    if n == 1:
+        return ""
+    need = required_divisor(algo, n)
+    if seq % need:
+        return f"seq {seq} is not divisible by {need}"
+    g = args.kv_heads or args.heads
+    u = n if algo == "ulysses" else ulysses_degree(args, algo, n)
+    if u > 1 and (n % u or args.heads % u or (g % u and u % g)):
+        return f"{args.heads} heads / {g} kv heads / cp {n} do not split over Ulysses degree {u}"
+    return ""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from common import bench_config, ints, mib, names, parser, print_json
+from common import bench_config, cp_skip_reason, ints, mib, names, parser, print_json
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import ALGORITHMS, AttentionMeta
@@ -91,27 +91,15 @@ def check_args(args: argparse.Namespace) -> list[str]:
     skipped = []
     for n in ints(args.cp):
         for algo in names(args.algos) if n > 1 else []:
-            why = skip_reason(args, algo, n, args.seq)
+            why = cp_skip_reason(args, algo, n, args.seq)
             if why:
                 skipped.append(f"{algo} cp={n}: {why}")
     for n in ints(args.long_cp) if args.long_algo else []:
-        why = skip_reason(args, args.long_algo, n, args.seq)
+        why = cp_skip_reason(args, args.long_algo, n, args.seq)
         if why:
             raise SystemExit(f"--long-algo {args.long_algo} at cp={n}: {why}")
     return skipped
 
-
-def skip_reason(args: argparse.Namespace, algo: str, n: int, seq: int) -> str:
-    """Why ``algo`` cannot run at cp = n on ``seq`` tokens ('' if it can)."""
-    if n == 1:
-        return ""
-    need = required_divisor(algo, n)
-    if seq % need:
-        return f"seq {seq} is not divisible by {need}"
-    g = args.kv_heads or args.heads
-    if algo == "ulysses" and (args.heads % n or (g % n and n % g)):
-        return f"{args.heads} heads / {g} kv heads do not split over {n} ranks"
-    return ""
 
 
 # ------------------------------------------------------------------------------------------------ recording
@@ -574,7 +562,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     algos = names(args.algos)
     rows: list[dict[str, Any]] = []
     for n in ints(args.cp):
-        run = [BASELINE] if n == 1 else [a for a in algos if not skip_reason(args, a, n, args.seq)]
+        run = [BASELINE] if n == 1 else [a for a in algos if not cp_skip_reason(args, a, n, args.seq)]
         if not run:
             continue
         per_rank = run_distributed(rank_rows, n, args=args, algos=["ring" if a == BASELINE else a for a in run])

@@ -34,13 +34,13 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import bench_config, ints, mib, names, parser, print_json
+from common import bench_config, cp_skip_reason, ulysses_degree, ints, mib, names, parser, print_json
 from context_parallel import SavedBytes, ctx_held_bytes
 from megatron_sp.config.schema import Config
 from megatron_sp.data import collate
 from megatron_sp.data.tokenizer import ByteTokenizer
 from megatron_sp.model.attention.context_parallel import ALGORITHMS
-from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard_batch
+from megatron_sp.model.attention.layout import sequence_layout, shard_batch
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.mpu import ParallelContext, comm
 from megatron_sp.mpu.parallel_state import ParallelDims, initialize
@@ -85,22 +85,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("cp sizes, --mean-doc and --reps must be >= 1")
 
 
-def skip_reason(args: argparse.Namespace, algo: str, n: int, seq: int) -> str:
-    """Why ``algo`` cannot run at cp = n on ``seq`` tokens ('' if it can)."""
-    if n == 1:
-        return ""
-    need = required_divisor(algo, n)
-    if seq % need:
-        return f"seq {seq} is not divisible by {need}"
-    g = args.kv_heads or args.heads
-    u = n if algo == "ulysses" else ulysses_degree(args, algo, n)
-    if u > 1 and (n % u or args.heads % u or (g % u and u % g)):
-        return f"{args.heads} heads / {g} kv heads / cp {n} do not split over Ulysses degree {u}"
-    return ""
-
-
-def ulysses_degree(args: argparse.Namespace, algo: str, n: int) -> int:
-    return min(args.cp_ulysses, n) if algo == "usp" else 1
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -466,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for s in seqs:
             run = [BASELINE] if n == 1 else []
             for a in algos if n > 1 else []:
-                why = skip_reason(args, a, n, s)
+                why = cp_skip_reason(args, a, n, s)
                 if why:
                     skipped.append(f"s={s} cp={n} {a}: {why}")
                 else:
