@@ -101,3 +101,15 @@ def cp_skip_reason(args: argparse.Namespace, algo: str, n: int, seq: int) -> str
     if u > 1 and (n % u or args.heads % u or (g % u and u % g)):
         return f"{args.heads} heads / {g} kv heads / cp {n} do not split over Ulysses degree {u}"
     return ""
+
+
+def check_attention_args(args: argparse.Namespace, algos: list[str], known: tuple[str, ...]) -> None:
+    """``SystemExit`` on an unknown cp algorithm, ``--kv-heads`` without llama, or heads that do not divide."""
+    for name in algos:
+        if name not in known:
+            raise SystemExit(f"unknown algorithm {name!r}; choose from {', '.join(known)}")
+    if args.kv_heads is not None and args.arch != "llama":
+        raise SystemExit("--kv-heads (grouped-query attention) needs --arch llama")
+    g = args.kv_heads or args.heads
+    if args.heads % g or args.hidden % args.heads:
+        raise SystemExit(f"--heads {args.heads} must divide --hidden {args.hidden} and be divisible by kv heads {g}")

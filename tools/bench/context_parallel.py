@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from common import bench_config, cp_skip_reason, ints, mib, names, parser, print_json
+from common import bench_config, check_attention_args, cp_skip_reason, ints, mib, names, parser, print_json
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import ALGORITHMS, AttentionMeta
@@ -77,14 +77,7 @@ def model_config(args: argparse.Namespace, seq: int) -> ModelConfig:
 
 def check_args(args: argparse.Namespace) -> list[str]:
     """Raise SystemExit on flags that cannot run; return the (cp, algo) combinations skipped, with why."""
-    for name in names(args.algos) + ([args.long_algo] if args.long_algo else []):
-        if name not in ALGORITHMS:
-            raise SystemExit(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
-    if args.kv_heads is not None and args.arch != "llama":
-        raise SystemExit("--kv-heads (grouped-query attention) needs --arch llama")
-    g = args.kv_heads or args.heads
-    if args.heads % g or args.hidden % args.heads:
-        raise SystemExit(f"--heads {args.heads} must divide --hidden {args.hidden} and be divisible by kv heads {g}")
+    check_attention_args(args, names(args.algos) + ([args.long_algo] if args.long_algo else []), ALGORITHMS)
     sizes = ints(args.cp) + (ints(args.long_cp) if args.long_algo else [])
     if any(n < 1 for n in sizes):
         raise SystemExit("cp sizes must be >= 1")

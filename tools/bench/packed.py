@@ -34,7 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import bench_config, cp_skip_reason, ulysses_degree, ints, mib, names, parser, print_json
+from common import bench_config, check_attention_args, cp_skip_reason, ulysses_degree, ints, mib, names, parser, print_json
 from context_parallel import SavedBytes, ctx_held_bytes
 from megatron_sp.config.schema import Config
 from megatron_sp.data import collate
@@ -73,18 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in names(args.algos):
-        if name not in ALGORITHMS:
-            raise SystemExit(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
-    if args.kv_heads is not None and args.arch != "llama":
-        raise SystemExit("--kv-heads (grouped-query attention) needs --arch llama")
-    g = args.kv_heads or args.heads
-    if args.heads % g or args.hidden % args.heads:
-        raise SystemExit(f"--heads {args.heads} must divide --hidden {args.hidden} and be divisible by kv heads {g}")
+    check_attention_args(args, names(args.algos), ALGORITHMS)
     if any(n < 1 for n in ints(args.cp)) or args.mean_doc < 1 or args.reps < 1:
         raise SystemExit("cp sizes, --mean-doc and --reps must be >= 1")
-
-
 
 
 # ------------------------------------------------------------------------------------------------ data

@@ -300,30 +300,43 @@ class _Llama3(torch.autograd.Function):
 # -------------------------------------------------------------------------------- ulysses / local
 
 
+def _whole_sequence(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Positions and documents of every rank's tokens in rank order, and the chunks to classify apart."""
+    doc = None if meta.documents is None else torch.cat(meta.documents, 1)
+    return torch.cat(meta.positions, 1), doc, meta.size * meta.parts
+
+
+def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of queries over keys that both cover the whole sequence: fp32 (out, lse)."""
+    pos, doc, parts = _whole_sequence(meta)
+    acc = _Accumulator(q, pos, doc, parts, scale)
+    acc.add(k, v, pos, doc, parts)
+    return acc.result()
+
+
+def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, meta: AttentionMeta, scale: float) -> tuple[torch.Tensor, ...]:
+    pos, doc, parts = _whole_sequence(meta)
+    return _block_backward(dout.contiguous(), q, out, lse, pos, doc, k, v, pos, doc, parts, scale)
+
+
 class _Local(torch.autograd.Function):
-    """Exact attention of local queries over local keys, both covering the whole sequence (Ulysses
-    after its all-to-all, or cp == 1 with packed documents); blocks are classified per rank chunk."""
+    """cp == 1 (packed documents): exact attention of the local queries over the local keys."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
                 scale: float) -> torch.Tensor:
-        parts = meta.size * meta.parts
-        pos = torch.cat(meta.positions, 1)
-        doc = None if meta.documents is None else torch.cat(meta.documents, 1)
-        acc = _Accumulator(q, pos, doc, parts, scale)
-        acc.add(k, v, pos, doc, parts)
-        out, lse = acc.result()
+        out, lse = _local_forward(q, k, v, meta, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta, ctx.scale, ctx.pos, ctx.doc = meta, scale, pos, doc
+        ctx.meta, ctx.scale = meta, scale
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        parts = ctx.meta.size * ctx.meta.parts
-        dq, dk, dv = _block_backward(dout.contiguous(), q, out, lse, ctx.pos, ctx.doc, k, v, ctx.pos, ctx.doc, parts,
-                                     ctx.scale)
+        dq, dk, dv = _local_backward(dout, q, k, v, out, lse, ctx.meta, ctx.scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -379,16 +392,11 @@ class _Ulysses(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            qh, kh, vh = _heads_to_sequence(q, k, v, meta.group)  # [s, b, n_heads/cp, d]
-        pos = torch.cat(meta.positions, 1)
-        doc = None if meta.documents is None else torch.cat(meta.documents, 1)
-        acc = _Accumulator(qh, pos, doc, meta.size * meta.parts, scale)
-        acc.add(kh, vh, pos, doc, meta.size * meta.parts)
-        out_h, lse_h = acc.result()  # every rank's chunk in rank order = the gathered order
+        qh, kh, vh = _heads_to_sequence(q, k, v, meta.group)  # [s, b, n_heads/cp, d] (no autograd in here)
+        out_h, lse_h = _local_forward(qh, kh, vh, meta, scale)  # every rank's chunk in rank order = the gathered order
         out = comm.all_to_all(out_h.to(q.dtype), meta.group, scatter_dim=0, gather_dim=2)  # [s/cp, b, n_heads, d]
         ctx.save_for_backward(qh, kh, vh, out, lse_h)
-        ctx.meta, ctx.scale, ctx.pos, ctx.doc, ctx.kv_heads = meta, scale, pos, doc, k.shape[2]
+        ctx.meta, ctx.scale, ctx.kv_heads = meta, scale, k.shape[2]
         ctx.mark_non_differentiable(lse_h)
         return out, lse_h
 
@@ -398,9 +406,7 @@ class _Ulysses(torch.autograd.Function):
         group = ctx.meta.group
         out_h = comm.all_to_all(out, group, scatter_dim=2, gather_dim=0)  # the local output, recomputed by moving
         dout_h = comm.all_to_all(dout.contiguous(), group, scatter_dim=2, gather_dim=0)
-        parts = ctx.meta.size * ctx.meta.parts
-        dqh, dkh, dvh = _block_backward(dout_h, qh, out_h, lse_h, ctx.pos, ctx.doc, kh, vh, ctx.pos, ctx.doc, parts,
-                                        ctx.scale)
+        dqh, dkh, dvh = _local_backward(dout_h, qh, kh, vh, out_h, lse_h, ctx.meta, ctx.scale)
         dq, dk, dv = (comm.all_to_all(x.to(qh.dtype), group, scatter_dim=0, gather_dim=2) for x in (dqh, dkh, dvh))
         if dk.shape[2] != ctx.kv_heads:  # kv heads were repeated for the Ulysses degree: sum the copies
             s, b, _, d = dk.shape

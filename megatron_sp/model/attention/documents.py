@@ -38,15 +38,17 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def _runs(pos: list[int], doc: list[int] | None) -> list[tuple[int, int, int, int]]:
-    """``(document, first position, first index, length)`` of each run of consecutive positions in one document."""
-    runs = []
-    start = 0
-    for i in range(1, len(pos) + 1):
-        if i == len(pos) or pos[i] != pos[i - 1] + 1 or (doc is not None and doc[i] != doc[i - 1]):
-            runs.append((doc[start] if doc is not None else 0, pos[start], start, i - start))
-            start = i
-    return runs
+def _runs(pos: torch.Tensor, doc: torch.Tensor | None) -> list[tuple[int, int, int, int]]:
+    """``(document, first position, first index, length)`` of each run of consecutive positions in one document
+    (one row: ``pos``/``doc`` ``[s]``); Python work is per run, not per token."""
+    starts = torch.ones(pos.shape[0], dtype=torch.bool, device=pos.device)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    if doc is not None:
+        starts[1:] |= doc[1:] != doc[:-1]
+    first = starts.nonzero().flatten()
+    lengths = torch.diff(first, append=first.new_tensor([pos.shape[0]]))
+    docs = doc[first].tolist() if doc is not None else [0] * first.numel()
+    return list(zip(docs, pos[first].tolist(), first.tolist(), lengths.tolist()))
 
 
 def _pieces(q_runs: list[tuple[int, int, int, int]],
@@ -91,12 +93,11 @@ def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
     """The batched pieces of a block: positions ``[b, sq]``/``[b, sk]``, documents the same or None."""
     b, sq = q_pos.shape
     sk = k_pos.shape[1]
-    qp, kp = q_pos.tolist(), k_pos.tolist()
-    qd = q_doc.tolist() if q_doc is not None else [None] * b
-    kd = k_doc.tolist() if k_doc is not None else [None] * b
     shapes: dict[tuple[bool, int, int, int], list[tuple[int, int, int, int, int]]] = {}
     for bi in range(b):
-        for causal, qi, qn, ki, kn, occ in _pieces(_runs(qp[bi], qd[bi]), _runs(kp[bi], kd[bi])):
+        q_runs = _runs(q_pos[bi], None if q_doc is None else q_doc[bi])
+        k_runs = _runs(k_pos[bi], None if k_doc is None else k_doc[bi])
+        for causal, qi, qn, ki, kn, occ in _pieces(q_runs, k_runs):
             width = bucket(qn)
             key = (causal, width, width if causal else kn, occ)
             shapes.setdefault(key, []).append((bi, qi, qn, ki, kn))
