@@ -1,11 +1,9 @@
 """train.py's command line: ``--conf`` files and dotted overrides → checks → local ranks or training.
 
-``main(argv)`` loads the config and checks, once and before any rank starts, what can fail early
-(optional sinks, output directories, checkpoint.save and checkpoint.load, the data files). Run
-plainly with world size > 1 it starts the local ranks (``launcher.start_local``); under torchrun,
-or at world size 1, it trains on this rank (``training.run``). A user error is one line, printed
-by rank 0, and its exit code; Ctrl-C exits 130 (a first one saves through ``faults.Preemption``,
-a second one aborts).
+``main(argv)`` checks, once and before any rank starts, what can fail early (sinks, output directories,
+checkpoints, data files); then, run plainly with world size > 1, it starts the local ranks
+(``launcher.start_local``), else it trains on this rank (``training.run``). A user error is one line
+from rank 0 and its exit code; Ctrl-C exits 130.
 """
 from __future__ import annotations
 

@@ -56,13 +56,9 @@ class ConfigError(UserError):
 class DataError(UserError):
     """A data, tokenizer or checkpoint file is missing or malformed."""
 
-    exit_code = 1
-
 
 class TrainingError(UserError):
     """Training cannot go on (a non-finite loss or gradient norm): the message names the step."""
-
-    exit_code = 1
 
 
 class LaunchError(UserError):

@@ -1,19 +1,9 @@
 """Faults during training: preemption by SIGTERM or Ctrl-C, and collectives whose peer died or hung.
 
-* ``Preemption``: SIGTERM (``scancel``, a preempting scheduler, torchrun stopping its workers)
-  or the first SIGINT (Ctrl-C; train.py's launcher passes it on to the ranks as SIGINT) sets a
-  flag; after each step the ranks agree on it with a one-element all-reduce (MAX of the signal
-  number, so SIGTERM wins over SIGINT), so all of them save the same step, whichever got the
-  signal; then the run exits 0 (SIGTERM) or 130 (SIGINT: ``finish`` raises KeyboardInterrupt).
-  After a first SIGINT, a second SIGINT aborts at once (KeyboardInterrupt), and so does a SIGTERM
-  (torchrun turns a second Ctrl-C into SIGTERM for its workers); after a first SIGTERM, a SIGINT
-  aborts at once and a SIGTERM changes nothing. Installed only when ``checkpoint.save`` is set
-  (SIGINT only if it has Python's default handler: a SIGINT ignored by the shell stays ignored).
-* ``peer_failure``: when a collective raises (gloo: "Connection reset/closed by peer" at once for
-  a dead peer, "Timed out ..." after ``parallel.timeout_s`` for a hung one), every surviving rank
-  records itself in the job's rendezvous store and, for a few seconds, watches who else does;
-  the ranks that never do are the ones that stopped answering, and the one-line error names them.
-  The store lives in the torchrun agent, so it outlives the workers.
+``Preemption``: a stop signal sets a flag; after each step the ranks agree on it (MAX of the signal
+number), all save the same step, then exit 0 (SIGTERM) or 130 (SIGINT); a second signal aborts.
+``peer_failure``: when a collective raises, the surviving ranks check in at the rendezvous store,
+and the one-line error names the ranks that never do. Details: docs/launcher.md, "Faults".
 """
 from __future__ import annotations
 
@@ -58,8 +48,7 @@ class Preemption:
         if not self.enabled:
             return False
         flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=dev)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            comm.all_reduce(flag, None, op=comm.ReduceOp.MAX)
+        comm.all_reduce(flag, None, op=comm.ReduceOp.MAX)  # the identity in a one-rank run
         self.signum = int(flag.item())
         return bool(self.signum)
 

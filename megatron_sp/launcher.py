@@ -10,6 +10,7 @@ Both build torchrun's arguments with ``torchrun_args``. Details: docs/launcher.m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import logging
 import os
@@ -28,7 +29,7 @@ from typing import Any, TextIO
 
 from .errors import LaunchError, UserError
 from .multinode import (MAX_SLOTS, EnvSpec, Host, check_hostname, collect_env, env_prefix, hosts_text,
-                        parse_hostfile, pdsh_escape, remote_command, select_hosts, slurm_hosts, uniform_slots,
+                        parse_hostfile, remote_command, select_hosts, slurm_hosts, uniform_slots,
                         with_devices)
 
 LAUNCHERS = ("ssh", "pdsh", "slurm", "local")
@@ -43,8 +44,8 @@ log = logging.getLogger("megatron_sp")
 
 # ----------------------------------------------------------------------------- command line
 
-def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
-    """The launcher's options, and the set of those that take a value."""
+def _build_parser() -> argparse.ArgumentParser:
+    """The launcher's options."""
     parser = _Parser(
         prog="deepy.py", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="python deepy.py [options] SCRIPT [script args] [-- script args]",
@@ -73,8 +74,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
     add("--max-restarts", "--max_restarts", type=int, metavar="N", help="passed to torchrun (restarts of the worker group)")
     add("--ssh-port", type=int, metavar="PORT", help="ssh port (ssh launcher)")
     add("--dry-run", action="store_true", help="print the exact commands and exit without running anything")
-    valued = {opt for action in parser._actions if action.nargs != 0 for opt in action.option_strings}
-    return parser, valued
+    return parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,7 +84,8 @@ class _Parser(argparse.ArgumentParser):
 
 def split_argv(argv: list[str], valued: set[str], known: set[str]) -> tuple[list[str], list[str]]:
     """Split deepy.py's arguments into (launcher options, [script, *script args]): before the script every
-    option is the launcher's, after it only its exact long options; after ``--`` everything is the script's."""
+    option is the launcher's (an unknown one is an error), after it only its exact long options; after ``--``
+    everything is the script's."""
     own: list[str] = []
     command: list[str] = []
     verbatim = False
@@ -103,6 +104,11 @@ def split_argv(argv: list[str], valued: set[str], known: set[str]) -> tuple[list
         if not ours:
             command.append(tok)
             continue
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else "; see python deepy.py --help"
+            raise LaunchError(f"unknown option {name}{hint} (an option of the script goes after the script or "
+                              "after '--')")
         own.append(tok)
         if name in valued and "=" not in tok and i < len(argv):
             own.append(argv[i])
@@ -112,18 +118,9 @@ def split_argv(argv: list[str], valued: set[str], known: set[str]) -> tuple[list
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The launcher's options and the script command (script and its arguments)."""
-    parser, valued = _build_parser()
-    known = {opt for action in parser._actions for opt in action.option_strings}
-    own, command = split_argv(argv, valued, known)
-    i = 0
-    while i < len(own):
-        name = own[i].split("=", 1)[0]
-        if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"; did you mean {close[0]}?" if close else "; see python deepy.py --help"
-            raise LaunchError(f"unknown option {name}{hint} (an option of the script goes after the script or "
-                              "after '--')")
-        i += 2 if name in valued and "=" not in own[i] else 1  # skip the option's value
+    parser = _build_parser()
+    valued = {opt for action in parser._actions if action.nargs != 0 for opt in action.option_strings}
+    own, command = split_argv(argv, valued, {opt for action in parser._actions for opt in action.option_strings})
     args = parser.parse_args(own)
     if not command:
         raise LaunchError("no script to launch; usage: python deepy.py [options] train.py --conf CONFIG [args]")
@@ -241,6 +238,9 @@ class _Request:
     def c10d(self, addr: str) -> list[str]:
         return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{self.port}", "--rdzv-id", self.rdzv_id]
 
+    def c10d_text(self, addr: str) -> str:
+        return f"rendezvous c10d at {addr}:{self.port} (id {self.rdzv_id})"
+
 
 def build_plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str], cwd: str) -> LaunchPlan:
     """The exact commands of the launch (nothing is run here, except ``scontrol`` under slurm)."""
@@ -250,16 +250,14 @@ def build_plan(args: argparse.Namespace, command: list[str], environ: Mapping[st
     for flag, port in (("--master-port", args.master_port), ("--ssh-port", args.ssh_port)):
         if port is not None and not 1 <= port <= 65535:
             raise LaunchError(f"{flag} {port}: must be in 1..65535")
-    if args.max_restarts is not None and args.max_restarts < 0:
-        raise LaunchError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    if args.max_restarts is not None and not 0 <= args.max_restarts <= 1000:
+        raise LaunchError(f"--max-restarts {args.max_restarts}: at most 1000 (and at least 0)")
     for flag, count in (("--nproc-per-node", args.nproc_per_node), ("--num-nodes", args.num_nodes)):
         if count is not None and count < 1:
             raise LaunchError(f"{flag} {count}: must be at least 1")
     if args.nproc_per_node is not None and args.nproc_per_node > MAX_SLOTS:
         raise LaunchError(f"--nproc-per-node {args.nproc_per_node}: more than {MAX_SLOTS} processes on one host; "
                           "give the number of devices per host")
-    if args.max_restarts is not None and args.max_restarts > 1000:
-        raise LaunchError(f"--max-restarts {args.max_restarts}: at most 1000")
     if args.master_addr is not None:
         args.master_addr = check_hostname(args.master_addr, "--master-addr")
     launcher = args.launcher or ("ssh" if args.hostfile else "local")
@@ -294,8 +292,7 @@ def _plan_local(req: _Request) -> LaunchPlan:
     env = dict(req.env.explicit)  # the rest of this shell's environment is inherited
     if hosts:
         nproc = hosts[0].nproc
-        if hosts[0].visible_devices:
-            env = with_devices(env, hosts[0].visible_devices)
+        env = with_devices(env, hosts[0].visible_devices)
     elif args.nproc_per_node:
         nproc = args.nproc_per_node
     elif req.layout is not None:
@@ -319,8 +316,7 @@ def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
     env = dict(req.env.explicit)
     if hosts:
         nproc, devices = uniform_slots(hosts, "slurm")
-        if devices:
-            env = with_devices(env, devices)
+        env = with_devices(env, devices)
         names = [h.name for h in hosts]
         nodes = len(hosts)
     else:
@@ -346,8 +342,8 @@ def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
     if names:
         srun += ["--nodelist", ",".join(names)]
     argv = [*env_prefix(env), *srun, *req.torchrun(nodes, nproc, req.c10d(master))]
-    return LaunchPlan("slurm", [Command("slurm", argv)], f"slurm launch of {req.name}: {nodes} node(s) × {nproc} ranks, "
-                                                   f"rendezvous c10d at {master}:{req.port} (id {req.rdzv_id})")
+    return LaunchPlan("slurm", [Command("slurm", argv)],
+                      f"slurm launch of {req.name}: {nodes} node(s) × {nproc} ranks, {req.c10d_text(master)}")
 
 
 def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
@@ -360,11 +356,11 @@ def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
     summary = f"{launcher} launch of {req.name}: {len(hosts)} host(s) ({hosts_text(hosts)}), {total} ranks, "
     if launcher == "pdsh":
         nproc, devices = uniform_slots(hosts, "pdsh")
-        remote = remote_command(req.cwd, with_devices(env, devices) if devices else env,
-                                req.torchrun(len(hosts), nproc, req.c10d(master)))
-        argv = ["pdsh", "-R", "ssh", "-S", "-f", "1024", "-w", ",".join(h.name for h in hosts), pdsh_escape(remote)]
-        return LaunchPlan("pdsh", [Command("pdsh", argv)],
-                    summary + f"rendezvous c10d at {master}:{req.port} (id {req.rdzv_id})")
+        remote = remote_command(req.cwd, with_devices(env, devices), req.torchrun(len(hosts), nproc, req.c10d(master)))
+        pdsh = ["pdsh", "-R", "ssh", "-S", "-f", "1024", "-w", ",".join(h.name for h in hosts)]
+        # pdsh substitutes %h, %u, %n in the command it runs and turns %% into %
+        return LaunchPlan("pdsh", [Command("pdsh", [*pdsh, remote.replace("%", "%%")])],
+                          summary + req.c10d_text(master))
     # -tt: closing the connection (deepy stopping) hangs up the remote torchrun, which then stops its workers
     ssh = ["ssh", "-tt", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
     if args.ssh_port is not None:
@@ -375,11 +371,10 @@ def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
             rendezvous = ["--node-rank", str(rank), "--master-addr", master, "--master-port", str(req.port)]
         else:
             rendezvous = req.c10d(master)
-        remote = remote_command(req.cwd, with_devices(env, h.visible_devices) if h.visible_devices else env,
-                                req.torchrun(len(hosts), h.nproc, rendezvous))
+        argv = req.torchrun(len(hosts), h.nproc, rendezvous)
+        remote = remote_command(req.cwd, with_devices(env, h.visible_devices), argv)
         commands.append(Command(h.name, [*ssh, "--", h.name, remote]))
-    how = f"static rendezvous at {master}:{req.port}" if args.rdzv_backend == "static" else \
-        f"rendezvous c10d at {master}:{req.port} (id {req.rdzv_id})"
+    how = f"static rendezvous at {master}:{req.port}" if args.rdzv_backend == "static" else req.c10d_text(master)
     return LaunchPlan("ssh", commands, summary + how)
 
 
@@ -400,14 +395,10 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = STOP_GRACE_S) -> Non
         if p.poll() is None:
             _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         for p in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-    except KeyboardInterrupt:
-        pass
     for p in procs:
         if p.poll() is None:
             _signal_group(p, signal.SIGKILL)
@@ -415,10 +406,8 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = STOP_GRACE_S) -> Non
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, sig)  # the child's own session: its process group id is its pid
-    except ProcessLookupError:
-        pass
 
 
 def _pump(label: str, stream: Any, out: TextIO, lock: threading.Lock) -> None:
@@ -432,11 +421,8 @@ def _pump(label: str, stream: Any, out: TextIO, lock: threading.Lock) -> None:
 
 
 def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Run the plan's commands; return the exit code (the first failing command's, 130 on interrupt).
-
-    Each command runs in its own session: on Ctrl-C, SIGTERM or a failing host every other command's
-    process group gets SIGTERM (``ssh -tt``: the remote torchrun gets SIGHUP), SIGKILL after ``STOP_GRACE_S``.
-    """
+    """Run the plan's commands, each in its own session; return the exit code (the first failing command's,
+    130 on interrupt). Ctrl-C, SIGTERM or a failing host stops the others (SIGTERM, SIGKILL after ``STOP_GRACE_S``)."""
     out = out or sys.stdout
     err = err or sys.stderr
     prefix = plan.launcher == "ssh"
@@ -497,13 +483,13 @@ def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = No
 # ----------------------------------------------------------------------------- train.py's local ranks
 
 def under_torchrun() -> bool:
-    """Whether this process is a rank that torchrun started (its environment is complete)."""
+    """Whether this process is a rank that torchrun started."""
     return all(k in os.environ for k in TORCHRUN_ENV)
 
 
 def single_rank_env() -> None:
-    """The environment of a one-rank torchrun on a free local port: train.py run plainly at world size 1
-    takes the same code path (a one-member process group) as every launched rank."""
+    """The environment of a one-rank torchrun on a free local port (train.py at world size 1 takes the same
+    code path as every launched rank)."""
     from .testing import free_port
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -511,13 +497,9 @@ def single_rank_env() -> None:
 
 
 def start_local(nproc: int, argv: list[str], log_dir: Path, save_dir: str | None, cpu: bool) -> int:
-    """Run ``nproc`` local ranks of this command (a script like train.py, else ``megatron_sp.cli``) with torch.distributed.run
-    in this process; return the exit code.
-
-    A dead rank stops the others and is named in one line. SIGTERM/SIGINT: torchrun passes them on to the
-    ranks and gives them 30 s to save before SIGKILL (a second Ctrl-C reaches them as SIGTERM: abort); a
-    checkpoint in ``save_dir`` newer than the start means exit 0 (SIGTERM) or 130 (SIGINT), else 128 + signal.
-    """
+    """Run ``nproc`` local ranks of this command (a script like train.py, else ``megatron_sp.cli``) with
+    torch.distributed.run in this process; return the exit code (a dead rank named in one line; after
+    SIGTERM/SIGINT 0 or 130 if the ranks saved in ``save_dir``, else 128 + signal: docs/launcher.md)."""
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

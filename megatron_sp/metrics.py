@@ -1,12 +1,7 @@
 """Throughput numbers, the console and the run's metric sinks (metrics.jsonl, wandb, tensorboard).
 
-One function computes tokens/s, TFLOP/s and MFU; one logger (rank 0 only) writes them. MFU follows
-PaLM appendix B: model FLOPs per token = 6N + 6·L·h·s (``model.flops_per_token``) over the peak
-FLOP/s of the run's devices (``Peak``, ``peak_flops_total``). MFU is never above 100 %: on CPU the
-peak is the best dense-matmul rate seen on this host (``device.cpu_peak_flops``, cached per host,
-only ever rising), and a run achieving more raises it, with one warning; a ``logging.peak_tflops``
-is kept as given and MFU capped at 1. Without a peak (a GPU, no ``logging.peak_tflops``) MFU is 0.
-The ETA is remaining steps × the median seconds of recent steps (``eta_seconds``).
+``throughput`` computes tokens/s, TFLOP/s and MFU (6N + 6·L·h·s FLOPs per token over ``Peak``, never
+above 1); ``MetricsLogger`` (rank 0 only) writes them. MFU, the CPU peak and file rotation: docs/metrics.md.
 """
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import Config
+from .config import Config, to_dict
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -45,11 +40,9 @@ def setup_logging(level: str, rank: int) -> None:
 
 
 class Peak:
-    """The MFU denominator of a run: peak FLOP/s of all its devices (0 = unknown, MFU 0).
-
-    ``given`` (``logging.peak_tflops``): kept, MFU capped at 1. Otherwise measured, and raised to any
-    achieved rate above it (``on_raise(flops)`` caches the new total). Either warns once if ``warn``.
-    """
+    """The MFU denominator of a run: peak FLOP/s of all its devices (0 = unknown, MFU 0). ``given``
+    (``logging.peak_tflops``): kept, MFU capped at 1. Otherwise measured, and raised to any achieved rate above it
+    (``on_raise(flops)`` caches the new total). Either warns once if ``warn``."""
 
     def __init__(self, flops: float, given: bool = False, on_raise: Callable[[float], object] | None = None,
                  warn: bool = True) -> None:
@@ -88,12 +81,8 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, peak: Peak) 
 
 
 def peak_flops_total(cfg: Config, st: ParallelState, device: torch.device) -> Peak:
-    """The peak FLOP/s of all devices of the run: one GPU each, or on CPU one host's cores each.
-
-    On CPU without ``logging.peak_tflops``, local rank 0 of each host measures while the others wait
-    at a barrier (no rank disturbs it); every rank takes the largest host's rate. Only rank 0 warns
-    and caches a raised peak.
-    """
+    """The peak FLOP/s of all devices of the run: one GPU each, or on CPU one host's cores each (measured by
+    local rank 0 of each host while the others wait; the largest host's rate). Collective."""
     import torch
 
     from . import device as device_mod
@@ -117,20 +106,16 @@ def peak_flops_total(cfg: Config, st: ParallelState, device: torch.device) -> Pe
     log.info("CPU peak: %.1f GFLOP/s %s per host, the best seen on this host (measured now: %.1f GFLOP/s in %.1f s; "
              "cache %s): the MFU denominator", best / 1e9, cfg.train.precision, now / 1e9, time.perf_counter() - t0,
              device_mod.peak_cache_path())
-
-    def on_raise(total: float) -> None:
-        device_mod.record_peak_flops(dtype, total / n_devices)
-
-    return Peak(best * n_devices, on_raise=on_raise if rank0 else None, warn=rank0)
+    on_raise = (lambda total: device_mod.record_peak_flops(dtype, total / n_devices)) if rank0 else None
+    return Peak(best * n_devices, on_raise=on_raise, warn=rank0)
 
 
-ETA_STEPS = 20
-"""Steps the ETA looks back over."""
+ETA_STEPS = 20  # steps the ETA looks back over
 
 
 def eta_seconds(step_seconds: Sequence[float], remaining: int) -> float:
-    """Seconds for ``remaining`` steps at the median of ``step_seconds`` (inf when empty): the loop passes its
-    last ``ETA_STEPS`` steps' training time (no warm-up step, no pauses); the median ignores an odd slow step."""
+    """Seconds for ``remaining`` steps at the median of ``step_seconds`` (the last ``ETA_STEPS`` steps; inf when
+    empty)."""
     if remaining <= 0:
         return 0.0
     if not step_seconds:
@@ -162,21 +147,17 @@ def parameter_summary(total: int, on_rank: int, tp: int, pp: int, vocab: int | N
     return text
 
 
-# config key → (the package it imports, what to tell the user when it is absent)
-_SINKS = {
-    "wandb": ("wandb", "logging.wandb=true needs wandb: pip install 'megatron_sp[logging]' "
-                       "(or set logging.wandb=false)"),
-    "tensorboard": ("tensorboard", "logging.tensorboard=true needs tensorboard: pip install 'megatron_sp[logging]' "
-                                   "(or set logging.tensorboard=false)"),
-}
+def _sink_missing(key: str) -> str:
+    """What to tell the user when the package of the optional sink ``logging.<key>`` is absent."""
+    return f"logging.{key}=true needs {key}: pip install 'megatron_sp[logging]' (or set logging.{key}=false)"
 
 
 def check_sinks(cfg: Config) -> None:
     """Raise the ``ConfigError`` of an enabled optional sink whose package is not installed (cheap: nothing
     is imported; train.py calls it before any rank starts)."""
-    for key, (package, message) in _SINKS.items():
-        if getattr(cfg.logging, key) and importlib.util.find_spec(package) is None:
-            raise ConfigError(message)
+    for key in ("wandb", "tensorboard"):
+        if getattr(cfg.logging, key) and importlib.util.find_spec(key) is None:
+            raise ConfigError(_sink_missing(key))
 
 
 def next_run_suffix(log_dir: Path) -> int:
@@ -199,14 +180,8 @@ def keep_earlier_config(path: Path, text: str) -> None:
 
 
 class MetricsLogger:
-    """Writes records to ``logging.dir/metrics.jsonl`` and the optional sinks; a no-op off rank 0.
-
-    Numeric fields (``step`` aside) go to wandb (under ``$WANDB_DIR`` or ``logging.dir``) and TensorBoard
-    (``logging.dir/tensorboard``) as scalars at that step. No line of an earlier run is lost: a fresh run
-    first renames ``metrics.jsonl`` and ``tensorboard/`` to ``.N`` (N one more than any suffix there);
-    a resumed run with records past ``resume_step`` keeps the whole file as ``metrics.jsonl.N`` and
-    trims ``metrics.jsonl`` to ``resume_step`` (TensorBoard: ``purge_step``).
-    """
+    """Writes records to ``logging.dir/metrics.jsonl`` and the optional sinks (numeric fields as scalars at
+    ``step``); a no-op off rank 0. An earlier run's records are kept as ``.N`` files (docs/metrics.md)."""
 
     def __init__(self, cfg: Config, enabled: bool, resume_step: int = 0) -> None:
         self.enabled = enabled
@@ -222,11 +197,11 @@ class MetricsLogger:
             try:
                 import wandb  # type: ignore[import-not-found]
             except ImportError:
-                raise ConfigError(_SINKS["wandb"][1]) from None
+                raise ConfigError(_sink_missing("wandb")) from None
             try:
                 self._wandb = wandb.init(project=cfg.logging.wandb_project,
                                          dir=os.environ.get("WANDB_DIR") or str(self.path.parent),
-                                         config=_plain(cfg), resume="allow")
+                                         config=to_dict(cfg), resume="allow")
             except wandb.errors.Error as exc:  # no API key, no network, ...: a setup problem, not a bug
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ConfigError(f"logging.wandb: wandb.init failed: {first} (run `wandb login`, or set "
@@ -236,13 +211,13 @@ class MetricsLogger:
                 import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ConfigError(_SINKS["tensorboard"][1]) from None
+                raise ConfigError(_sink_missing("tensorboard")) from None
             # On resume, TensorBoard drops the earlier run's events past the resume step, as metrics.jsonl does.
             self._tb = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"),
                                      purge_step=resume_step + 1 if resume_step else None)
 
     def _keep_earlier_runs(self, resume_step: int) -> None:
-        """Rotate (fresh run) or trim a kept copy (resume with records past ``resume_step``); see the class doc."""
+        """Rotate (fresh run) or trim a kept copy (resume with records past ``resume_step``)."""
         lines = [line for line in self.path.read_text().splitlines() if line.strip()] if self.path.is_file() else []
         tb = self.path.parent / "tensorboard"
         if resume_step:
@@ -294,7 +269,3 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
 
-
-def _plain(cfg: Config) -> dict[str, Any]:
-    from .config import to_dict
-    return to_dict(cfg)

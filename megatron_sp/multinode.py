@@ -2,7 +2,7 @@
 
 ``parse_hostfile`` → ``select_hosts`` (``--include``/``--exclude`` in DeepSpeed syntax,
 ``--num-nodes``, ``--nproc-per-node``) → ``collect_env`` (``NCCL_*`` etc. from this shell,
-``.deepy_env``, ``--env``) → ``remote_command`` / ``pdsh_escape`` (every piece ``shlex.quote``d).
+``.deepy_env``, ``--env``) → ``remote_command`` (every piece ``shlex.quote``d).
 Host names are restricted to ``[A-Za-z0-9._-]`` and never start with '-': see docs/launcher.md.
 """
 from __future__ import annotations
@@ -137,9 +137,7 @@ def select_hosts(pool: Mapping[str, int], hostfile: str, include: str | None = N
                 hosts.append(Host(h, slots))
     if not hosts:
         raise LaunchError(f"--exclude {exclude!r} leaves no host of {hostfile}")
-    if num_nodes is not None:
-        if num_nodes < 1:
-            raise LaunchError(f"--num-nodes {num_nodes}: must be at least 1")
+    if num_nodes is not None:  # (>= 1: checked with the other launcher options)
         if num_nodes > len(hosts):
             raise LaunchError(f"--num-nodes {num_nodes}: only {len(hosts)} host(s) available from {hostfile} "
                               "(after --include/--exclude)")
@@ -210,11 +208,6 @@ def remote_command(cwd: str, env: Mapping[str, str], argv: list[str]) -> str:
     return f"cd {shlex.quote(cwd)} && exec {shlex.join([*env_prefix(env), *argv])}"
 
 
-def pdsh_escape(command: str) -> str:
-    """Double every ``%``: pdsh substitutes ``%h``, ``%u``, ``%n`` in the command it runs and turns ``%%`` into ``%``."""
-    return command.replace("%", "%%")
-
-
 def uniform_slots(hosts: list[Host], launcher: str) -> tuple[int, str | None]:
     """pdsh and srun run one command on every host: the slots must agree."""
     counts = {h.nproc for h in hosts}
@@ -243,8 +236,10 @@ def hosts_text(hosts: list[Host]) -> str:
     return ", ".join(f"{h.name}×{h.nproc}" for h in hosts)
 
 
-def with_devices(env: Mapping[str, str], devices: str) -> dict[str, str]:
-    """``env`` plus the CUDA_VISIBLE_DEVICES of a slot selection (given twice, differently: an error)."""
+def with_devices(env: Mapping[str, str], devices: str | None) -> dict[str, str]:
+    """``env`` plus the CUDA_VISIBLE_DEVICES of a slot selection, if any (given twice, differently: an error)."""
+    if devices is None:
+        return dict(env)
     if "CUDA_VISIBLE_DEVICES" in env and env["CUDA_VISIBLE_DEVICES"] != devices:
         raise LaunchError("CUDA_VISIBLE_DEVICES is given with --env/.deepy_env and by a slot selection "
                           "(--include/--exclude/--nproc-per-node); keep one of them")

@@ -1,16 +1,8 @@
-"""Gather every parameter's full (unsharded) gradient by name: the parity standard's witness.
+"""Gather every parameter's full (unsharded) gradient by name: the parity standard's witness (docs/parity.md).
 
-The parity standard (docs/parity.md) compares, after step 1, each parameter's full gradient of
-a parallel layout against the 1-rank run. ``full_main_grads`` reassembles them from any layout:
-TP-sharded parameters (``tensor_model_parallel``, ``partition_dim``) are all-gathered over the TP
-group and concatenated along their partition dim; pipeline stages contribute their own parameters
-(gathered over the PP group). Data/context-parallel replicas hold identical reduced gradients, so
-nothing is gathered over DP/CP. ``grad_diffs`` measures max|Δ| / max|ref| per parameter.
-
-Why it ships in the package rather than under tests/: training uses it (``full_main_grads`` writes
-the ``logging.dump_grads_step`` dump), and ``load_grads`` / ``compare_runs`` are the reader and the
-comparison for those dumps, so a user can check their own layout against a 1-rank run
-(docs/parity.md) without the tests directory.
+``full_main_grads`` reassembles the reduced gradients from any layout (TP shards gathered, PP stages
+merged; DP/CP replicas are identical), ``grad_diffs`` measures max|Δ| / max|ref| per parameter, and
+``load_grads`` / ``compare_runs`` read and compare two runs' ``logging.dump_grads_step`` dumps.
 """
 from __future__ import annotations
 
@@ -83,11 +75,8 @@ def _losses(log_dir: Path) -> dict[int, dict]:
 
 def compare_runs(ref_dir: str | Path, got_dir: str | Path, loss_rtol: float = 5e-6, grad_norm_rtol: float = 1e-6,
                  grad_tol: float = 1e-5) -> ParityReport:
-    """Compare two runs' ``logging.dir``s: per-step loss, step-1 grad norm, every full gradient at step 1.
-
-    Both runs must have logged every step (``logging.interval=1``) and dumped step-1 gradients
-    (``logging.dump_grads_step=1``).
-    """
+    """Compare two runs' ``logging.dir``s: per-step loss, step-1 grad norm, every full gradient at step 1
+    (both runs with ``logging.interval=1`` and ``logging.dump_grads_step=1``)."""
     ref_dir, got_dir = Path(ref_dir), Path(got_dir)
     ref, got = _losses(ref_dir), _losses(got_dir)
     problems = []

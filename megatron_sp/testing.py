@@ -1,23 +1,15 @@
 """Run a function on several gloo ranks: the multi-rank test harness.
 
-``run_distributed(fn, world_size, **kwargs)`` starts ``world_size`` processes from a
-``forkserver`` whose server process has torch (and megatron_sp) imported already, so a launch
-after the first costs a fork, not an import. Each rank sets ``torch.set_num_threads(1)``, joins a
-gloo process group on a free localhost port, calls ``fn(rank, world_size, **kwargs)`` and sends
-back its return value. A rank that raises makes ``run_distributed`` raise ``RankError`` naming
-that rank with its traceback; the other ranks are terminated rather than left hanging in a
-collective.
-
-``fn`` must be importable by the children: a module-level function of a module on ``sys.path``
-(pytest test modules qualify) or of the script being run (``__main__``: looked up again in that
-file imported under its own name, so benchmark scripts can define their rank functions).
-
-Why it ships in the package rather than under tests/: production code uses it (``launcher.single_rank_env``
-takes ``free_port`` for a single-rank run outside torchrun), and so do ``tools/plan.py --verify``
-and every ``tools/bench`` script, which an installed package runs without the tests directory.
+``run_distributed(fn, world_size, **kwargs)`` starts ``world_size`` processes from a ``forkserver``
+with torch preloaded (a launch costs a fork, not an import); each rank uses one thread, joins a gloo
+group on a free localhost port and returns ``fn(rank, world_size, **kwargs)``. A rank that raises
+makes it raise ``RankError`` naming that rank; the others are terminated. ``fn`` must be a
+module-level function (of an importable module or of ``__main__``). In the package, not under
+tests/, because training and tools use it: docs/parity.md, "Other oracles".
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
@@ -28,8 +20,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 _PRELOAD = ["torch", "torch.distributed", "megatron_sp.testing"]
 _CTX: Any = None
@@ -86,19 +78,15 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, init:
     except BaseException:  # report everything, including SystemExit from code under test
         payload = ("error", (time.time(), traceback.format_exc()))
     results.put((rank, *payload))  # before closing the group: peers fail only after this report is queued
-    try:
+    with contextlib.suppress(Exception):
         if dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float = 300.0, init: bool = True,
                     **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
-
-    ``init=False`` leaves process-group creation to ``fn`` (the torchrun variables are set).
-    """
+    ``init=False`` leaves process-group creation to ``fn`` (the torchrun variables are set)."""
     fn = _importable(fn)
     ctx = _context()
     results = ctx.Queue()

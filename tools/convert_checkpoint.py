@@ -5,13 +5,9 @@
     python tools/convert_checkpoint.py --input export/hf --output runs/from_hf --to megatron_sp --tp 2
     python tools/convert_checkpoint.py --input runs/ckpt --output runs/ckpt_pp2 --to megatron_sp --pp 2
 
-The input format is detected (a Hugging Face directory, a checkpoint.save directory or one
-iter_NNNNNNN directory). To hf: config.json, model.safetensors, generation_config.json and, for a
-SentencePiece checkpoint, tokenizer files; the vocabulary without padding rows. From hf: a
-checkpoint.save directory at step 0 without optimizer state. Ours to ours: our files are
-layout-free, so --tp/--pp is a validated rewrite (tensors copied unchanged). The output is written
-under a temporary name and renamed when complete; a non-empty output directory is refused.
-Details: docs/checkpoints.md, "Converting".
+The input format is detected. Ours to ours: our files are layout-free, so --tp/--pp is a
+validated rewrite (tensors copied unchanged). The output is written under a temporary name and
+renamed when complete. Details: docs/checkpoints.md, "Converting".
 """
 from __future__ import annotations
 
@@ -50,9 +46,6 @@ HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama"}
 STEP0 = "iter_0000000"
 
 
-# --------------------------------------------------------------------------- input detection
-
-
 def detect_format(path: Path) -> str:
     """'hf' or 'megatron_sp' for an input directory (DataError when it is neither)."""
     if not path.is_dir():
@@ -68,9 +61,6 @@ def detect_format(path: Path) -> str:
         return "megatron_sp"
     raise DataError(f"--input '{path}' is neither a Hugging Face model directory (config.json with 'architectures') "
                     "nor a megatron_sp checkpoint (a 'latest' or 'meta.json' file)")
-
-
-# --------------------------------------------------------------------------- output handling
 
 
 def check_output(out: Path) -> None:
@@ -95,9 +85,6 @@ def staging(out: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-
-
-# --------------------------------------------------------------------------- our format
 
 
 def config_from_dict(sections: dict[str, Any], source: str) -> Config:
@@ -194,9 +181,6 @@ def relayout(src: Path, out: Path, iteration: int | None, tp: int | None, pp: in
     return out / f"iter_{int(meta['step']):07d}"
 
 
-# --------------------------------------------------------------------------- megatron_sp → hf
-
-
 def sentencepiece_to_tokenizers(model: Path) -> Any:
     """A ``tokenizers.Tokenizer`` that encodes like our SentencePiece BPE model (no protobuf needed).
 
@@ -281,9 +265,6 @@ def to_hf(src: Path, out: Path, iteration: int | None) -> Path:
     log.info("wrote %s (%s, %d tensors, vocab %d) from %s; %s", out, hf_cfg["architectures"][0], len(state), vocab,
              ckpt, note)
     return out
-
-
-# --------------------------------------------------------------------------- hf → megatron_sp
 
 
 def _rope(raw: dict[str, Any], key: str, legacy: str, default: float) -> float:
@@ -394,32 +375,21 @@ def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: lis
     return out / ckpt.name
 
 
-# --------------------------------------------------------------------------- CLI
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, type=Path, metavar="DIR",
-                        help="Checkpoint to read: a Hugging Face model directory, a megatron_sp checkpoint.save "
-                             "directory (its 'latest' is used) or one iter_NNNNNNN directory. Detected automatically.")
+                        help="an HF model directory, a checkpoint.save directory or one iter_NNNNNNN directory")
     parser.add_argument("--output", required=True, type=Path, metavar="DIR",
-                        help="Directory to create (must not exist or be empty); written under a temporary name "
-                             "and renamed when complete.")
-    parser.add_argument("--to", required=True, choices=("megatron_sp", "hf"),
-                        help="Target format: megatron_sp (a checkpoint.save directory for checkpoint.load) or hf "
-                             "(config.json + model.safetensors for transformers' from_pretrained).")
-    parser.add_argument("--tp", type=int, default=None, metavar="N",
-                        help="--to megatron_sp: tensor-parallel size recorded in the output's config (default: the "
-                             "input's, 1 for HF input). Our files are layout-free, so this is a validated rewrite: "
-                             "the tensors do not change, the layout is checked against the model.")
-    parser.add_argument("--pp", type=int, default=None, metavar="N",
-                        help="--to megatron_sp: pipeline-parallel size recorded in the output's config (default: "
-                             "the input's, 1 for HF input); checked like --tp.")
-    parser.add_argument("--iteration", type=int, default=None, metavar="STEP",
-                        help="megatron_sp input: convert iter_STEP instead of the one 'latest' names.")
+                        help="directory to create (must not exist or be empty)")
+    parser.add_argument("--to", required=True, choices=("megatron_sp", "hf"), help="target format")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="--to megatron_sp: tensor-parallel size recorded in the output (default: the input's)")
+    parser.add_argument("--pp", type=int, metavar="N",
+                        help="--to megatron_sp: pipeline-parallel size recorded in the output (default: the input's)")
+    parser.add_argument("--iteration", type=int, metavar="STEP",
+                        help="megatron_sp input: convert iter_STEP instead of the one 'latest' names")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="--to megatron_sp: a config override for the output's meta.json, e.g. "
-                             "data.paths=[data/x_text_document] (repeatable).")
+                        help="--to megatron_sp: a config override for the output's meta.json (repeatable)")
     args = parser.parse_args(argv)
     for flag in ("tp", "pp"):
         value = getattr(args, flag)

@@ -6,12 +6,9 @@
         --top-p 0.95 --seed 7 --json
     python tools/generate.py --load checkpoints/demo --interactive < prompts.txt
 
-``--load`` is a ``checkpoint.save`` directory (its ``latest`` checkpoint is used) or one
-``iter_*`` directory. The checkpoint's files hold full, layout-free tensors, so a checkpoint
-written with any parallel layout loads into one process here; the model and tokenizer come from
-the config saved in its meta.json. Decoding is greedy unless ``--temperature``, ``--top-k`` or
-``--top-p`` is given, and uses a KV cache unless ``--no-cache``. An empty prompt starts from the
-end-of-document token. Bad input prints one ``error:`` line and exits non-zero.
+A checkpoint of any parallel layout loads into this one process (its files are layout-free); the
+model and tokenizer come from the config in its meta.json. Decoding is greedy unless a sampling
+flag is given. An empty prompt starts from the end-of-document token.
 """
 from __future__ import annotations
 

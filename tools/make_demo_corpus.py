@@ -24,11 +24,10 @@ from megatron_sp.errors import UserError
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default="data/demo/corpus.jsonl",
-                        help="JSONL file to write, one {\"text\": source} object per line "
-                             "(default: %(default)s).")
+                        help="JSONL file to write, one {\"text\": source} object per line (default: %(default)s).")
     parser.add_argument("--max-bytes", type=int, default=4_000_000,
-                        help="Upper bound on the corpus file size in bytes; files are taken in sorted path order "
-                             "and a file that would overflow it is skipped (default: %(default)s).")
+                        help="Upper bound on the file size; a file that would overflow it is skipped "
+                             "(default: %(default)s).")
     return parser.parse_args(argv)
 
 

@@ -7,12 +7,9 @@
     python tools/plan.py --conf configs/demo.yml --verify --set parallel.dp=1 parallel.tp=2 \\
         parallel.sequence_parallel=true
 
-Prints the config's own layout per rank (parameters, fp32 main gradients, optimizer state, activations
-under the schedule, buffers; bytes sent per step per parallel dimension), then every tp·pp·cp·dp =
---devices the config loader accepts, those fitting --memory first, fastest first. ``--json`` adds it
-all as one JSON line (``--json FILE`` writes it to FILE); ``--verify`` runs the config (shrunk with
---set) on CPU gloo ranks and prints each measurement beside its prediction. The model lives in
-``tools/planner/`` (docs/planner.md). Bad input prints one ``error:`` line and exits non-zero.
+Prints the config's own layout per rank (memory by kind, bytes sent per step per dimension), then
+every tp·pp·cp·dp = --devices the config loader accepts, fitting and fastest first; ``--verify`` runs
+the config on CPU gloo ranks beside the prediction. The model: ``tools/planner/``, docs/planner.md.
 """
 from __future__ import annotations
 
@@ -20,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +32,7 @@ from megatron_sp import config as config_mod  # noqa: E402
 from megatron_sp.config import Config  # noqa: E402
 from megatron_sp.errors import OneLineArgumentParser, UserError  # noqa: E402
 
-GOAL = 0.10
-"""--verify: |measured / predicted − 1| above this is flagged."""
+GOAL = 0.10  # --verify: |measured / predicted − 1| above this is flagged
 MAX_DEVICES = 2**20  # a million devices: past the largest clusters, and the layout search stays under a minute
 
 
@@ -191,10 +188,7 @@ def print_layouts(cands: list[plan.Candidate], top: int, memory: int) -> None:
         print(f"  ... {len(valid) - top} more")
     print("  (step time, tokens/s and MFU take every FLOP at the peak and every byte at the bandwidth: they rank "
           "layouts, they do not predict throughput)")
-    reasons: dict[str, int] = {}
-    for c in refused:
-        reasons[c.error.split(";")[0]] = reasons.get(c.error.split(";")[0], 0) + 1
-    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:4]:
+    for reason, n in Counter(c.error.split(";")[0] for c in refused).most_common(4):
         print(f"  refused ×{n}: {reason}")
 
 

@@ -4,15 +4,9 @@
     python tools/plot_metrics.py runs/demo/metrics.jsonl --output curves.png
     python tools/plot_metrics.py runs/a/log/metrics.jsonl runs/b/log --output cmp.png --mfu
 
-Panels against the step: training loss (validation loss dashed), tokens/s and, with ``--mfu``,
-the MFU. Every input (a file, or the run directory holding one) is one line per panel, labelled by
-its run directory (a trailing ``log``/``logs`` folder skipped; more of the path when two labels
-would be equal). train.py keeps an earlier run's file as ``metrics.jsonl.1``, ``.2``, …, so
-``plot_metrics.py runs/a/metrics.jsonl.1 runs/a`` compares it with the latest. The image format
-follows the output's suffix (.png, .svg, .pdf).
-
-Needs matplotlib (``pip install matplotlib``, also in the ``logging`` extra). A missing, empty or
-malformed metrics file prints one ``error:`` line and exits non-zero.
+Panels against the step: training loss (validation dashed), tokens/s and, with ``--mfu``, the MFU;
+one line per input (a file, or the run directory holding one), labelled by its run directory.
+An earlier run's ``metrics.jsonl.1`` compares with the latest. Needs matplotlib.
 """
 from __future__ import annotations
 

@@ -35,8 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json-key", default="text",
                         help="Key of the document text in each JSON line (default: %(default)s).")
     parser.add_argument("--max-lines", type=int, default=2_000_000,
-                        help="Train on at most this many text lines, sampled deterministically "
-                             "(default: %(default)s).")
+                        help="Train on at most this many text lines, sampled deterministically (default: %(default)s).")
     parser.add_argument("--seed", type=int, default=1234,
                         help="Seed of the line sampling and of SentencePiece (default: %(default)s).")
     return parser.parse_args(argv)

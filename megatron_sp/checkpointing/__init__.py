@@ -116,9 +116,12 @@ class Checkpointer:
         self.lineage = lineage if lineage is not None else Lineage.start()
         self.pending: _Pending | None = None
 
-    def _barrier(self) -> None:
+    def _reduce(self, flag: bool, op: Any) -> bool:
+        """``flag`` reduced over every rank with ``op`` (MIN: all, MAX: any)."""
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.dev)
         if self.world > 1:
-            comm.barrier()
+            comm.all_reduce(t, None, op=op)
+        return bool(t.item())
 
     def save(self, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
              tracker: RNGTracker | None = None, extra: dict[str, Any] | None = None,
@@ -133,20 +136,17 @@ class Checkpointer:
             if tmp.exists():
                 shutil.rmtree(tmp)  # a crashed save of this step (the lock keeps other runs out)
             (tmp / store.SHARDS).mkdir(parents=True)
-        refusal = self._from_rank0(refusal)  # also the barrier: nobody writes before tmp exists
+        if self.world > 1:  # also the barrier: nobody writes before tmp exists
+            refusal = comm.broadcast_object(refusal, 0)
         if refusal:
             raise TrainingError(refusal)
         boxes, tensors = rank_boxes(model, optimizer, self.state)
         file = store.rank_file(self.rank)
         mine = (store.entries_of(boxes, file), tensors)
-        everyone = [mine]
-        if self.world > 1:
-            everyone = comm.all_gather_object(mine)
+        everyone = comm.all_gather_object(mine) if self.world > 1 else [mine]
         index = None
         if self.rank == 0:
-            declared: dict[str, tuple[tuple[int, ...], str]] = {}
-            for _, t in everyone:
-                declared.update(t)
+            declared = {name: spec for _, t in everyone for name, spec in t.items()}
             index = store.build_index((e for entries, _ in everyone for e in entries), declared,
                                       [store.rank_file(r) for r in range(self.world)])
         meta = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
@@ -180,22 +180,13 @@ class Checkpointer:
         return (f"checkpoint of step {_step_of(final.name)} not saved: '{final}' holds a checkpoint of another run, "
                 "not in this run's history; move it away or set checkpoint.overwrite=true to replace it")
 
-    def _from_rank0(self, value: str | None) -> str | None:
-        if self.world > 1:
-            value = comm.broadcast_object(value, 0)
-        return value
-
     def poll(self) -> bool:
         """Finish an asynchronous save if every rank has written its file; True when none is in flight.
         Collective while a save is in flight: call it on every rank after each step."""
         job = self.pending
         if job is None:
             return True
-        done = torch.tensor([0 if job.thread is not None and job.thread.is_alive() else 1], dtype=torch.int32,
-                            device=self.dev)
-        if self.world > 1:
-            comm.all_reduce(done, None, op=comm.ReduceOp.MIN)
-        if int(done.item()):
+        if self._reduce(job.thread is None or not job.thread.is_alive(), comm.ReduceOp.MIN):
             self.wait()
             return True
         return False
@@ -207,10 +198,7 @@ class Checkpointer:
             return
         if job.thread is not None:
             job.thread.join()
-        failed = torch.tensor([1 if job.error else 0], dtype=torch.int32, device=self.dev)
-        if self.world > 1:
-            comm.all_reduce(failed, None, op=comm.ReduceOp.MAX)
-        if int(failed.item()):
+        if self._reduce(bool(job.error), comm.ReduceOp.MAX):
             why = f": {type(job.error[0]).__name__}: {job.error[0]}" if job.error else " on another rank"
             raise TrainingError(f"checkpoint of step {job.step} could not be written under '{job.tmp}'{why}; "
                                 f"'latest' still names the previous checkpoint")
@@ -220,7 +208,8 @@ class Checkpointer:
             (job.tmp / "meta.json").write_text(json.dumps(job.meta, indent=1))
             _publish(job.tmp, job.final, self.cfg.checkpoint.keep, self.lineage)
             log.info("saved checkpoint %s", job.final)
-        self._barrier()
+        if self.world > 1:
+            comm.barrier()
 
 
 def _publish(tmp: Path, final: Path, keep: int, lineage: Lineage) -> None:
@@ -326,11 +315,9 @@ def _load_optimizer(model: nn.Module, optimizer: DistributedOptimizer, reader: R
 def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None,
          dev: torch.device, seed: int, tracker: RNGTracker | None = None,
          layout: dict[str, int] | None = None) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG; return the meta (step, consumed samples).
-
-    RNG states load only when ``layout`` (``writer_layout(cfg)``) equals the writer's, else every rank
-    reseeds from seed, step and rank. A converted checkpoint may hold weights only (fresh optimizer).
-    """
+    """Restore model, optimizer and this rank's RNG; return the meta (step, consumed samples). RNG states load only
+    when ``layout`` (``writer_layout(cfg)``) equals the writer's, else every rank reseeds from seed, step and rank. A
+    converted checkpoint may hold weights only (fresh optimizer)."""
     meta = read_meta(ckpt)
     reader = Reader(ckpt)
     rank, world_size = (state.rank, state.dims.world_size) if state is not None else (0, 1)

@@ -26,9 +26,6 @@ FORMAT_VERSION = 2
 LOCK_FILE = ".lock"
 
 
-# ------------------------------------------------------------------------------ checkpoint paths
-
-
 def resolve(load_dir: str | Path) -> Path:
     """The checkpoint directory a ``checkpoint.load`` path names (its ``latest``, or itself)."""
     root = Path(load_dir)
@@ -64,9 +61,6 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
     return meta
 
 
-# ------------------------------------------------------------------------------------- ownership
-
-
 @dataclass(frozen=True)
 class Lineage:
     """The history a run continues: ``runs`` = ((run id, start step), ...), oldest first, this run last.
@@ -82,7 +76,7 @@ class Lineage:
         run_id = uuid.uuid4().hex
         if meta is None:
             return cls(((run_id, 0),))
-        loaded = ckpt.name if ckpt is not None and save and _same_dir(ckpt.parent, Path(save)) else None
+        loaded = ckpt.name if ckpt is not None and save and ckpt.parent.resolve() == Path(save).resolve() else None
         return cls((*lineage_of(meta), (run_id, int(meta["step"]))), loaded)
 
     @property
@@ -108,10 +102,6 @@ def lineage_of(meta: dict[str, Any]) -> tuple[tuple[str, int], ...]:
                                              and isinstance(r[1], int) for r in runs):
         return ()
     return tuple((r[0], r[1]) for r in runs)
-
-
-def _same_dir(a: Path, b: Path) -> bool:
-    return a.resolve() == b.resolve()
 
 
 def _peek_meta(ckpt: Path) -> dict[str, Any] | None:
@@ -183,7 +173,7 @@ def check_save_dir(cfg: Config, lock: SaveDirLock | None = None) -> None:
             else f"checkpoint.load={root / existing[-1]}"
         raise ConfigError(f"checkpoint.save '{root}' holds checkpoints of another run ({_names(existing)}); resume "
                           f"with {hint}, choose another directory, or set checkpoint.overwrite=true")
-    if not _same_dir(source.parent, root):
+    if source.parent.resolve() != root.resolve():
         raise ConfigError(f"checkpoint.save '{root}' holds checkpoints ({_names(existing)}) that checkpoint.load "
                           f"'{c.load}' does not continue; choose another checkpoint.save, resume from a checkpoint "
                           "in it, or set checkpoint.overwrite=true")

@@ -80,11 +80,6 @@ def _did_you_mean(name: str, options: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
 def _number(value: Any) -> int | float | None:
     """``value`` as a number (a YAML number, or a string like 8, 1_000 or 3e-4), else None (booleans too)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -138,8 +133,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return str(value)
     if tp is list or origin is list:
         if isinstance(value, str):
-            parsed = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
-            value = parsed
+            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got '{_show(value)}'; write [a, b] in YAML or a,b on the command line")
         return list(value)
@@ -152,7 +146,7 @@ def _apply_section(cfg: Config, section: str, values: Any, source: str) -> None:
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got '{_show(values)}'")
     target = getattr(cfg, section)
-    types_ = _field_types(type(target))
+    types_ = typing.get_type_hints(type(target))  # every key of a section is a dataclass field
     for key, value in values.items():
         if key not in types_:
             known = [f"{section}.{k}" for k in types_]

@@ -1,19 +1,14 @@
 """The one layer every collective, point-to-point transfer and barrier goes through (gloo and NCCL).
 
-No other module of ``megatron_sp`` or ``tools`` calls a ``torch.distributed`` collective
-(``tests/unit/test_comm_rules.py`` keeps it so); group creation stays in ``parallel_state``.
-Every function takes its group explicitly and is the identity for a group of one (``LOCAL``, or a
-process without ``torch.distributed``); ``group=None`` is the default group. Outputs are fresh
-contiguous tensors (``all_reduce`` alone works in place).
-
-``count()`` records calls and the bytes this rank sends per op (ring algorithms);
-``observe(callback)`` sees one ``CommEvent`` per call (op, bytes, group, times, async handle).
+No other module calls a ``torch.distributed`` collective (``tests/unit/test_comm_rules.py``). Every
+function takes its group explicitly (``None``: the default group) and is the identity for a group of one
+(``LOCAL``); outputs are fresh contiguous tensors (``all_reduce`` alone works in place). ``count()``
+records calls and bytes sent per op; ``observe(callback)`` sees one ``CommEvent`` per call.
 The function table and the byte formulas: docs/communication.md.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -62,11 +57,6 @@ def count() -> Iterator[CommCounter]:
         _ACTIVE_COUNTERS.remove(counter)
 
 
-def _record(op: str, nbytes: float) -> None:
-    for counter in _ACTIVE_COUNTERS:
-        counter.record(op, nbytes)
-
-
 @dataclass
 class CommEvent:
     """One issued call as ``observe`` callbacks see it (``perf_counter`` times; ``work`` None if blocking)."""
@@ -99,8 +89,8 @@ def observe(callback: Observer) -> Iterator[None]:
 def _issue(op: str, nbytes: float, group: Any, tensor: Any, call: Callable[[], Any],
            counted: bool = True) -> tuple[Any, CommEvent | None]:
     """Run the ``torch.distributed`` ``call()``, count ``nbytes`` under ``op``, tell the observers."""
-    if counted and _ACTIVE_COUNTERS:
-        _record(op, nbytes)
+    for counter in _ACTIVE_COUNTERS if counted else ():
+        counter.record(op, nbytes)
     if not _OBSERVERS:
         return call(), None
     event = CommEvent(op, nbytes, group, tensor, called=perf_counter())
@@ -166,9 +156,7 @@ class Pending:
         return self._result
 
 
-# ---------------------------------------------------------------------------------------------
-# all-reduce
-
+# --- all-reduce -----------------------------------------------------------------------------------
 
 def all_reduce(t: torch.Tensor, group: Any, op: Any = ReduceOp.SUM) -> torch.Tensor:
     """Reduce ``t`` over ``group`` in place (``op``: SUM, MAX, ...) and return it."""
@@ -194,9 +182,7 @@ def all_reduce_async(t: torch.Tensor, group: Any) -> Pending:
     return Pending(work, t, event)
 
 
-# ---------------------------------------------------------------------------------------------
-# all-gather
-
+# --- all-gather -----------------------------------------------------------------------------------
 
 def _gather_dim0(t: torch.Tensor, group: Any, n: int, out: torch.Tensor | None,
                  async_op: bool) -> tuple[Any, torch.Tensor, CommEvent | None]:
@@ -236,9 +222,7 @@ def all_gather_async(t: torch.Tensor, group: Any, out: torch.Tensor | None = Non
     return Pending(*_gather_dim0(t, group, n, out, async_op=True))
 
 
-# ---------------------------------------------------------------------------------------------
-# reduce-scatter
-
+# --- reduce-scatter -------------------------------------------------------------------------------
 
 def _chunks_to_dim0(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     """``t``'s ``n`` chunks along ``dim``, laid out one after another (contiguous; ``[n·chunk0, ..]`` for dim 0)."""
@@ -271,11 +255,9 @@ def reduce_scatter(t: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
 
 
 def reduce_scatter_async(t: torch.Tensor, group: Any) -> Pending:
-    """Start a dim-0 reduce-scatter of ``t``; ``wait()`` returns this rank's chunk.
-
-    On gloo: clone + async all-reduce + copy of the chunk in ``wait()`` — what gloo does inside,
-    same bits, but with a work whose future observers can time (docs/communication.md).
-    """
+    """Start a dim-0 reduce-scatter of ``t``; ``wait()`` returns this rank's chunk. On gloo: clone + async all-reduce
+    + copy of the chunk in ``wait()`` — what gloo does inside, same bits, but with a work whose future observers can
+    time (docs/communication.md)."""
     n = group_size(group)
     if n == 1:
         return Pending(None, t)
@@ -289,9 +271,7 @@ def reduce_scatter_async(t: torch.Tensor, group: Any) -> Pending:
     return Pending(_ThenCopy(work, out, full.chunk(n)[group_rank(group)]), out, event)
 
 
-# ---------------------------------------------------------------------------------------------
-# split and all-to-all
-
+# --- split and all-to-all -------------------------------------------------------------------------
 
 def split(t: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     """This rank's ``1/n`` chunk of ``t`` along ``dim``, contiguous (no communication)."""
@@ -321,9 +301,7 @@ def all_to_all(t: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -
     return moved.reshape(*chunk[:gather_dim], n * chunk[gather_dim], *chunk[gather_dim + 1:]).contiguous()
 
 
-# ---------------------------------------------------------------------------------------------
-# broadcast, barrier and objects (start-up, checkpoints, agreement between ranks)
-
+# --- broadcast, barrier and objects (start-up, checkpoints, agreement between ranks) --------------
 
 def broadcast(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
     """Overwrite ``t`` in place with global rank ``src``'s ``t`` (contiguous) and return it."""
@@ -363,14 +341,11 @@ def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
     return box[0]
 
 
-# ---------------------------------------------------------------------------------------------
-# point-to-point (the pipeline's stage-to-stage transfers)
-
+# --- point-to-point (the pipeline's stage-to-stage transfers) -------------------------------------
 
 def isend(t: torch.Tensor, dst: int, group: Any) -> Pending:
-    """Start sending the contiguous ``t`` to global rank ``dst`` over ``group`` (counted as ``send``).
-
-    Keep ``t`` unchanged until the ``Pending`` is completed (its ``wait()`` returns ``t``)."""
+    """Start sending the contiguous ``t`` to global rank ``dst`` over ``group`` (counted as ``send``). Keep ``t``
+    unchanged until the ``Pending`` is completed (its ``wait()`` returns ``t``)."""
     if not t.is_contiguous():
         raise ValueError("isend needs a contiguous tensor")
     work, event = _issue("send", t.numel() * t.element_size(), group, t, lambda: dist.isend(t, dst, group=group))
@@ -378,22 +353,17 @@ def isend(t: torch.Tensor, dst: int, group: Any) -> Pending:
 
 
 def irecv(buf: torch.Tensor, src: int, group: Any) -> Pending:
-    """Start receiving global rank ``src``'s tensor into ``buf``; ``wait()`` returns ``buf``.
-
-    Not counted (the sender counts the bytes); observers see it as ``recv`` with 0 bytes."""
+    """Start receiving global rank ``src``'s tensor into ``buf``; ``wait()`` returns ``buf``. Not counted (the sender
+    counts the bytes); observers see it as ``recv`` with 0 bytes."""
     work, event = _issue("recv", 0.0, group, buf, lambda: dist.irecv(buf, src, group=group), counted=False)
     return Pending(work, buf, event)
 
 
-# ---------------------------------------------------------------------------------------------
-# ring exchange (point-to-point)
-
+# --- ring exchange (point-to-point) ---------------------------------------------------------------
 
 def ring_exchange_async(t: torch.Tensor, group: Any) -> Pending:
     """Send ``t`` to the next rank and receive the previous rank's tensor, posted together (``p2p``).
-
-    ``batch_isend_irecv`` never deadlocks on NCCL, also when next == previous at n = 2.
-    """
+    ``batch_isend_irecv`` never deadlocks on NCCL, also when next == previous at n = 2."""
     n = group_size(group)
     if n == 1:
         return Pending(None, t)

@@ -1,10 +1,4 @@
-"""Reusable buffers for all-gathered activations.
-
-Under sequence parallelism every column-parallel linear all-gathers its ``[s/t, b, h]`` input to
-``[s, b, h]``, multiplies, and is done with the gathered tensor. Allocating that ``t×`` larger
-tensor afresh for every layer (and again in backward, when the gather is recomputed) churns the
-allocator; a ``GatherBuffer`` hands out the same storage each time instead.
-"""
+"""Reusable buffers for all-gathered activations (sequence parallelism): docs/tensor_parallel.md."""
 from __future__ import annotations
 
 import math
@@ -14,28 +8,11 @@ import torch
 
 
 class GatherBuffer:
-    """One reusable storage per ``(dtype, device)`` to all-gather activations into.
+    """One reusable storage per ``(dtype, device)`` to all-gather activations into, grown to the largest
+    shape asked for (``reuse=False``: a plain allocator, for debugging).
 
-    ``get(shape, …)`` returns a contiguous view of the first ``prod(shape)`` elements of that
-    storage, which grows (is replaced by a larger one) when a bigger shape is asked for. Memory is
-    therefore the largest gather, whatever the mix of shapes: generation under SP, whose context
-    grows by one token per step, holds one buffer of the longest context (keying by shape kept one
-    per length: O(L²·h/t) after L tokens).
-
-    **Single-use invariant.** A tensor returned by ``get`` is valid only until the next ``get`` of
-    the same dtype and device, which may overwrite it. Whoever gathers into it must consume it
-    immediately (the matmul right after the gather) and must never keep it: never return it, never
-    save it for backward (``ctx.save_for_backward``), never let autograd save it. This is exactly
-    why the sequence-parallel column-parallel linear saves only its *local shard* for backward and
-    gathers again, into the buffer, in backward (nanotron #203): saving the gathered input would
-    both cost ``t×`` the memory and be overwritten by the next layer's gather. (Autograd's version
-    counter does catch a saved buffer, because the collective writes into it in place: backward
-    then raises "modified by an inplace operation"; nothing catches other kept references.)
-    Gathers never overlap: each is consumed before the next starts (single thread, one autograd
-    engine on CPU; one stream on GPU).
-
-    ``reuse=False`` turns the buffer into a plain allocator (``get`` always returns a new tensor):
-    use it to rule the buffer out when debugging.
+    **Single-use invariant**: a tensor from ``get`` is valid only until the next ``get`` of the same dtype
+    and device; consume it at once and never keep it or save it for backward (docs/tensor_parallel.md).
     """
 
     def __init__(self, reuse: bool = True) -> None:

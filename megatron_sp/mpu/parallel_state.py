@@ -1,14 +1,9 @@
 """The rank grid, every process group (built once), and the ``ParallelContext`` handed to the model.
 
-Rank order is ``tp-cp-dp-pp``, TP innermost (Megatron's RankGenerator):
-``rank = tp_rank + tp · (cp_rank + cp · (dp_rank + dp · pp_rank))``, so a TP group is neighbouring
-ranks (one node) and PP, the cheapest traffic, is outermost. Groups: ``tp`` (TP/SP collectives),
-``cp`` (context-parallel attention; USP adds ``cp_ulysses`` and ``cp_ring``), ``dp`` (ZeRO
-sharding), ``pp`` (pipeline p2p, one group per directed link in ``p2p_groups``), ``dp_cp``
-(gradient, loss and token-count reductions), ``mp`` (tp × pp) and ``embedding`` (first + last
-stage, tied embedding gradients).
-
-Nothing here reads environment switches: ``initialize(ParallelDims(...))`` builds a
+Rank order is ``tp-cp-dp-pp``, TP innermost (Megatron's RankGenerator), so a TP group is neighbouring
+ranks and PP is outermost. Groups: ``tp``, ``cp`` (USP adds ``cp_ulysses``, ``cp_ring``), ``dp``, ``pp``
+(plus one per directed link, ``p2p_groups``), ``dp_cp`` (gradient, loss and token-count reductions),
+``mp`` (tp × pp) and ``embedding`` (first + last stage). ``initialize(ParallelDims(...))`` builds a
 ``ParallelState``; ``ParallelContext.from_state(state, cfg)`` is what the model takes.
 """
 from __future__ import annotations
@@ -57,9 +52,6 @@ class ParallelDims:
             raise ConfigError(f"tp·cp·dp·pp = {self.tp}·{self.cp}·{self.dp}·{self.pp} = {product} "
                               f"!= world size {self.world_size}")
 
-    def sizes(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in AXES}
-
     def coords(self, rank: int) -> dict[str, int]:
         """The (tp, cp, dp, pp) coordinates of a global rank."""
         out = {}
@@ -89,11 +81,8 @@ class ParallelDims:
         return sorted(result)
 
     def pipeline_links(self) -> list[tuple[int, int]]:
-        """Every directed link (src, dst) between ring neighbours of a pp group (last ↔ first: virtual stages).
-
-        Each direction gets its own two-rank group (``ParallelState.p2p_groups``) so that on NCCL the
-        two directions of a link never queue behind each other on one stream; on gloo it costs nothing.
-        """
+        """Every directed link (src, dst) between ring neighbours of a pp group (last ↔ first: virtual stages);
+        each gets its own two-rank group, so on NCCL the two directions never queue on one stream."""
         links: set[tuple[int, int]] = set()
         if self.pp > 1:
             for ranks in self.groups_along(("pp",)):
@@ -171,11 +160,6 @@ class ParallelState:
     @property
     def is_last_stage(self) -> bool: return self.pp_rank == self.dims.pp - 1
 
-    def describe(self) -> str:
-        c = self.coords
-        return f"rank {self.rank}: tp {c['tp']}/{self.dims.tp} cp {c['cp']}/{self.dims.cp} " \
-               f"dp {c['dp']}/{self.dims.dp} pp {c['pp']}/{self.dims.pp}"
-
     def destroy(self) -> None:
         """Destroy this state's groups (the default group is left to ``destroy_process_group``)."""
         for name, group in list(self.groups.items()):
@@ -193,12 +177,10 @@ RECOMPUTE = ("none", "selective", "full")
 @dataclass(frozen=True)
 class ParallelContext:
     """What the model needs to know about its layout: TP/SP and CP settings, their groups, the RNG.
-
-    ``ParallelContext()`` is the plain model in one process (``comm.LOCAL``: no collective, even
-    inside a multi-rank job). Training builds it with ``from_state``; a bench or test may build
-    one for a bare group, e.g. ``ParallelContext(tp_group=g, sequence_parallel=True)``.
-    ``tp_size``/``tp_rank`` are read from ``tp_group``, so they cannot disagree with it.
-    """
+    ``ParallelContext()`` is the plain model in one process (``comm.LOCAL``: no collective, even inside a multi-rank
+    job). Training builds it with ``from_state``; a bench or test may build one for a bare group, e.g.
+    ``ParallelContext(tp_group=g, sequence_parallel=True)``. ``tp_size``/``tp_rank`` are read from ``tp_group``, so
+    they cannot disagree with it."""
 
     tp_group: Any = comm.LOCAL
     sequence_parallel: bool = False  # activations between TP regions are [s/t, b, h] (at tp > 1: ``sp``)
@@ -273,22 +255,16 @@ def initialize(dims: ParallelDims, timeout_s: float = 600.0) -> ParallelState:
     timeout = timedelta(seconds=timeout_s)
     layouts = {name: dims.groups_along(axes) for name, axes in GROUP_AXES.items()}
     layouts["embedding"] = dims.embedding_groups()
+    if dims.cp_ulysses > 1:  # USP: Ulysses groups of consecutive cp ranks, rings across them
+        u = dims.cp_ulysses
+        layouts["cp_ulysses"] = [ranks[j:j + u] for ranks in layouts["cp"] for j in range(0, len(ranks), u)]
+        layouts["cp_ring"] = [ranks[i::u] for ranks in layouts["cp"] for i in range(u)]
     for name, all_ranks in layouts.items():
         for ranks in all_ranks:
             group = dist.GroupMember.WORLD if len(ranks) == world else dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 state.groups[name] = group
                 state.group_ranks[name] = ranks
-    if dims.cp_ulysses > 1:  # USP: Ulysses groups of consecutive cp ranks, rings across them
-        u = dims.cp_ulysses
-        for ranks in layouts["cp"]:
-            for name, sub in [("cp_ulysses", [ranks[j:j + u] for j in range(0, len(ranks), u)]),
-                              ("cp_ring", [ranks[i::u] for i in range(u)])]:
-                for members in sub:
-                    group = dist.new_group(members, timeout=timeout) if len(members) < world else dist.GroupMember.WORLD
-                    if rank in members:
-                        state.groups[name] = group
-                        state.group_ranks[name] = members
     for src, dst in dims.pipeline_links():
         group = dist.new_group(sorted((src, dst)), timeout=timeout)
         if rank in (src, dst):

@@ -1,15 +1,9 @@
 """Random-number streams for tensor parallelism, and activation checkpointing that replays them.
 
-The default stream is seeded the same on every TP rank (``seed + 100·pp_rank``); the
-``TP_DIFFERENT`` stream of an ``RNGTracker`` is seeded per TP rank. Rule: dropout on a tensor
-sharded over TP runs inside ``tracker.fork(TP_DIFFERENT)``, on a tensor replicated over TP on the
-default stream. Entry points: ``RNGTracker``, ``get_tracker``, ``init_rng``, ``model_parallel_seed``,
-and ``checkpoint(fn, *args, tracker=...)``, which recomputes ``fn`` in backward replaying the CPU,
-device and tracker RNG states bit for bit (backward via ``Tensor.backward`` /
-``torch.autograd.backward`` only; ``fn`` must not modify its inputs in place).
-
-Theory and invariants (the stream-per-tensor table, seeds per TP/PP rank, why our own checkpoint
-instead of ``torch.utils.checkpoint``, its restrictions): docs/tensor_parallel.md.
+The default stream is seeded the same on every TP rank; the ``TP_DIFFERENT`` stream of an ``RNGTracker``
+per TP rank. Rule: dropout on a tensor sharded over TP runs inside ``tracker.fork(TP_DIFFERENT)``, on a
+replicated one on the default stream. ``checkpoint(fn, *args, tracker=...)`` recomputes ``fn`` in backward
+replaying the RNG states bit for bit. Theory, seeds and restrictions: docs/tensor_parallel.md.
 """
 from __future__ import annotations
 
@@ -22,17 +16,10 @@ import torch
 
 from .. import device as device_mod
 
-TP_DIFFERENT = "tp-different"
-"""The tracked stream seeded differently on each TP rank (dropout on TP/SP-sharded tensors)."""
-
-TP_DIFFERENT_OFFSET = 2718
-"""Offset of the tp-different seed from the default seed (Megatron's choice)."""
-
-PP_SEED_STRIDE = 100
-"""Seed distance between consecutive pipeline stages (default and tp-different streams alike)."""
-
-TP_SEED_STRIDE = 1
-"""Seed distance between consecutive TP ranks of the tp-different stream."""
+TP_DIFFERENT = "tp-different"  # the tracked stream seeded differently on each TP rank
+TP_DIFFERENT_OFFSET = 2718  # offset of the tp-different seed from the default seed (Megatron's choice)
+PP_SEED_STRIDE = 100  # seed distance between consecutive pipeline stages (both streams)
+TP_SEED_STRIDE = 1  # seed distance between consecutive TP ranks of the tp-different stream
 
 
 def _device_key(dev: torch.device) -> str:
@@ -42,17 +29,9 @@ def _device_key(dev: torch.device) -> str:
 
 
 class RNGTracker:
-    """Named RNG streams on one compute device, each kept as a saved generator state.
-
-    ``fork(name)`` swaps a stream in as the default generator state of ``device`` (the CPU
-    generator on CPU, the CUDA generator of the device on GPU), runs the body, saves the advanced
-    state back into the stream and restores the default state it found. Stream states are uint8
-    CPU tensors, as ``torch.Generator.get_state`` returns them; ``get_states``/``set_states``
-    move them in and out (checkpoints, recomputation).
-
-    Pass the tracker explicitly to the code that forks it; ``get_tracker()`` is the per-process
-    instance for code that cannot take one.
-    """
+    """Named RNG streams on one compute device, each kept as a saved generator state (a uint8 CPU tensor).
+    ``fork(name)`` swaps a stream in as the default generator state of ``device`` for the body and saves the advanced
+    state back; ``get_states``/``set_states`` move the states in and out."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device if device is not None else device_mod.default_device_type())
@@ -61,8 +40,6 @@ class RNGTracker:
         self._seeds: dict[int, str] = {}
         self._active: set[str] = set()
 
-    # ------------------------------------------------------------------ the device's default state
-
     def _get_default(self) -> torch.Tensor:
         return device_mod.rng_state(self.device)[self._key]
 
@@ -70,8 +47,6 @@ class RNGTracker:
         states = {"cpu": torch.get_rng_state()}
         states[self._key] = state
         device_mod.set_rng_state(states, self.device)
-
-    # ------------------------------------------------------------------ streams
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -112,11 +87,9 @@ class RNGTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str) -> Iterator[None]:
-        """Draw from stream ``name`` inside the body instead of the default generator.
-
-        Other streams and the default generator's state are untouched; forks of different
-        streams nest. Raises inside a ``checkpoint`` that was given another tracker.
-        """
+        """Draw from stream ``name`` inside the body instead of the default generator. Other streams and the default
+        generator's state are untouched; forks of different streams nest. Raises inside a ``checkpoint`` that was
+        given another tracker."""
         if name not in self._states:
             raise KeyError(f"no RNG stream {name!r} (have {list(self._states)}); call add() or init_rng() first")
         if name in self._active:
@@ -148,13 +121,8 @@ def get_tracker() -> RNGTracker:
 
 
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> tuple[int, int]:
-    """The ``(default, tp_different)`` seeds of the rank at ``(tp_rank, pp_rank)``.
-
-    ``default = seed + 100·pp_rank`` is the same on every TP rank of a stage;
-    ``tp_different = default + 2718 + tp_rank`` differs per TP rank (and per stage). DP and CP
-    ranks share both. No two of them coincide for ``tp < 82`` (the first collision needs
-    ``100·Δpp = 2718 + tp_rank``).
-    """
+    """The ``(default, tp_different)`` seeds of the rank at ``(tp_rank, pp_rank)``: ``default = seed + 100·pp_rank``,
+    ``tp_different = default + 2718 + tp_rank`` (DP and CP ranks share both; distinct for tp < 82)."""
     if tp_rank < 0 or pp_rank < 0:
         raise ValueError(f"ranks must be >= 0, got tp_rank={tp_rank}, pp_rank={pp_rank}")
     default = seed + PP_SEED_STRIDE * pp_rank
@@ -225,13 +193,9 @@ def _autocast_as(state: dict[str, Any]) -> contextlib.ExitStack:
 
 
 class _Checkpoint(torch.autograd.Function):
-    """Run ``fn`` without keeping its graph; in backward, rerun it from the saved RNG and autocast
-    state with grad enabled and backpropagate through the rerun.
-
-    Saved for backward: the tensor arguments (and the RNG/tracker states, a few KB). ``anchor``
-    is an empty tensor requiring grad, passed when no argument requires grad, so that the output
-    still reaches backward and the parameters used inside ``fn`` get their grads.
-    """
+    """Run ``fn`` without keeping its graph; in backward, rerun it from the saved RNG and autocast state and
+    backpropagate through the rerun. ``anchor`` (an empty tensor requiring grad, when no argument does)
+    makes the output reach backward, so the parameters used inside ``fn`` get their grads."""
 
     @staticmethod
     def forward(ctx: Any, fn: Callable[..., Any], tracker: RNGTracker, devices: tuple[torch.device, ...],
@@ -279,15 +243,9 @@ class _Checkpoint(torch.autograd.Function):
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, tracker: RNGTracker | None = None) -> Any:
-    """``fn(*args)``, recomputed in backward instead of keeping its activations.
-
-    Dropout inside ``fn`` (default stream and forks of ``tracker``) draws the same masks in the
-    recomputation as in the forward; after backward the CPU, device and tracker RNG states are
-    what they were before backward. The recomputation runs under the forward's autocast state.
-    ``tracker`` defaults to ``get_tracker()``. Non-tensor and non-grad tensor arguments are
-    passed through; keyword arguments go in with ``functools.partial``. Without grad mode (eval,
-    inside another checkpoint's forward) this is plain ``fn(*args)``.
-    """
+    """``fn(*args)``, recomputed in backward (same dropout masks, same autocast state; the RNG states are
+    restored afterwards) instead of keeping its activations. ``tracker`` defaults to ``get_tracker()``;
+    keyword arguments go in with ``functools.partial``. Without grad mode this is plain ``fn(*args)``."""
     if not torch.is_grad_enabled():
         return fn(*args)
     tracker = tracker if tracker is not None else get_tracker()

@@ -1,12 +1,8 @@
 """Full (unsharded) tensors ↔ this rank's shards, from the parameter attributes alone.
 
-A parameter with ``tensor_model_parallel`` is split into ``t`` contiguous chunks along its
-``partition_dim`` over the TP group; every other parameter is whole on each rank. Pipeline stages
-hold disjoint sets of parameter names. A parameter with ``vocab_rows`` (the embedding and output
-layer) is stored without its padding rows: the padding depends on the layout
-(``make_vocab_size_divisible_by × tp``), is never used (the loss excludes it) and is zero-filled
-when sliced back in. Checkpoints and the parity witness use these two functions,
-so both stay independent of the layout that wrote them.
+A ``tensor_model_parallel`` parameter is split into ``t`` chunks along ``partition_dim`` over TP; one
+with ``vocab_rows`` is stored without its (layout-dependent, never used) padding rows, zero-filled when
+sliced back in. Checkpoints and the parity witness use these functions, so they are layout-free.
 """
 from __future__ import annotations
 
@@ -26,13 +22,9 @@ def is_sharded(param: nn.Parameter) -> bool:
 
 def gather_full(named: Iterable[tuple[str, nn.Parameter]], state: ParallelState | None,
                 tensor_of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.data) -> dict[str, torch.Tensor]:
-    """{name: full tensor on CPU} for the whole model: TP shards concatenated, PP stages merged.
-
-    ``tensor_of(param)`` picks what to gather (the value, its grad, an optimizer moment); None
-    skips the parameter. A tensor not shaped like the parameter's shard (Adam's scalar ``step``)
-    is the same on every TP rank and taken as it is. Collective over the TP and PP groups: every
-    rank of them must call it.
-    """
+    """{name: full tensor on CPU} for the whole model: TP shards concatenated, PP stages merged. Collective
+    over the TP and PP groups. ``tensor_of(param)`` picks what to gather (value, grad, moment; None skips
+    it); a tensor not shaped like the parameter's shard (Adam's scalar ``step``) is taken as it is."""
     out: dict[str, torch.Tensor] = {}
     for name, p in named:
         if is_tied_copy(name, p):
@@ -87,9 +79,7 @@ def stored_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:
 
 def local_shard_of(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's part of ``full`` (of ``stored_shape``) for ``param``, a copy; zero-filled padding rows.
-
-    A tensor not of the parameter's stored shape (a scalar like Adam's step) is copied whole.
-    """
+    A tensor not of the parameter's stored shape (a scalar like Adam's step) is copied whole."""
     if tuple(full.shape) != stored_shape(param, tp_size):
         return full.detach().clone()
     target = full_shape(param, tp_size)

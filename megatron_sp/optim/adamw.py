@@ -16,11 +16,9 @@ _NormBatch = tuple[list[torch.Tensor], list[torch.Tensor], int]  # fp32 sources,
 
 
 class NormBatches:
-    """``views`` packed into batches of at most ``NORM_CHUNK`` elements over one fp64 scratch buffer.
-
-    Invariant: batches are processed one after the other, so one scratch buffer serves them all and
-    memory stays at ``NORM_CHUNK`` fp64 elements whatever the model size.
-    """
+    """``views`` packed into batches of at most ``NORM_CHUNK`` elements over one fp64 scratch buffer. Invariant:
+    batches are processed one after the other, so one scratch buffer serves them all and memory stays at
+    ``NORM_CHUNK`` fp64 elements whatever the model size."""
 
     def __init__(self, views: Sequence[torch.Tensor], device: torch.device) -> None:
         self.device = device
@@ -58,8 +56,7 @@ def global_norm(batches: NormBatches, state: ParallelState | None, sharded: bool
     if state is not None:
         if sharded:
             comm.all_reduce(total, dp_group)
-        if state.tp_size * state.pp_size > 1:
-            comm.all_reduce(total, state.mp_group)
+        comm.all_reduce(total, state.mp_group)
     return total.sqrt()
 
 

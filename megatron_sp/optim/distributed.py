@@ -22,11 +22,9 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 class DistributedOptimizer(GradReducer):
     """Flat fp32 main grads reduced over dp_cp in overlapping buckets, AdamW on flat buffers, optional ZeRO-1.
-
-    Arguments as ``GradReducer``, plus ``cfg`` (AdamW betas, eps, weight decay, default ``clip_grad``);
-    ZeRO-1 also shards the Adam moments. Per step: ``zero_grad()``; for each micro-batch
-    ``sync_grads = is_last`` (or ``no_sync()``) and backward; ``step(lr, clip)``.
-    """
+    Arguments as ``GradReducer``, plus ``cfg`` (AdamW betas, eps, weight decay, default ``clip_grad``); ZeRO-1 also
+    shards the Adam moments. Per step: ``zero_grad()``; for each micro-batch ``sync_grads = is_last`` (or
+    ``no_sync()``) and backward; ``step(lr, clip)``."""
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], cfg: TrainConfig,
                  state: ParallelState | None, zero: int = 0, precision: str = "fp32",
@@ -75,10 +73,8 @@ class DistributedOptimizer(GradReducer):
 
     def checkpoint_parts(self) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
         """{name: (start, {"param", "exp_avg", "exp_avg_sq"[, "master_param"]: flat view})}: what this rank saves.
-
-        Data-parallel rank ``r`` saves chunk ``r`` of every bucket, with or without ZeRO (the writing is
-        spread over dp_cp); ``start`` is the part's first element in the flattened parameter.
-        """
+        Data-parallel rank ``r`` saves chunk ``r`` of every bucket, with or without ZeRO (the writing is spread over
+        dp_cp); ``start`` is the part's first element in the flattened parameter."""
         out: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         for info in self._params:
             b = self._buckets[info.bucket]

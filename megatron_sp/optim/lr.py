@@ -7,11 +7,9 @@ from ..config import TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """The learning rate for optimizer step ``step`` (0-based: the first update uses step 0).
-
-    Warm-up: ``lr · (step + 1) / warmup`` for the first ``lr_warmup_iters`` steps, so no step has
-    lr 0. Then decay from ``lr`` to ``min_lr`` until ``lr_decay_iters``, and ``min_lr`` after it.
-    """
+    """The learning rate for optimizer step ``step`` (0-based: the first update uses step 0). Warm-up: ``lr · (step +
+    1) / warmup`` for the first ``lr_warmup_iters`` steps, so no step has lr 0. Then decay from ``lr`` to ``min_lr``
+    until ``lr_decay_iters``, and ``min_lr`` after it."""
     warmup = cfg.lr_warmup_iters
     if step < warmup:
         return cfg.lr * (step + 1) / warmup

@@ -73,27 +73,16 @@ class _Bucket:
 
 
 class GradReducer:
-    """Flat fp32 main grads reduced over dp_cp in overlapping buckets, optional ZeRO-1 shards of the masters.
-
-    ``named_params``: (name, parameter) of every trainable parameter in ``named_parameters`` order (the
-    names key checkpoints). ``state`` None: one process. ``zero=1`` shards the masters over dp_cp.
-    ``precision`` ``"fp32"``: params are the masters; ``"bf16"``/``"fp16"``: params become 16-bit, fp32
-    masters kept here. Gradients always accumulate in fp32, in buckets of about ``bucket_bytes``.
-    """
+    """Flat fp32 main grads reduced over dp_cp in overlapping buckets of about ``bucket_bytes``, optional ZeRO-1
+    (``zero=1``) shards of the masters. ``named_params``: every trainable (name, parameter), names keying
+    checkpoints; ``state`` None: one process; ``precision`` bf16/fp16: 16-bit params, fp32 masters kept here."""
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], state: ParallelState | None,
                  zero: int = 0, precision: str = "fp32", bucket_bytes: int = 25 * 2**20) -> None:
         check_optimizer_options(zero, precision)
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes = {bucket_bytes} must be positive")
         named = list(named_params)
-        seen: set[int] = set()
-        for name, p in named:
-            if id(p) in seen:
-                raise ValueError(f"parameter '{name}' is listed twice")
-            if not p.requires_grad:
-                raise ValueError(f"parameter '{name}' does not require grad; pass trainable parameters only")
-            seen.add(id(p))
+        if len({id(p) for _, p in named}) != len(named) or not all(p.requires_grad for _, p in named):
+            raise ValueError("GradReducer needs distinct trainable parameters (optim.named_trainable gives them)")
         devices = {p.device for _, p in named}
         if len(devices) > 1:
             raise ValueError(f"parameters are on several devices {sorted(map(str, devices))}")
@@ -120,9 +109,8 @@ class GradReducer:
         self.numel = sum(b.numel for b in self._buckets)  # padded, divisible by dp_size
         self.shard_numel = sum(b.shard_numel for b in self._buckets)
         self._build_buffers()
-        self._hooks = [info.param.register_post_accumulate_grad_hook(self._hook(info.index)) for info in self._params]
-
-    # ------------------------------------------------------------------------------------ layout
+        self._hooks = [info.param.register_post_accumulate_grad_hook(lambda _, i=info.index: self._on_grad(i))
+                       for info in self._params]
 
     def _layout(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """Assign offsets (reverse order), close buckets at ``bucket_bytes``, pad each to a multiple of dp."""
@@ -203,17 +191,11 @@ class GradReducer:
                 runs.append((info.own_start, info.own_end, info.bucket))
         return [(a, b) for a, b, _ in runs]
 
-    def _bucket_of(self, offset: int) -> int:
-        for b in self._buckets:
-            if b.start <= offset < b.start + b.numel:
-                return b.index
-        raise IndexError(offset)
-
     def _to_local(self, start: int, end: int) -> tuple[int, int]:
         """Local-shard offsets of an owned global interval (inside one bucket's chunk)."""
         if end == start:
             return 0, 0
-        b = self._buckets[self._bucket_of(start)]
+        b = next(b for b in self._buckets if b.start <= start < b.start + b.numel)
         lo = b.local_start + start - b.shard_start
         return lo, lo + end - start
 
@@ -223,13 +205,6 @@ class GradReducer:
             return self.param_buffer[start:end]
         lo, hi = self._to_local(start, end)
         return self._master_local[lo:hi]
-
-    # ------------------------------------------------------------------------------ grad reduction
-
-    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(index)
-        return hook
 
     def _on_grad(self, index: int) -> None:
         """Accumulate into main_grad; on the last micro-batch mark ready and launch finished buckets."""
@@ -249,10 +224,6 @@ class GradReducer:
         if not self.sync_grads or self.dp_size == 1:
             return
         bucket.ready.add(index)
-        if len(bucket.ready) == len(bucket.params):
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets) and \
                 len(self._buckets[self._next_launch].ready) == len(self._buckets[self._next_launch].params):
             self._launch(self._buckets[self._next_launch])
@@ -294,12 +265,9 @@ class GradReducer:
             self.sync_grads_over(self._sp_params, self.state.tp_group)
 
     def sync_grads_over(self, params: Sequence[nn.Parameter], group: Any) -> None:
-        """Sum the reduced main grads of ``params`` over ``group`` (SP grads over TP, a tied embedding over
-        its stages); after ``finish_grad_sync``, every member passing corresponding parameters in order.
-
-        Under ZeRO only owned elements are valid: when every member owns the same elements (TP) only
-        those are summed; otherwise the grads are first assembled over dp_cp (one extra all-reduce).
-        """
+        """Sum the reduced main grads of ``params`` over ``group`` (SP grads over TP, a tied embedding over its
+        stages) after ``finish_grad_sync``, every member passing corresponding parameters in order. Under ZeRO,
+        unless every member owns the same elements, the grads are first assembled over dp_cp."""
         if comm.group_size(group) == 1 or not params:
             return
         infos = [self._info_of(p) for p in params]
@@ -345,8 +313,6 @@ class GradReducer:
             self._align_cache[key] = bool(alike.item())
         return self._align_cache[key]
 
-    # ---------------------------------------------------------------------------------- per step
-
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
         """Multiply the reduced main grads by ``factor`` (fp16: undo the loss scale before the norm)."""
@@ -366,8 +332,6 @@ class GradReducer:
             bucket.launched = False
         self._next_launch = 0
         self._synced = False
-
-    # ------------------------------------------------------------------------------ shards
 
     def publish_params(self) -> None:
         """Make the model parameters equal the updated masters on every rank (ZeRO: all-gather)."""

@@ -1,14 +1,9 @@
 """Runs a schedule table (``schedules.checked_schedule``) on this rank: ``forward_backward``, ``forward_only``.
 
-Each rank walks its own action list. An output goes out by non-blocking ``comm.isend`` as soon as it
-is computed (waited for at the end of the step); an input arrives by a ``comm.irecv`` posted ahead
-and is waited for right before the action that needs it, so any table ``simulate`` accepts runs
-without deadlock. Invariants: each directed link ``src → dst`` has its own two-rank group
-(``ParallelState.p2p_groups``) and the receiver posts its receives in the sender's order, so FIFO
-matching is exact on gloo and NCCL; activations have one shape ``[s, b, h]`` (``[s/t, b, h]`` under
-SP) and one dtype per run (checked on send), so no shape is ever exchanged. A rank that raises
-stops talking: its peers raise at the group's timeout (``parallel.timeout_s``), never hang.
-Why not ``torch.distributed.pipelining``: docs/pipeline.md.
+Each rank walks its own action list: outputs go out by ``comm.isend`` at once, inputs arrive by a
+``comm.irecv`` posted ahead (one two-rank group per directed link, receives posted in the sender's
+order); activations have one shape and dtype per run, so no shape is exchanged. Invariants, errors
+and why not ``torch.distributed.pipelining``: docs/pipeline.md, "The executor".
 """
 from __future__ import annotations
 
@@ -63,22 +58,17 @@ def observe(around: StepObserver) -> Iterator[None]:
 
 
 def agree_costs(stats: ScheduleStats, state: ParallelState) -> dict[str, float]:
-    """Mean seconds per action kind (F, B, I, W) of this step over ALL ranks, identical on every rank.
-
-    Collective over the default group (every rank calls it): sums and counts are all-reduced and
-    rank 0's means broadcast, so every rank builds bitwise the same zero-bubble table (agreeing only
-    within a pp group would not do: TP/CP peers would order their collectives differently). Kinds
-    that did not run get the unit-cost ratio to F.
-    """
+    """Mean seconds per action kind (F, B, I, W) of this step over ALL ranks, bitwise identical on every rank
+    (TP/CP peers must build the same zero-bubble table); kinds that did not run get the unit-cost ratio to F.
+    Collective over the default group."""
     kinds = ("F", "B", "I", "W")
     sums = torch.zeros(2 * len(kinds), dtype=torch.float64)
     for event, (t0, t1) in zip((e for e in stats.events if e[0] in kinds), stats.intervals):
         k = kinds.index(event[0])
         sums[k] += t1 - t0
         sums[len(kinds) + k] += 1
-    if comm.group_size(None) > 1:
-        comm.all_reduce(sums, None)
-        comm.broadcast(sums, 0, None)
+    comm.all_reduce(sums, None)
+    comm.broadcast(sums, 0, None)  # rank 0's sums: bitwise the same on every rank
     means = {k: float(sums[i] / sums[len(kinds) + i]) for i, k in enumerate(kinds) if sums[len(kinds) + i] > 0}
     f = means.get("F", 1.0)
     return {k: means.get(k, UNIT_COSTS[k] * f) for k in kinds}
@@ -110,7 +100,8 @@ def _messages(table: Sequence[Sequence[Action]], pp: int, v: int) -> dict[tuple[
 
 
 class _P2P:
-    """This rank's sends and receives for one step: isend at once, irecv posted in link order, waits on use."""
+    """This rank's sends and receives for one step: isend at once, irecv posted in link order (the first of
+    every incoming link at once, so data can arrive while we compute), waits on use."""
 
     def __init__(self, state: ParallelState, links: dict[tuple[int, int], list[tuple[str, int, int]]],
                  shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
@@ -121,6 +112,8 @@ class _P2P:
         self.posted: dict[int, int] = dict.fromkeys(self.incoming, 0)
         self.pending: dict[tuple[str, int, int], tuple[torch.Tensor, Any]] = {}
         self.sends: list[tuple[Any, torch.Tensor]] = []
+        for src in self.incoming:
+            self._post_next(src)
 
     def _group(self, src: int, dst: int) -> Any:
         return self.state.p2p_groups[(self.ranks[src], self.ranks[dst])]
@@ -139,11 +132,6 @@ class _P2P:
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             self.pending[msgs[k]] = (buf, comm.irecv(buf, self.ranks[src], self._group(src, self.me)))
             self.posted[src] = k + 1
-
-    def prefetch(self) -> None:
-        """Post the first receive of every incoming link (so data can arrive while we compute)."""
-        for src in self.incoming:
-            self._post_next(src)
 
     def recv(self, key: tuple[str, int, int], src: int) -> torch.Tensor:
         """Wait for message ``key`` from pp rank ``src`` (posting the receives before it on that link first)."""
@@ -170,26 +158,15 @@ def forward_backward(stage: GPTModel, micro_batches: Sequence[MicroBatch], state
                      dtype: torch.dtype | None = None, grad_scale: float = 1.0,
                      forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                      stats: ScheduleStats | None = None, costs: Mapping[str, float] | None = None) -> torch.Tensor:
-    """Run forward and backward of every micro-batch through the pipeline; gradients accumulate in ``.grad``.
+    """Forward and backward of every micro-batch (the same list on every stage) through this rank's ``stage``;
+    gradients accumulate in ``.grad``. Returns the fp64 sum of ``loss_fn`` values on the last stage, 0 elsewhere.
 
-    Args:
-        stage: this rank's ``GPTModel`` stage (``build_stage``), with its ``layer_chunks``.
-        micro_batches: the step's micro-batches, the same list on every stage of the pipeline.
-        state: the parallel state (pp group, stage position, ``p2p_groups``).
-        loss_fn: ``(token_losses [b, s], micro_batch) -> scalar`` on the last stage; normalise by the
-            step's GLOBAL token count (the gradients are summed, never averaged, over micro-batches).
-        schedule: one of ``schedules.SCHEDULES``; at pp == 1 all but ``zero_bubble`` are plain accumulation.
-        sync_grads_setter: called with False first and with True just before this rank's LAST
-            gradient-producing action (e.g. ``lambda on: setattr(opt, "sync_grads", on)``).
-        dtype: the activation dtype sent between stages (default: the stage parameters' dtype; with
-            autocast pass the autocast dtype only if the layers' outputs have it).
-        grad_scale: backward runs on ``loss · grad_scale`` (fp16 loss scaling); the returned sum is unscaled.
-        forward_context: entered around each forward (e.g. autocast).
-        stats: filled with the event trace, compute intervals and the peak in-flight count.
-        costs: the zero-bubble table's action costs, the same on every rank: ``agree_costs`` of the
-            previous step (default unit costs).
-
-    Returns the fp64 sum of ``loss_fn`` values on the last stage, 0 elsewhere.
+    ``loss_fn`` normalises by the step's GLOBAL token count (gradients are summed over micro-batches);
+    ``schedule``: one of ``schedules.SCHEDULES`` (at pp == 1 all but ``zero_bubble`` are plain accumulation);
+    ``sync_grads_setter(False)`` first, ``(True)`` just before this rank's last gradient-producing action;
+    ``dtype``: of the activations sent (default: the parameters'); backward runs on ``loss · grad_scale``
+    (the sum returned is unscaled); ``forward_context`` is entered around each forward (e.g. autocast);
+    ``stats`` gets the event trace; ``costs``: the zero-bubble action costs (``agree_costs`` of the last step).
     """
     pp, m, v = state.pp_size, len(micro_batches), len(stage.layer_chunks)
     if m < 1:
@@ -206,7 +183,7 @@ def forward_backward(stage: GPTModel, micro_batches: Sequence[MicroBatch], state
 
 
 def _execute(stage: GPTModel, micro_batches: Sequence[MicroBatch], state: ParallelState,
-             table: Sequence[Sequence[Action]], loss_fn: LossFn | None,
+             table: Sequence[Sequence[Action]], loss_fn: LossFn,
              sync_grads_setter: Callable[[bool], None] | None, *, dtype: torch.dtype | None, grad_scale: float,
              forward_context: Callable[[], contextlib.AbstractContextManager],
              stats: ScheduleStats | None) -> torch.Tensor:
@@ -226,7 +203,6 @@ def _execute(stage: GPTModel, micro_batches: Sequence[MicroBatch], state: Parall
     deferred: dict[tuple[int, int], list[weight_grad.WeightGrad]] = {}
     live = 0
     set_sync(False)
-    p2p.prefetch()
     for k, a in enumerate(mine):
         s, i, key = virtual_stage(a, pp, rank), a.micro_batch, (a.chunk, a.micro_batch)
         if k == sync_at:
@@ -242,7 +218,7 @@ def _execute(stage: GPTModel, micro_batches: Sequence[MicroBatch], state: Parall
                 out = stage(mb["tokens"] if s == 0 else None, position_ids=mb.get("position_ids"),
                             labels=mb["labels"] if s == last_stage else None, hidden_states=x, chunk=a.chunk,
                             token_index=mb.get("token_index"), document_ids=mb.get("document_ids"))
-            if s == last_stage and loss_fn is not None:
+            if s == last_stage:
                 out = loss_fn(out, mb)
                 loss_sum += out.detach().double().cpu()
             if torch.is_grad_enabled():
@@ -288,10 +264,7 @@ def forward_only(stage: GPTModel, micro_batches: Sequence[MicroBatch], state: Pa
                  dtype: torch.dtype | None = None,
                  forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
                  ) -> torch.Tensor:
-    """Evaluation through the pipeline: each micro-batch through every (virtual) stage, no backward.
-
-    Returns the fp64 sum of ``loss_fn`` values on the last stage, 0 elsewhere.
-    """
+    """Evaluation through the pipeline (no backward): the fp64 sum of ``loss_fn`` on the last stage, 0 elsewhere."""
     pp, v = state.pp_size, len(stage.layer_chunks)
     table = [[Action("F", c, i) for i in range(len(micro_batches)) for c in range(v)] for _ in range(pp)]
     return _execute(stage, micro_batches, state, table, loss_fn, None, dtype=dtype, grad_scale=1.0,

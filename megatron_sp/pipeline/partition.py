@@ -1,11 +1,8 @@
 """Which layers a pipeline stage holds, and building that stage.
 
-The layers are split into ``pp · v`` contiguous blocks (``parallel.pp_partition``: ``uniform``,
-``balanced`` or ``"2,3,3"``); virtual stage ``s`` lives on pipeline rank ``s % pp`` as its chunk
-``s // pp``. The first virtual stage also holds the embedding, the last the final norm, output
-layer and loss. Parameter names stay global, so checkpoints load into any pipeline layout.
-Importing this module does not import torch (config checks use ``layer_split``). Theory and
-invariants (tied embeddings over ``state.embedding_group``): docs/pipeline.md.
+The layers are split into ``pp · v`` contiguous blocks (``parallel.pp_partition``); virtual stage ``s``
+lives on pipeline rank ``s % pp`` as its chunk ``s // pp``; parameter names stay global. Importing this
+module does not import torch (config checks use ``layer_split``). Theory: docs/pipeline.md.
 """
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ if TYPE_CHECKING:
     from ..model.gpt import GPTModel
     from ..mpu.parallel_state import ParallelContext, ParallelState
 
-PARTITIONS = ("uniform", "balanced")
-"""Named partitions; ``parallel.pp_partition`` may also be a comma-separated list of layer counts."""
+PARTITIONS = ("uniform", "balanced")  # parallel.pp_partition may also be a comma-separated list of layer counts
 
 
 class PipelineConfigError(ConfigError, ValueError):
@@ -31,11 +27,8 @@ class PipelineConfigError(ConfigError, ValueError):
 
 
 def layer_split(cfg_model: ModelConfig, pp: int, virtual_stages: int = 1, partition: str = "uniform") -> list[range]:
-    """The global layer indices of every virtual stage ``0 .. pp·v − 1``, in pipeline order.
-
-    Raises ``PipelineConfigError`` (a ``ValueError``) naming the config key when the split is
-    impossible: uneven ``uniform``, fewer layers than virtual stages, a bad explicit list.
-    """
+    """The global layer indices of every virtual stage ``0 .. pp·v − 1``, in pipeline order; a
+    ``PipelineConfigError`` naming the config key when the split is impossible."""
     n, stages = cfg_model.num_layers, pp * virtual_stages
     _check_stage_count(n, pp, virtual_stages)
     if partition == "uniform":
@@ -149,10 +142,8 @@ def check_pipeline_config(cfg: Config) -> None:
 def build_stage(cfg_model: ModelConfig, seed: int, state: ParallelState, parallel: ParallelContext | None = None, *,
                 virtual_stages: int = 1, partition: str = "uniform", label_smoothing: float = 0.0,
                 z_loss: float = 0.0) -> GPTModel:
-    """This rank's pipeline stage: its model chunks, the embedding on the first stage, the head on the last.
-
-    ``label_smoothing`` and ``z_loss`` (``train.*``) go to the last stage's cross entropy.
-    """
+    """This rank's pipeline stage: its model chunks, the embedding on the first stage, the head (its cross
+    entropy with ``label_smoothing`` and ``z_loss``) on the last."""
     from ..model.gpt import GPTModel
 
     chunks = stage_chunks(cfg_model, state.pp_size, state.pp_rank, virtual_stages, partition)
@@ -161,13 +152,8 @@ def build_stage(cfg_model: ModelConfig, seed: int, state: ParallelState, paralle
 
 
 def tied_embedding_params(stage: GPTModel, state: ParallelState) -> list[nn.Parameter]:
-    """The parameters to sum over ``state.embedding_group`` for tied embeddings ([] when nothing to do).
-
-    First stage: ``[embedding.weight]``; last stage: ``[output_layer.weight]`` (the copy); a middle
-    stage, an untied model or pp == 1 (one tensor serves both uses): ``[]``. Pass the result to
-    ``DistributedOptimizer.sync_grads_over(params, state.embedding_group)`` after ``finish_grad_sync``
-    (on every rank of the embedding group; with ``[]`` it is a no-op).
-    """
+    """The parameters to sum over ``state.embedding_group`` for tied embeddings: ``[embedding.weight]`` on the
+    first stage, ``[output_layer.weight]`` on the last, else (middle stage, untied model, pp == 1) ``[]``."""
     if not stage.cfg.tie_embeddings or state.pp_size == 1:
         return []
     if state.is_first_stage:

@@ -1,13 +1,9 @@
 """Pipeline schedule tables and their simulator: pure Python (no torch), usable by config checks and the planner.
 
-A table lists, for every pipeline rank, its ordered ``Action``s for one step: ``F`` forward of
-(chunk, micro-batch), ``B`` its whole backward, or (zero-bubble) ``I`` its input-gradient half and
-``W`` its weight-gradient half. Virtual stage ``s = chunk · pp + rank`` takes its input from
-``s − 1`` and its output gradient from ``s + 1``. Schedules: ``none`` (gradient accumulation, the
-stages take turns), ``1f1b``, ``interleaved`` (v chunks per rank), ``zero_bubble`` (ZB-H1).
-``simulate`` checks a table (every action once, on the right rank, no deadlock) and times it on a
-cost model; ``checked_schedule`` is the cached, simulated table the executor runs.
-Theory and bubbles: docs/pipeline.md.
+A table lists, for every pipeline rank, its ordered ``Action``s for one step: ``F`` forward, ``B``
+backward, or (zero-bubble) its ``I`` input-gradient and ``W`` weight-gradient halves; virtual stage
+``s = chunk · pp + rank``. ``simulate`` checks a table and times it on a cost model;
+``checked_schedule`` is the cached, simulated table the executor runs. Theory and bubbles: docs/pipeline.md.
 """
 from __future__ import annotations
 
@@ -33,13 +29,8 @@ class Action:
 
 def build_schedule(name: str, pp: int, num_micro_batches: int, virtual_stages: int = 1,
                    costs: Mapping[str, float] | None = None) -> list[list[Action]]:
-    """The schedule ``name`` as one ordered action list per pipeline rank (see the module doc).
-
-    ``costs`` (per kind F/I/W, any unit; ``agree_costs`` measures them): the zero-bubble table is
-    list-scheduled on them (default unit costs); other schedules ignore them. Raises
-    ``PipelineConfigError`` (a ``ValueError``) for an unknown name, virtual stages without
-    ``interleaved`` (or ``interleaved`` without them), or a micro-batch count the schedule cannot use.
-    """
+    """The schedule ``name`` as one ordered action list per pipeline rank, or a ``PipelineConfigError``.
+    ``costs`` (per kind F/I/W, ``agree_costs``): what the zero-bubble table is list-scheduled on."""
     m, v = num_micro_batches, virtual_stages
     check_schedule(name, pp, v)
     if m < 1 or pp < 1:
@@ -79,12 +70,8 @@ def _interleaved(pp: int, rank: int, m: int, v: int) -> list[Action]:
 
 
 def _zero_bubble(pp: int, m: int, costs: Mapping[str, float] | None = None) -> list[list[Action]]:
-    """ZB-H1 by greedy list scheduling on ``costs`` (default unit costs; deterministic for given costs).
-
-    A free rank takes, among the actions that can start earliest: I, else F while fewer than pp
-    micro-batches hold activations on it and fewer than pp − r are between F and I, else W. I's and
-    W's run in micro-batch order on every stage, so the gradient sums do not depend on the costs.
-    """
+    """ZB-H1 by greedy list scheduling on ``costs`` (default unit costs; deterministic): the rule is in
+    docs/pipeline.md. I's and W's run in micro-batch order, so the gradient sums do not depend on the costs."""
     free = [0.0] * pp
     done: dict[tuple[str, int, int], float] = {}
     n_f, n_i, n_w = [0] * pp, [0] * pp, [0] * pp
@@ -134,12 +121,9 @@ def virtual_stage(action: Action, pp: int, rank: int) -> int:
 
 def simulate(table: Sequence[Sequence[Action]], num_micro_batches: int, virtual_stages: int = 1,
              costs: Mapping[str, float] | None = None) -> Simulation:
-    """Check ``table`` and time it on ``costs`` (default ``UNIT_COSTS``), transfers taking no time.
-
-    Raises ``ValueError`` when an action is missing, repeated or on the wrong rank, a W precedes its
-    I, or the table deadlocks (no rank can run its next action). ``peak_in_flight``: per rank the
-    most (chunk, micro-batch) pairs holding activations at once (F done, backward — B or W — not).
-    """
+    """Check ``table`` and time it on ``costs`` (default ``UNIT_COSTS``), transfers taking no time; a
+    ``ValueError`` when an action is missing, repeated or on the wrong rank, a W precedes its I, or the
+    table deadlocks. ``peak_in_flight``: per rank the most (chunk, micro-batch) activations held at once."""
     costs = dict(UNIT_COSTS if costs is None else costs)
     pp, m, v = len(table), num_micro_batches, virtual_stages
     last = pp * v - 1
@@ -208,12 +192,8 @@ def theory_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
 
 def checked_schedule(name: str, pp: int, num_micro_batches: int, virtual_stages: int = 1,
                      costs: Mapping[str, float] | None = None) -> tuple[tuple[Action, ...], ...]:
-    """``build_schedule``'s table, validated by ``simulate`` (identically on every rank).
-
-    A table on unit costs depends only on (name, pp, micro-batches, virtual stages): built and
-    simulated once per run. A zero-bubble table on measured ``costs`` is rebuilt every step (the
-    costs change) but each distinct table is simulated once.
-    """
+    """``build_schedule``'s table, validated by ``simulate`` (identically on every rank): a unit-cost table
+    is built and simulated once per run, a zero-bubble table on measured ``costs`` each time they change."""
     m, v = num_micro_batches, virtual_stages
     if name == "zero_bubble" and costs is not None:
         return _validated(tuple(map(tuple, build_schedule(name, pp, m, v, costs))), m, v)

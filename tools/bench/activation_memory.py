@@ -1,12 +1,9 @@
 """Activation memory per transformer layer per rank, against Table 2 of Korthikanti et al. 2022.
 
-One forward of one neox ``TransformerLayer`` (ffn = 4h) on its input ``[s/t, b, h]`` (sequence
-parallel) or ``[s, b, h]``, for each tp × sequence parallel × recompute (none, selective, full).
-tp > 1 runs on gloo ranks and reports rank 0. Measured bytes = every tensor autograd saves for
-backward, counted once per storage, without the parameters and autocast's copies of them. The
-formula column is Table 2 built term by term in the dtype used, leaving out terms that cannot
-exist in the run (docs/activation_memory.md, "The benchmark against Table 2"). Each saved storage
-is attributed to a term; rows above 1.02 get a note. ``--verbose`` prints every saved storage.
+Bytes autograd saves in one forward of one neox ``TransformerLayer`` (ffn = 4h), per storage,
+parameters excluded, for each tp × sequence parallel × recompute; tp > 1 on gloo ranks (rank 0
+reported). Each storage is attributed to a Table 2 term; method: docs/activation_memory.md,
+"The benchmark against Table 2". ``--verbose`` prints every saved storage.
 
 Run from the repo root:  python tools/bench/activation_memory.py [--dtype bf16] [--dropout 0.1] ...
 Prints a table, notes, then one JSON line with every number.
@@ -22,26 +19,18 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import bench_config, ints, per_rank, parser, print_json
+from common import build_layer, gpt_config, graph_nodes, ints, parser, per_rank, print_json, rope, world_group
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES
-from megatron_sp.model.transformer import (
-    RotaryEmbedding,
-    SelfAttention,
-    TransformerLayer,
-    head_dim,
-    rotary_dim,
-)
+from megatron_sp.model.transformer import SelfAttention, TransformerLayer, head_dim
 from megatron_sp.mpu import ParallelContext
 from megatron_sp.mpu.random import checkpoint, get_tracker, init_rng
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RECOMPUTE = ("none", "selective", "full")
-GOAL = 1.02
-"""measured/formula above this gets an explanatory note."""
+GOAL = 1.02  # measured/formula above this gets an explanatory note
 
-EXPLAIN = {
+EXPLAIN = {  # why a term exceeds its Table 2 share (the layer-input terms: ``explain``)
     "V": "v is a view into the fused QKV output [s, b, 3h/t], so autograd keeps the whole projection output "
          "(pre-rotary q and k too), 3x Table 2's V; a contiguous copy of v in SelfAttention.forward (before the "
          "selective checkpoint) would free the other 2sbh/t",
@@ -55,7 +44,6 @@ EXPLAIN = {
     "fc1 input": "recompute_allgather off: the gathered [s, b, h] input is saved, t x the shard",
     "other": "not attributed: see --verbose",
 }
-"""Why a term exceeds its Table 2 share (the layer-input terms are explained by ``explain``)."""
 
 
 def explain(name: str, above: bool, args: argparse.Namespace) -> str:
@@ -69,7 +57,7 @@ def explain(name: str, above: bool, args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, seq=256, batch=2, hidden=256, heads=8, seed=1234)
+    p = parser(__doc__, seq=256, batch=2, hidden=256, heads=8, seed=1234, verbose=False)
     p.add_argument("--tp", default="1,2,4", help="comma-separated TP sizes")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16: torch.autocast, fp32 parameters")
     p.add_argument("--input-dtype", choices=sorted(DTYPES), default="fp32",
@@ -77,26 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
     p.add_argument("--no-recompute-allgather", action="store_true",
                    help="under SP, save the gathered QKV/fc1 input instead of the shard")
-    p.add_argument("--verbose", action="store_true", help="print every saved storage of every row")
     return p.parse_args(argv)
-
-
-# ------------------------------------------------------------------------------------------------ the layer
-
-
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    """A finalized neox ModelConfig (ffn = 4h) from the flags."""
-    return bench_config(256, arch="neox", hidden_size=args.hidden, num_heads=args.heads, seq_length=args.seq,
-                        hidden_dropout=args.dropout, attention_dropout=args.dropout).model
-
-
-def build_layer(cfg: ModelConfig, parallel: ParallelContext, seed: int) -> TransformerLayer:
-    """Layer 0 of a GPTModel with this rank's shards of the model's initial weights (the model's own init)."""
-    stage = GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, parallel=parallel)
-    return stage.layers["0"].train()
-
-
-# ------------------------------------------------------------------------------------------------ recording
 
 
 @dataclass
@@ -106,12 +75,9 @@ class SavedStorage:
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
-    modules: set[str] = field(default_factory=set)
-    """Modules running when it was saved (``layer`` is the layer itself, ``-`` outside it)."""
-    slots: set[str] = field(default_factory=set)
-    """Autograd slots holding it, ``Node.slot``."""
-    tags: set[str] = field(default_factory=set)
-    """param, param-cast, input, cos, sin, q, k, v, ctx, core (saved inside the attention kernel)."""
+    modules: set[str] = field(default_factory=set)  # running when it was saved (``layer``: the layer, ``-``: none)
+    slots: set[str] = field(default_factory=set)  # autograd slots holding it, ``Node.slot``
+    tags: set[str] = field(default_factory=set)  # param(-cast), input, cos, sin, q, k, v, ctx, core (in the kernel)
     category: str = ""
 
 
@@ -151,10 +117,7 @@ class SavedTensorRecorder:
         self._tags.setdefault(t.untyped_storage().data_ptr(), set()).add(name)
         self._keep.append(t)
 
-    def _enter(self, module: str) -> None:
-        self._modules.append(module)
-
-    def _leave(self) -> None:
+    def _leave(self, module: Any, args: Any, out: Any) -> None:
         self._modules.pop()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -186,8 +149,8 @@ class SavedTensorRecorder:
         handles = []
         for name, module in self.layer.named_modules():
             label = name or "layer"
-            handles.append(module.register_forward_pre_hook(lambda m, a, label=label: self._enter(label)))
-            handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
+            handles.append(module.register_forward_pre_hook(lambda m, a, label=label: self._modules.append(label)))
+            handles.append(module.register_forward_hook(self._leave))
             if isinstance(module, SelfAttention):
                 handles.append(module.register_kernel_hook(self._recorded_kernel))
         casts = _ParamCasts(self.param_ptrs)
@@ -198,53 +161,35 @@ class SavedTensorRecorder:
             for handle in handles:
                 handle.remove()
         self._keep.extend(casts._keep)
-        for ptr in self.storages:
-            tags = self._tags.get(ptr, set())
-            tags |= {"param"} if ptr in self.param_ptrs else set()
-            tags |= {"param-cast"} if ptr in casts.ptrs else set()
-            self.storages[ptr].tags |= tags
+        for ptr, rec in self.storages.items():
+            rec.tags |= self._tags.get(ptr, set())
+            rec.tags |= {"param"} if ptr in self.param_ptrs else set()
+            rec.tags |= {"param-cast"} if ptr in casts.ptrs else set()
 
     def attribute_slots(self, out: torch.Tensor) -> None:
         """Name the autograd slots holding each saved storage by walking the graph of ``out``."""
-        seen: set[Any] = set()
-        stack = [out.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
+        for node in graph_nodes(out):
             for slot, t in _saved_of(node):
                 rec = self.storages.get(t.untyped_storage().data_ptr())
                 if rec is not None:
                     rec.slots.add(f"{node.name()}.{slot}")
-            stack.extend(nxt for nxt, _ in node.next_functions)
 
 
 def _saved_of(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(slot, tensor) of every tensor a graph node saved: ``_saved_*`` attributes, or ``saved_tensors``
-    of a custom autograd Function."""
-    for attr in dir(node):
-        if not attr.startswith("_saved_"):
-            continue
+    of a custom autograd Function (slots ``saved[i]``)."""
+    custom = ["saved_tensors"] if hasattr(node, "saved_tensors") else []
+    for attr in [a for a in dir(node) if a.startswith("_saved_")] + custom:
         try:
             value = getattr(node, attr)
         except RuntimeError:  # freed, or not a tensor-convertible value
             continue
         values = value if isinstance(value, (tuple, list)) else (value,)
+        slot = "saved" if attr == "saved_tensors" else attr[7:]
         for i, t in enumerate(values):
             if torch.is_tensor(t):
-                yield (attr[7:] if len(values) == 1 else f"{attr[7:]}[{i}]"), t
-    if hasattr(node, "saved_tensors"):
-        try:
-            saved = node.saved_tensors
-        except RuntimeError:
-            return
-        for i, t in enumerate(saved):
-            if torch.is_tensor(t):
-                yield f"saved[{i}]", t
+                yield (slot if len(values) == 1 and attr != "saved_tensors" else f"{slot}[{i}]"), t
 
-
-# ------------------------------------------------------------------------------------------------ attribution
 
 LINEAR_INPUTS = {"attention.qkv": "QKV input", "mlp.fc1": "fc1 input", "attention.out": "out-proj input",
                  "mlp.fc2": "fc2 input"}
@@ -330,9 +275,6 @@ def table2(args: argparse.Namespace, cfg: ModelConfig, t: int, sp: bool, recompu
     return text, terms
 
 
-# ------------------------------------------------------------------------------------------------ measuring
-
-
 def measure(args: argparse.Namespace, cfg: ModelConfig, parallel: ParallelContext) -> dict[str, Any]:
     """One forward of one layer under the recorder: the row's numbers and its saved storages."""
     layer = build_layer(cfg, parallel, args.seed)
@@ -340,20 +282,16 @@ def measure(args: argparse.Namespace, cfg: ModelConfig, parallel: ParallelContex
     s, b, h = args.seq, args.batch, args.hidden
     gen = torch.Generator().manual_seed(args.seed + parallel.tp_rank)
     x = torch.randn(s // t if sp else s, b, h, generator=gen).to(DTYPES[args.input_dtype]).requires_grad_()
-    autocast = args.dtype == "bf16"
-    rope = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)
-    cos, sin = rope(None, s, x.device, torch.float32, DTYPES[args.dtype])  # as GPTModel.forward makes them
-
+    cos, sin = rope(cfg, s, DTYPES[args.dtype])
     recorder = SavedTensorRecorder(layer)
     for tensor, name in ((x, "input"), (cos, "cos"), (sin, "sin")):
         recorder.tag(tensor, name)
-    with recorder.record(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with recorder.record(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
         if recompute == "full":
             y = checkpoint(layer, x, cos, sin, tracker=parallel.tracker)  # what GPTModel does per layer
         else:
             y = layer(x, cos, sin)
     recorder.attribute_slots(y)
-
     ctx = {"recompute": recompute, "s": s, "head_dim": head_dim(cfg)}
     measured: dict[str, float] = {}
     excluded: dict[str, float] = {}
@@ -381,10 +319,8 @@ def configurations(t: int) -> list[tuple[bool, str]]:
 
 def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every row for TP size ``world_size``, on this rank (the default group is the TP group)."""
-    import torch.distributed as dist
-
-    group = dist.group.WORLD if world_size > 1 else None
-    cfg = model_config(args)
+    group = world_group(world_size)
+    cfg = gpt_config(args, 256, arch="neox", hidden_dropout=args.dropout, attention_dropout=args.dropout).model
     tracker = get_tracker()
     init_rng(tracker, args.seed, rank, 0)
     rows = []
@@ -393,9 +329,6 @@ def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
                                    recompute_allgather=not args.no_recompute_allgather)
         rows.append(measure(args, cfg, parallel))
     return rows
-
-
-# ------------------------------------------------------------------------------------------------ report
 
 
 def _kib(n: float) -> str:

@@ -1,10 +1,8 @@
 """Bytes each rank sends per transformer layer (forward + backward), against the TP / TP+SP theory.
 
-One forward and one backward of one ``TransformerLayer`` (neox and llama) on gloo ranks, for each
-tp × sequence parallel × ``tp_recompute_allgather``; ``comm.count()`` records every collective with
-the bytes this rank sends under the ring algorithms. fp32 activations; reported for rank 0. The
-theory (Megatron's layer structure: TP ``8(t−1)/t·N·e``, the same with SP, ``10(t−1)/t·N·e`` with
-SP + recompute_allgather, ``N = s·b·h``) and what is not counted: docs/benchmarks.md.
+One forward and backward of one fp32 ``TransformerLayer`` (neox, llama) on gloo ranks per tp ×
+sequence parallel × ``tp_recompute_allgather``, counted by ``comm.count()`` (rank 0 reported).
+Theory and what is not counted: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/comm_volume.py [--tp 2,4] [--arch neox,llama] [--verbose]
 Prints a table, notes on rows off their theory, then one JSON line with every number.
@@ -16,41 +14,28 @@ from typing import Any
 
 import torch
 
-from common import bench_config, ints, parser, print_json
+from common import build_layer, gpt_config, ints, parser, print_json, rope, world_group
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.gpt import GPTModel
-from megatron_sp.model.transformer import RotaryEmbedding, TransformerLayer, rotary_dim
 from megatron_sp.mpu import ParallelContext, comm
 from megatron_sp.mpu.random import get_tracker, init_rng
 from megatron_sp.testing import run_distributed
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# bytes a rank sends per call of each collective on an N-byte tensor, in units of (t−1)/t·N
 RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
-"""Bytes a rank sends per call of each collective on an N-byte tensor, in units of (t−1)/t·N."""
 ELEMENT_BYTES = 4  # fp32
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, seq=256, batch=2, hidden=256, heads=8, kv_heads=None, seed=1234)
+    p = parser(__doc__, seq=256, batch=2, hidden=256, heads=8, kv_heads=None, seed=1234, verbose=False)
     p.add_argument("--arch", default="neox,llama", help="comma-separated: neox,llama")
     p.add_argument("--tp", default="2,4", help="comma-separated TP sizes (> 1)")
-    p.add_argument("--verbose", action="store_true", help="per-op breakdown (calls x bytes per call) of every row")
     return p.parse_args(argv)
 
 
 def model_config(args: argparse.Namespace, arch: str) -> ModelConfig:
     """A finalized ModelConfig of ``arch`` from the flags (derived sizes from the config loader)."""
-    return bench_config(256, arch=arch, hidden_size=args.hidden, num_heads=args.heads, seq_length=args.seq,
-                        num_kv_heads=args.kv_heads if arch == "llama" else None).model
-
-
-def build_layer(cfg: ModelConfig, parallel: ParallelContext, seed: int) -> TransformerLayer:
-    """Layer 0 of a GPTModel with this rank's shards of the model's initial weights (the model's own init)."""
-    stage = GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, parallel=parallel)
-    return stage.layers["0"].train()
-
-
-# ------------------------------------------------------------------------------------------------ theory
+    return gpt_config(args, 256, arch=arch, num_kv_heads=args.kv_heads if arch == "llama" else None).model
 
 
 def theory(t: int, sp: bool, recompute_allgather: bool) -> dict[str, dict[str, int]]:
@@ -63,16 +48,11 @@ def theory(t: int, sp: bool, recompute_allgather: bool) -> dict[str, dict[str, i
 
 def structural_differences(cfg: ModelConfig, t: int, sp: bool, recompute_allgather: bool) -> list[dict[str, Any]]:
     """How this layer's collectives differ from the theory, from its structure: ``{phase, op, calls, why}``."""
-    out = []
-    # llama's gate and up run as one column-parallel matmul on their concatenated weights (one gather).
-    if sp and recompute_allgather and cfg.num_kv_heads % t:
-        out.append({"phase": "backward", "op": "all_gather", "calls": -1,
-                    "why": "QKV is replicated per kv group (t > num_kv_heads: ReplicatedGroupQKV); it gathers with "
-                           "gather_from_sp and keeps the gathered input, so it does not gather again in backward"})
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ measuring
+    if not (sp and recompute_allgather and cfg.num_kv_heads % t):
+        return []
+    return [{"phase": "backward", "op": "all_gather", "calls": -1,
+             "why": "QKV is replicated per kv group (t > num_kv_heads: ReplicatedGroupQKV); it gathers with "
+                    "gather_from_sp and keeps the gathered input, so it does not gather again in backward"}]
 
 
 def measure(args: argparse.Namespace, cfg: ModelConfig, parallel: ParallelContext) -> dict[str, Any]:
@@ -81,7 +61,7 @@ def measure(args: argparse.Namespace, cfg: ModelConfig, parallel: ParallelContex
     s, b, h = args.seq, args.batch, args.hidden
     gen = torch.Generator().manual_seed(args.seed + parallel.tp_rank)
     x = torch.randn(s // parallel.tp_size if parallel.sp else s, b, h, generator=gen).requires_grad_()  # [s/t, b, h] or [s, b, h]
-    cos, sin = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)(None, s, x.device, torch.float32, torch.float32)
+    cos, sin = rope(cfg, s)
     with comm.count() as fwd:
         y = layer(x, cos, sin)
     grad = torch.randn(y.shape, generator=gen)
@@ -92,8 +72,6 @@ def measure(args: argparse.Namespace, cfg: ModelConfig, parallel: ParallelContex
 
 def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (arch, sp, recompute_allgather) row for TP size ``world_size``, on this rank."""
-    import torch.distributed as dist
-
     tracker = get_tracker()
     init_rng(tracker, args.seed, rank, 0)
     rows = []
@@ -101,7 +79,7 @@ def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
         cfg = model_config(args, arch)
         for sp in (False, True):
             for recompute_allgather in (False, True):
-                parallel = ParallelContext(tp_group=dist.group.WORLD, sequence_parallel=sp,
+                parallel = ParallelContext(tp_group=world_group(world_size), sequence_parallel=sp,
                                            recompute_allgather=recompute_allgather, tracker=tracker)
                 rows.append({"arch": arch, "tp": world_size, "sp": sp, "recompute_allgather": recompute_allgather,
                              **measure(args, cfg, parallel)})
@@ -132,9 +110,6 @@ def finish_row(args: argparse.Namespace, row: dict[str, Any]) -> dict[str, Any]:
                                     "bytes": got["bytes"], "expected_bytes": want_bytes})
     row["unexplained"] = unexplained
     return row
-
-
-# ------------------------------------------------------------------------------------------------ report
 
 
 def _ops(summary: dict[str, dict[str, float]]) -> str:

@@ -1,15 +1,15 @@
-"""What the tools/bench scripts share: the import path, the model flags, a config, launching, output.
+"""What the tools/bench scripts share: the import path, the flags, a config, launching, one layer, output.
 
 The scripts import it as a sibling (``import common``): ``python tools/bench/x.py`` puts
 tools/bench first on ``sys.path``, and the tests (and their ``run_distributed`` children) add it.
-Importing it makes ``megatron_sp`` importable from a checkout that is not installed.
+Importing it makes ``megatron_sp`` (from a checkout that is not installed) and ``tools/planner`` importable.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +17,18 @@ try:
     import megatron_sp  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tools/: the planner's measurements
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from megatron_sp import config
 from megatron_sp.config import Config
+from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention.layout import required_divisor
+from megatron_sp.model.gpt import GPTModel
+from megatron_sp.model.transformer import RotaryEmbedding, TransformerLayer, rotary_dim
+from megatron_sp.mpu import ParallelContext
 from megatron_sp.testing import run_distributed
 
 MODEL_FLAGS: dict[str, tuple[type, str]] = {
@@ -34,6 +40,11 @@ MODEL_FLAGS: dict[str, tuple[type, str]] = {
     "batch": (int, "micro-batch size b"),
     "vocab": (int, "vocabulary size"),
     "seed": (int, "random seed"),
+    "arch": (str, "model architecture"),
+    "warmup": (int, "untimed repetitions first"),
+    "reps": (int, "timed repetitions (the median is reported)"),
+    "steps": (int, "timed steps (the median is reported)"),
+    "verbose": (bool, "print the per-rank / per-op detail of every row"),
 }
 """The flags most benchmarks take: ``name: (type, help)``; each script picks its own defaults."""
 
@@ -43,7 +54,12 @@ def parser(doc: str, **defaults: Any) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     for name, default in defaults.items():
         kind, text = MODEL_FLAGS[name]
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            p.add_argument(flag, action="store_true", help=text)
+        else:
+            choices = ("neox", "llama") if name == "arch" else None
+            p.add_argument(flag, type=kind, default=default, choices=choices, help=text)
     return p
 
 
@@ -55,6 +71,19 @@ def bench_config(vocab: int, *overrides: str, world_size: int | None = None, **m
     cfg = config.load(overrides=items, world_size=world_size)
     config.set_vocab(cfg, vocab)
     return cfg
+
+
+CONFIG_KEYS = {"arch": "arch", "layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
+               "kv_heads": "num_kv_heads", "seq": "seq_length"}
+"""The model flags a bench may have: ``flag: model config key``."""
+
+
+def gpt_config(args: argparse.Namespace, vocab: int | None = None, *overrides: str, world_size: int | None = None,
+               **model: Any) -> Config:
+    """``bench_config`` of the ``CONFIG_KEYS`` flags ``args`` has, ``model`` items over them; the vocabulary
+    ``vocab`` (default ``--vocab``)."""
+    flags = {key: getattr(args, flag) for flag, key in CONFIG_KEYS.items() if hasattr(args, flag)}
+    return bench_config(vocab or args.vocab, *overrides, world_size=world_size, **{**flags, **model})
 
 
 def ints(text: str) -> list[int]:
@@ -72,6 +101,42 @@ def per_rank(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any
     if world_size == 1:
         return [fn(0, 1, **kwargs)]
     return run_distributed(fn, world_size, **kwargs)
+
+
+def world_group(world_size: int, alone: Any = None) -> Any:
+    """The group of every ``run_distributed`` rank, or ``alone`` when the bench runs in one process."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if world_size > 1 else alone
+
+
+def build_layer(cfg: ModelConfig, parallel: ParallelContext, seed: int) -> TransformerLayer:
+    """Layer 0 of a GPTModel with this rank's shards of the model's initial weights (the model's own init)."""
+    stage = GPTModel(cfg, seed, layer_range=range(1), pre_process=False, post_process=False, parallel=parallel)
+    return stage.layers["0"].train()
+
+
+def rope(cfg: ModelConfig, seq: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[s, 1, rotary_dim]`` cos/sin tables of ``seq`` tokens, as ``GPTModel.forward`` makes them."""
+    return RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)(None, seq, torch.device("cpu"), torch.float32, dtype)
+
+
+def graph_nodes(out: torch.Tensor) -> Iterator[Any]:
+    """Every autograd node of ``out``'s backward graph, once each."""
+    seen: set[Any] = set()
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(nxt for nxt, _ in node.next_functions)
+
+
+def opt(x: float | None, spec: str = ".3f") -> str:
+    """``x`` formatted by ``spec``, or ``-`` when it is None."""
+    return "-" if x is None else format(x, spec)
 
 
 def mib(n: float, digits: int = 2) -> str:

@@ -1,13 +1,10 @@
 """Context-parallel attention at a fixed total sequence: memory, work balance, bytes and time per layer per rank.
 
-For each ``parallel.cp_algo`` (ring, zigzag, llama3, ulysses) and cp size N, one transformer layer
-(fp32, the path training takes) runs on N gloo ranks, each holding its shard of the same seeded
-``[s, b, h]`` input in the algorithm's layout; cp = 1 (the plain causal kernel) is the baseline.
-Measured per rank: activation bytes saved for backward (goal: at most 1.05/N of cp = 1's), the
-attention work of every kernel call (balance max/min; goal for zigzag <= 1.1), bytes sent per
-layer (checked op by op against our implementation's closed forms and set beside
-docs/attention.md's table), and forward + backward time. Then the longest sequence that fits the
-per-rank activation budget, per ``--long-cp`` size. Method and the expected bytes: docs/benchmarks.md.
+Per ``parallel.cp_algo`` and cp size N, one fp32 transformer layer on N gloo ranks (cp = 1, the
+plain causal kernel, is the baseline): activation bytes saved for backward, attention work per
+rank, bytes sent per layer beside our closed forms and docs/attention.md's table, forward +
+backward time; then the longest sequence that fits a per-rank activation budget per
+``--long-cp`` size. Method, goals and the expected bytes: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/context_parallel.py [--seq 2048] [--cp 1,2,4] [--algos ring,zigzag]
 Prints tables and notes, then one JSON line with every number.
@@ -19,15 +16,14 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from fractions import Fraction
 from typing import Any
 
 import torch
 
-from common import bench_config, check_attention_args, cp_skip_reason, ints, mib, names, parser, print_json
-from megatron_sp.config.schema import ModelConfig
+from common import check_attention_args, cp_skip_reason, ints, mib, names, opt, parser, print_json
+from common import gpt_config, graph_nodes, world_group
+from planner.measure import SavedBytes
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import ALGORITHMS, AttentionMeta
 from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard, shard_indices
@@ -36,43 +32,25 @@ from megatron_sp.mpu import ParallelContext, comm
 from megatron_sp.mpu.random import get_tracker, init_rng
 from megatron_sp.testing import run_distributed
 
-ELEMENT_BYTES = 4
-"""q, k, v (and the activations) are fp32 here."""
-ACC_BYTES = 4
-"""dK,dV accumulators and the lse travel in fp32 (``kernels.compute_dtype``)."""
-INDEX_BYTES = 8
-"""token indices are int64."""
-MEMORY_GOAL = 1.05
-"""per-rank activation bytes at cp = N should be at most this / N of cp = 1's."""
-BALANCE_GOAL = 1.1
-"""zigzag's attention work max/min over ranks should be at most this."""
-BASELINE = "-"
-"""The algorithm label of the cp = 1 rows (no context parallelism)."""
+ELEMENT_BYTES = 4  # q, k, v (and the activations) are fp32 here
+ACC_BYTES = 4  # dK,dV accumulators and the lse travel in fp32 (``kernels.compute_dtype``)
+INDEX_BYTES = 8  # token indices are int64
+MEMORY_GOAL = 1.05  # per-rank activation bytes at cp = N should be at most this / N of cp = 1's
+BALANCE_GOAL = 1.1  # zigzag's attention work max/min over ranks should be at most this
+BASELINE = "-"  # the algorithm label of the cp = 1 rows (no context parallelism)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, batch=1, hidden=256, seed=1234)
-    p.add_argument("--seq", type=int, default=2048, help="total sequence length s (fixed over cp sizes)")
-    p.add_argument("--heads", type=int, default=8, help="attention (query) heads n")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads g (GQA; needs --arch llama)")
-    p.add_argument("--arch", choices=("neox", "llama"), default="neox")
+    p = parser(__doc__, seq=2048, batch=1, hidden=256, heads=8, kv_heads=None, arch="neox", reps=5, warmup=1,
+               seed=1234, verbose=False)
     p.add_argument("--cp", default="1,2,4", help="comma-separated cp sizes (1 = the baseline)")
     p.add_argument("--algos", default=",".join(ALGORITHMS), help=f"comma-separated, of {','.join(ALGORITHMS)}")
     p.add_argument("--heads-k-stride", type=int, default=1, help="llama3: kv heads per all-gather")
-    p.add_argument("--reps", type=int, default=5, help="timed forward+backward repetitions (median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
     p.add_argument("--long-algo", default="zigzag", help="algorithm of the longest-sequence search ('' to skip it)")
     p.add_argument("--long-cp", default="1,4", help="cp sizes of the longest-sequence search; the first sets the budget")
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank activation budget (default: the first --long-cp size's bytes at --seq)")
-    p.add_argument("--verbose", action="store_true", help="per-rank numbers and per-op bytes of every row")
     return p.parse_args(argv)
-
-
-def model_config(args: argparse.Namespace, seq: int) -> ModelConfig:
-    """A finalized ModelConfig from the flags (derived sizes from the config loader)."""
-    return bench_config(256, arch=args.arch, hidden_size=args.hidden, num_heads=args.heads, seq_length=seq,
-                        num_kv_heads=args.kv_heads).model
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
@@ -81,12 +59,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
     sizes = ints(args.cp) + (ints(args.long_cp) if args.long_algo else [])
     if any(n < 1 for n in sizes):
         raise SystemExit("cp sizes must be >= 1")
-    skipped = []
-    for n in ints(args.cp):
-        for algo in names(args.algos) if n > 1 else []:
-            why = cp_skip_reason(args, algo, n, args.seq)
-            if why:
-                skipped.append(f"{algo} cp={n}: {why}")
+    skipped = [f"{algo} cp={n}: {why}" for n in ints(args.cp) if n > 1 for algo in names(args.algos)
+               if (why := cp_skip_reason(args, algo, n, args.seq))]
     for n in ints(args.long_cp) if args.long_algo else []:
         why = cp_skip_reason(args, args.long_algo, n, args.seq)
         if why:
@@ -94,19 +68,15 @@ def check_args(args: argparse.Namespace) -> list[str]:
     return skipped
 
 
-
-# ------------------------------------------------------------------------------------------------ recording
-
-
 class WorkCounter:
-    """Observes ``kernels.attention_forward``/``attention_backward`` (``kernels.observe``) and adds up, per phase,
-    the calls per block kind and the attention work ``b · heads · visible (query, key) pairs``."""
+    """An observer of ``kernels.attention_forward``/``attention_backward`` (``kernels.observe(counter.add)``): per
+    phase, the calls per block kind and the attention work ``b · heads · visible (query, key) pairs``."""
 
     def __init__(self) -> None:
         self.calls: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
         self.work = {"forward": 0, "backward": 0}
 
-    def _add(self, phase: str, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+    def add(self, phase: str, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
              q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, kind: str | None) -> None:
         kind = kind or kernels.classify(q_pos, k_pos, q_doc, k_doc)
         sq, sk, b, heads = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
@@ -116,34 +86,6 @@ class WorkCounter:
         else:
             self.work[phase] += b * heads * pairs
         self.calls[phase][kind] = self.calls[phase].get(kind, 0) + 1
-
-    @contextmanager
-    def active(self) -> Iterator[WorkCounter]:
-        with kernels.observe(self._add):
-            yield self
-
-
-class SavedBytes:
-    """Storages autograd saves inside ``record()``, once each, without those in ``exclude`` (the parameters)."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.storages: dict[int, int] = {}
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.exclude:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @contextmanager
-    def record(self) -> Iterator[SavedBytes]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            yield self
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
 
 
 def ctx_held_bytes(out: torch.Tensor, counted: set[int]) -> int:
@@ -155,27 +97,13 @@ def ctx_held_bytes(out: torch.Tensor, counted: set[int]) -> int:
         if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in counted:
             found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
-    seen: set[Any] = set()
-    stack = [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in graph_nodes(out):
         for value in getattr(node, "__dict__", {}).values():
             if isinstance(value, AttentionMeta):
-                for t in value.positions + (value.documents or []):
-                    add(t)
-            elif isinstance(value, (list, tuple)):
-                for t in value:
-                    add(t)
-            else:
-                add(value)
-        stack.extend(nxt for nxt, _ in node.next_functions)
+                value = value.positions + (value.documents or [])
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                add(t)
     return sum(found.values())
-
-
-# ------------------------------------------------------------------------------------------------ the layer
 
 
 class LayerRun:
@@ -185,7 +113,7 @@ class LayerRun:
         tracker = get_tracker()
         init_rng(tracker, args.seed, 0, 0)  # dropout is 0: the streams only have to exist
         parallel = ParallelContext(cp_group=group, cp_algo=algo, cp_heads_k_stride=args.heads_k_stride, tracker=tracker)
-        self.stage = GPTModel(model_config(args, seq), args.seed, layer_range=range(1), pre_process=False,
+        self.stage = GPTModel(gpt_config(args, 256, seq_length=seq).model, args.seed, layer_range=range(1), pre_process=False,
                               post_process=False, parallel=parallel).train()
         self.layout = sequence_layout(algo) if n > 1 else "contiguous"
         gen = torch.Generator().manual_seed(args.seed)
@@ -214,11 +142,6 @@ class LayerRun:
         return {"saved": saved.nbytes, "ctx": held, "total": saved.nbytes + held}
 
 
-def _barrier(n: int) -> None:
-    if n > 1:
-        comm.barrier()
-
-
 def measure(args: argparse.Namespace, algo: str, rank: int, n: int, group: Any) -> dict[str, Any]:
     """Everything of one (algorithm, cp size) on this rank."""
     run = LayerRun(args, algo, args.seq, rank, n, group)
@@ -229,7 +152,7 @@ def measure(args: argparse.Namespace, algo: str, rank: int, n: int, group: Any) 
         meta_bytes = meta_count.summary()
     memory = run.activation_bytes()
     counter = WorkCounter()
-    with counter.active():
+    with kernels.observe(counter.add):
         with comm.count() as fwd:
             y = run.forward()
         with comm.count() as bwd:
@@ -237,7 +160,8 @@ def measure(args: argparse.Namespace, algo: str, rank: int, n: int, group: Any) 
     forward = _minus(fwd.summary(), meta_bytes)
     times: dict[str, list[float]] = {"fwd_wall": [], "bwd_wall": [], "wall": [], "thread": []}
     for rep in range(args.warmup + args.reps):
-        _barrier(n)
+        if n > 1:
+            comm.barrier()
         w0, t0 = time.perf_counter(), time.thread_time()
         y = run.forward()
         w1 = time.perf_counter()
@@ -263,33 +187,21 @@ def _minus(summary: dict[str, dict[str, float]], other: dict[str, dict[str, floa
 
 def rank_rows(rank: int, world_size: int, args: argparse.Namespace, algos: list[str]) -> list[dict[str, Any]]:
     """``measure`` of every algorithm in ``algos`` at cp = world_size, on this rank (one launch for all)."""
-    return [{"algo": algo, **measure(args, algo, rank, world_size, _cp_group(world_size))} for algo in algos]
+    group = world_group(world_size, comm.LOCAL)
+    return [{"algo": algo, **measure(args, algo, rank, world_size, group)} for algo in algos]
 
 
 def rank_memory(rank: int, world_size: int, args: argparse.Namespace, algo: str, seqs: list[int]) -> list[int]:
     """This rank's activation bytes (saved + ctx-held) of one forward at each total sequence in ``seqs``."""
-    return [LayerRun(args, algo, s, rank, world_size, _cp_group(world_size)).activation_bytes()["total"] for s in seqs]
-
-
-def _cp_group(world_size: int) -> Any:
-    """The cp group of a ``run_distributed`` rank: the world, or ``comm.LOCAL`` alone."""
-    import torch.distributed as dist
-
-    return dist.group.WORLD if world_size > 1 else comm.LOCAL
-
-
-# ------------------------------------------------------------------------------------------------ theory
-
-
-def kv_heads(args: argparse.Namespace) -> int:
-    return args.kv_heads or args.heads
+    group = world_group(world_size, comm.LOCAL)
+    return [LayerRun(args, algo, s, rank, world_size, group).activation_bytes()["total"] for s in seqs]
 
 
 def expected_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[str, dict[str, int]]:
     """``{phase: {op: bytes}}`` this implementation sends per layer per rank (docs/benchmarks.md's table)."""
     if n == 1:
         return {"forward": {}, "backward": {}}
-    b, heads, g = args.batch, args.heads, kv_heads(args)
+    b, heads, g = args.batch, args.heads, args.kv_heads or args.heads
     d = args.hidden // heads
     e, a = ELEMENT_BYTES, ACC_BYTES
     kv = 2 * s * b * g * d  # elements of K and V over the whole sequence
@@ -319,7 +231,7 @@ def table_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[str
     if n == 1:
         return {"forward": 0.0, "backward": 0.0}
     b, h, e = args.batch, args.hidden, ELEMENT_BYTES
-    h_kv = kv_heads(args) * (h // args.heads)
+    h_kv = (args.kv_heads or args.heads) * (h // args.heads)
     ring = 2 * s * b * h_kv * (n - 1) / n * e
     if algo in ("ring", "zigzag", "llama3"):
         return {"forward": ring, "backward": 2 * ring}  # ring/zigzag: "same + dK,dV"
@@ -335,9 +247,6 @@ def meta_bytes_expected(args: argparse.Namespace, n: int, s: int) -> int:
 def causal_work(args: argparse.Namespace, s: int) -> int:
     """``b · n · s(s+1)/2``: the (query, key) pairs of causal attention over all heads."""
     return args.batch * args.heads * s * (s + 1) // 2
-
-
-# ------------------------------------------------------------------------------------------------ rows
 
 
 def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -373,9 +282,9 @@ def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str
     table_total = row["table"]["forward"] + row["table"]["backward"]
     row["total_vs_table"] = (row["forward_bytes"] + row["backward_bytes"]) / table_total if table_total else None
     times = [r["time_ms"] for r in ranks]
-    row["time_ms"] = {"wall": max(t["wall"] for t in times), "fwd_wall": max(t["fwd_wall"] for t in times),
-                      "bwd_wall": max(t["bwd_wall"] for t in times), "thread_max": max(t["thread"] for t in times),
-                      "thread_min": min(t["thread"] for t in times), "thread_sum": sum(t["thread"] for t in times)}
+    thread = [t["thread"] for t in times]
+    row["time_ms"] = {**{k: max(t[k] for t in times) for k in ("wall", "fwd_wall", "bwd_wall")},
+                      "thread_max": max(thread), "thread_min": min(thread), "thread_sum": sum(thread)}
     row["per_rank"] = [{"rank": r["rank"], "memory": r["memory"], "work": r["work"], "calls": r["calls"],
                         "time_ms": r["time_ms"]} for r in ranks]
     return row
@@ -395,9 +304,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["act_ratio"] = r["act_bytes"] / base if base else None
         r["act_goal"] = MEMORY_GOAL / r["cp"]
         r["act_ok"] = None if base is None else r["act_ratio"] <= r["act_goal"]
-
-
-# ------------------------------------------------------------------------------------------------ longest sequence
 
 
 def longest_sequence(args: argparse.Namespace) -> dict[str, Any]:
@@ -443,17 +349,10 @@ def longest_sequence(args: argparse.Namespace) -> dict[str, Any]:
             "measured": {str(n): {str(s): v for s, v in sorted(m.items())} for n, m in measured.items()}}
 
 
-# ------------------------------------------------------------------------------------------------ report
-
-
-def _ratio(x: float | None, fmt: str = ".3f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dict[str, Any] | None,
                  skipped: list[str], load: dict[str, list[float]]) -> None:
     """The tables, the notes and the JSON line."""
-    g = kv_heads(args)
+    g = args.kv_heads or args.heads
     print(f"context parallelism, one {args.arch} layer, s={args.seq} (total, fixed) b={args.batch} h={args.hidden} "
           f"heads={args.heads} kv_heads={g}, fp32, 1 thread per rank on {os.cpu_count()} cores "
           f"(load average before {load['before'][0]:.2f}, after {load['after'][0]:.2f})")
@@ -463,7 +362,7 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dic
     for r in rows:
         calls = f"{min(r['fwd_calls'])}-{max(r['fwd_calls'])}" if r["cp"] > 1 else "1 sdpa"
         ok = "-" if r["act_ok"] is None else ("yes" if r["act_ok"] else "NO")
-        print(f"{r['cp']:>3} {r['algo']:8} {mib(r['act_bytes']):>9} {_ratio(r['act_ratio']):>6} {r['act_goal']:>6.3f} "
+        print(f"{r['cp']:>3} {r['algo']:8} {mib(r['act_bytes']):>9} {opt(r['act_ratio']):>6} {r['act_goal']:>6.3f} "
               f"{ok:>3} {max(r['work']):>12,} {r['balance']:>8.3f} {r['max_over_ideal']:>9.3f} {calls:>10}")
     print("\nbytes sent per layer per rank (fp32 q/k/v; the per-micro-batch token-index all-gather not included)")
     print(f"{'cp':>3} {'algo':8} {'forward B':>12} {'backward B':>12} {'ours exp.':>9} {'table fwd B':>12} "
@@ -473,8 +372,8 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dic
             continue
         print(f"{r['cp']:>3} {r['algo']:8} {r['forward_bytes']:>12,} {r['backward_bytes']:>12,} "
               f"{'exact' if r['matches_expected'] else 'DIFF':>9} {r['table']['forward']:>12,.0f} "
-              f"{r['table']['backward']:>12,.0f} {_ratio(r['forward_vs_table']):>7} {_ratio(r['backward_vs_table']):>7} "
-              f"{_ratio(r['total_vs_table']):>7}")
+              f"{r['table']['backward']:>12,.0f} {opt(r['forward_vs_table']):>7} {opt(r['backward_vs_table']):>7} "
+              f"{opt(r['total_vs_table']):>7}")
     print(f"\ntime per layer, forward + backward, median of {args.reps} (wall: slowest rank; thread: CPU time of each "
           "rank's compute thread; sum/cp1: summed over ranks, over cp=1's)")
     print(f"{'cp':>3} {'algo':8} {'fwd ms':>9} {'bwd ms':>9} {'wall ms':>9} {'thread max':>10} {'thread min':>10} "
@@ -483,7 +382,7 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dic
         t = r["time_ms"]
         print(f"{r['cp']:>3} {r['algo']:8} {t['fwd_wall']:>9.1f} {t['bwd_wall']:>9.1f} {t['wall']:>9.1f} "
               f"{t['thread_max']:>10.1f} {t['thread_min']:>10.1f} {t['thread_max'] / t['thread_min']:>11.2f} "
-              f"{_ratio(r['cpu_vs_cp1'], '.2f'):>7}")
+              f"{opt(r['cpu_vs_cp1'], '.2f'):>7}")
     if long:
         print(f"\nlongest sequence, {long['algo']}, per-rank activation budget {mib(long['budget_bytes'])} MiB "
               f"({long['budget_from']})")
@@ -510,7 +409,7 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dic
 
 def print_notes(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: list[str]) -> None:
     """What the numbers mean where they differ from the goals or the table."""
-    g = kv_heads(args)
+    g = args.kv_heads or args.heads
     cores = os.cpu_count() or 1
     print("\nnotes:")
     print("  ours = the exact bytes of this implementation (docs/benchmarks.md); 'exact' = measured op by op equal to it.")

@@ -1,14 +1,12 @@
 """Data pipeline at scale: preprocessing throughput against megatron-core, random sample access, loader overhead.
 
-1. Preprocess: the demo corpus tokenized with a SentencePiece model into ``.bin/.idx``, ours against
-   Megatron-LM's ``tools/preprocess_data.py`` loop (same tokenizer, same bytes, checked), best of
-   ``--repeats`` alternating runs; and the writers alone.
-2. Random access: ``GPTDataset[i]`` for random ``i``, and random whole documents, ours and megatron-core's.
-3. Loader overhead: the time a demo-sized training step waits for its batch with ``BatchLoader``
-   at 0 and 1 workers. Goal: < 2 % of a step.
+1. Preprocess the demo corpus (SentencePiece) into ``.bin/.idx``, ours against Megatron-LM's loop
+   (same tokenizer, same bytes, checked); and the writers alone.
+2. Random access: random ``GPTDataset`` samples and whole documents, ours and megatron-core's.
+3. Loader overhead: the time a demo-sized step waits for its batch at 0 and 1 workers (goal < 2 %).
 
-Details: docs/benchmarks.md. megatron-core is optional (``pip install -e '.[compat]'``); without it
-the megatron columns are empty.
+Details: docs/benchmarks.md. megatron-core is optional (``.[compat]``); without it the megatron
+columns are empty.
 Run from the repo root:  python tools/bench/data.py [--workers 1,2] [--max-bytes 4000000] ...
 Prints a table, then one JSON line with every number.
 """
@@ -35,14 +33,11 @@ from megatron_sp.data.tokenizer import Tokenizer, build_tokenizer, train_sentenc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__)
+    p = parser(__doc__, vocab=4096, seq=256, steps=12)
     p.add_argument("--workers", default="1,2", help="comma-separated preprocessing worker counts")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="size of the demo corpus")
-    p.add_argument("--vocab", type=int, default=4096, help="SentencePiece vocabulary")
     p.add_argument("--repeats", type=int, default=3, help="preprocessing runs per worker count and side")
     p.add_argument("--accesses", type=int, default=20_000, help="random samples / documents read")
-    p.add_argument("--seq", type=int, default=256, help="sequence length of the GPT dataset and the demo step")
-    p.add_argument("--steps", type=int, default=12, help="timed training steps per loader setting")
     p.add_argument("--work-dir", default=None, help="keep the corpus, tokenizer and outputs here (default: temp)")
     return p.parse_args(argv)
 
@@ -58,46 +53,36 @@ def import_megatron() -> Any:
     return mc
 
 
-# ----------------------------------------------------------------------------- 1. preprocessing
-
 class MegatronEncoder:
-    """Megatron-LM's ``tools/preprocess_data.py`` ``Encoder`` (no sentence splitting), with our tokenizer."""
+    """Megatron-LM's ``tools/preprocess_data.py`` ``Encoder`` (one key, no sentence splitting), our tokenizer."""
 
     tokenizer: Tokenizer | None = None
 
-    def __init__(self, tokenizer: Tokenizer, json_keys: tuple[str, ...] = ("text",)) -> None:
-        self._tokenizer, self.json_keys = tokenizer, json_keys
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
 
     def initializer(self) -> None:
         MegatronEncoder.tokenizer = self._tokenizer
 
-    def encode(self, json_line: str) -> tuple[dict[str, list[int]], dict[str, list[int]], int]:
-        data = json.loads(json_line)
-        ids, lens = {}, {}
-        for key in self.json_keys:
-            sentence_ids = MegatronEncoder.tokenizer.encode(data[key])  # type: ignore[union-attr]
-            doc_ids, sentence_lens = [], []
-            if sentence_ids:
-                doc_ids.extend(sentence_ids)
-                sentence_lens.append(len(sentence_ids))
-            if doc_ids:
-                doc_ids.append(MegatronEncoder.tokenizer.eod)  # type: ignore[union-attr]
-                sentence_lens[-1] += 1
-            ids[key], lens[key] = doc_ids, sentence_lens
-        return ids, lens, len(json_line)
+    def encode(self, json_line: str) -> tuple[list[int], list[int]]:
+        tokenizer = MegatronEncoder.tokenizer
+        assert tokenizer is not None
+        doc_ids = tokenizer.encode(json.loads(json_line)["text"])
+        if doc_ids:
+            doc_ids.append(tokenizer.eod)
+        return doc_ids, [len(doc_ids)] if doc_ids else []
 
 
 def megatron_preprocess(mc: Any, corpus: Path, prefix: Path, tokenizer: Tokenizer, workers: int) -> dict[str, float]:
     """Megatron-LM's preprocessing loop: a pool of ``workers`` over the file's lines, one builder per key."""
     start = time.perf_counter()
     encoder = MegatronEncoder(tokenizer)
-    docs = read = 0
+    docs = 0
     with open(corpus, encoding="utf-8") as fin, multiprocessing.Pool(workers, initializer=encoder.initializer) as pool:
         builder = mc.IndexedDatasetBuilder(str(prefix) + ".bin", dtype=mc.DType.optimal_dtype(tokenizer.vocab_size))
-        for doc, sentence_lens, n_bytes in pool.imap(encoder.encode, fin, 32):
-            builder.add_document(doc["text"], sentence_lens["text"])
+        for doc, lengths in pool.imap(encoder.encode, fin, 32):
+            builder.add_document(doc, lengths)
             docs += 1
-            read += n_bytes
         builder.finalize(str(prefix) + ".idx")
     return {"docs": docs, "bytes": corpus.stat().st_size, "seconds": time.perf_counter() - start}
 
@@ -170,8 +155,6 @@ def bench_writers(mc: Any, work: Path, dataset: IndexedDataset, repeats: int) ->
     return {f"{name}_mb_per_s": total_mb / seconds for name, seconds in best.items()}
 
 
-# ----------------------------------------------------------------------------- 2. random access
-
 def bench_access(args: argparse.Namespace, mc: Any, prefix: Path) -> dict[str, float]:
     """Random GPT samples per second; random documents per second (ours and megatron-core's reader)."""
     from megatron_sp.data.gpt_dataset import GPTDataset
@@ -199,8 +182,6 @@ def bench_access(args: argparse.Namespace, mc: Any, prefix: Path) -> dict[str, f
         result[f"{name}_documents_per_s"] = args.accesses / (time.perf_counter() - t)
     return result
 
-
-# ----------------------------------------------------------------------------- 3. loader overhead
 
 def bench_loader(args: argparse.Namespace, prefix: Path, tokenizer: Tokenizer) -> dict[str, float]:
     """Seconds a demo-sized step waits for its batch, as a fraction of the step, for 0 and 1 loader workers."""
@@ -249,8 +230,6 @@ def bench_loader(args: argparse.Namespace, prefix: Path, tokenizer: Tokenizer) -
         result[f"workers{workers}_fraction"] = float(np.median(waits) / np.median(steps))
     return result
 
-
-# ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the three parts, print the table and the JSON line; returns the report."""

@@ -1,12 +1,9 @@
 """How much of the data-parallel gradient reduction the DistributedOptimizer hides behind backward.
 
-Two gloo ranks (dp = 2) train a small GPT; each step is ``zero_grad`` → forward → backward (the
-optimizer's hooks launch each bucket's reduction as soon as its gradients are ready) →
-``finish_grad_sync`` → ``step``. Four optimizers on copies of the same model take steps in turn:
-ZeRO-1 off/on × small buckets (``--bucket-bytes``) / one bucket (the no-overlap baseline). Every
-asynchronous collective is observed through ``comm.observe`` (launch, completion via the work's
-future callback, wait), and the share of its in-flight time before backward ends is "hidden".
-Method, the reduce-scatter replica check and the limits: docs/benchmarks.md.
+Two gloo ranks (dp = 2) train a small GPT with four optimizers in turn: ZeRO-1 off/on × small
+buckets (``--bucket-bytes``) / one bucket (the no-overlap baseline). Every asynchronous collective
+is observed through ``comm.observe``; the share of its in-flight time before backward ends is
+"hidden". Method, the reduce-scatter replica check and the limits: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/grad_overlap.py [--bucket-bytes 1048576] [--steps 10] [--verbose]
 Prints a table, notes (--verbose: rank 0's per-collective timeline of the last step), then one
@@ -25,7 +22,7 @@ from typing import Any
 
 import torch
 
-from common import bench_config, parser, print_json
+from common import gpt_config, opt, parser, print_json
 from megatron_sp.config import Config
 from megatron_sp.model import GPTModel
 from megatron_sp.mpu import ParallelContext, ParallelDims, ParallelState, comm, initialize
@@ -35,32 +32,19 @@ from megatron_sp.testing import run_distributed
 WORLD = 2
 ONE_BUCKET = 1 << 50  # bucket_bytes larger than any model: one bucket
 GRAD_PHASES = ("backward", "finish")  # ops launched here reduce gradients
+# the asynchronous collectives of ``comm`` the optimizer calls (observed as their KINDS)
 TRACED = ("reduce_scatter_async", "all_reduce_async", "all_gather_async")
-"""The asynchronous collectives of ``comm`` the optimizer calls (observed as their KINDS)."""
 KINDS = ("reduce_scatter", "all_reduce", "all_gather")
 KIND_LABEL = {"reduce_scatter": "RS", "all_reduce": "AR", "all_gather": "AG"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, layers=4, hidden=256, heads=8, seq=128, vocab=4096, seed=1234)
+    p = parser(__doc__, arch="neox", layers=4, hidden=256, heads=8, seq=128, batch=4, vocab=4096, warmup=2, steps=10,
+               seed=1234, verbose=False)
     p.add_argument("--bucket-bytes", type=int, default=2**20, help="the small-bucket configuration's bucket_bytes")
-    p.add_argument("--arch", default="neox", choices=("neox", "llama"))
-    p.add_argument("--batch", type=int, default=4, help="micro-batch per rank (one micro-batch per step)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: bf16 params (fp32 masters) under autocast, as the trainer")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
-    p.add_argument("--verbose", action="store_true", help="print rank 0's per-op timeline of the last timed step")
     return p.parse_args(argv)
-
-
-def build_config(args: argparse.Namespace) -> Config:
-    """A finalized Config from the flags (derived sizes from the config loader)."""
-    return bench_config(args.vocab, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
-                        num_heads=args.heads, seq_length=args.seq)
-
-
-# ------------------------------------------------------------------------------------------------ tracing
 
 
 @dataclass
@@ -71,17 +55,17 @@ class Op:
     phase: str  # backward | finish | step: where it was launched
     nbytes: int  # input bytes
     launch: float
-    launched: float = 0.0  # when the launch call returned (the RS clone runs on the caller's thread)
+    launched: float  # when the launch call returned (the RS clone runs on the caller's thread)
+    event: Any  # comm's CommEvent: its Pending's wait() stamps wait_start / wait_end on it
     done: float | None = None  # the work's future completed (callback)
-    event: Any = None  # comm's CommEvent: its Pending's wait() stamps wait_start / wait_end on it
 
     @property
     def wait_start(self) -> float | None:
-        return None if self.event is None else self.event.wait_start
+        return self.event.wait_start
 
     @property
     def wait_end(self) -> float | None:
-        return None if self.event is None else self.event.wait_end
+        return self.event.wait_end
 
     @property
     def end(self) -> float:
@@ -101,12 +85,6 @@ class Tracer:
 TRACER = Tracer()
 
 
-def _stamp_done(op: Op, work: Any) -> None:
-    def done(_: Any) -> None:
-        op.done = time.perf_counter()
-    work.get_future().add_done_callback(done)
-
-
 @contextmanager
 def traced(tracer: Tracer) -> Iterator[None]:
     """Record the asynchronous collectives (``TRACED``) issued while the block runs, through ``comm.observe``."""
@@ -116,7 +94,10 @@ def traced(tracer: Tracer) -> Iterator[None]:
             return
         op = Op(event.op, tracer.phase, event.tensor.numel() * event.tensor.element_size(), event.called,
                 launched=event.issued, event=event)
-        _stamp_done(op, event.work)
+
+        def done(_: Any, op: Op = op) -> None:
+            op.done = time.perf_counter()
+        event.work.get_future().add_done_callback(done)
         tracer.ops.append(op)
 
     with comm.observe(on_event):
@@ -130,9 +111,6 @@ def check_replica(group: Any, seed: int) -> bool:
     ours = comm.reduce_scatter_async(x, group).wait()
     theirs = comm.reduce_scatter(x, group, 0)
     return bool(torch.equal(ours, theirs))
-
-
-# ------------------------------------------------------------------------------------------------ training
 
 
 @dataclass
@@ -212,10 +190,9 @@ def summarize_step(rec: dict[str, Any]) -> dict[str, Any]:
     grad_spans, gather_spans = [], []
     for op in rec["ops"]:
         end = op.end
-        timeline.append({"kind": op.kind, "phase": op.phase, "nbytes": op.nbytes, "launch": op.launch - t0,
-                         "launched": op.launched - t0, "done": None if op.done is None else op.done - t0,
-                         "wait_start": None if op.wait_start is None else op.wait_start - t0,
-                         "wait_end": None if op.wait_end is None else op.wait_end - t0, "backward_end": bwd_end - t0})
+        stamps = {k: getattr(op, k) for k in ("launch", "launched", "done", "wait_start", "wait_end")}
+        timeline.append({"kind": op.kind, "phase": op.phase, "nbytes": op.nbytes,
+                         **{k: None if t is None else t - t0 for k, t in stamps.items()}, "backward_end": bwd_end - t0})
         if op.phase not in GRAD_PHASES:
             gather_spans.append((op.launch, end))
             continue
@@ -238,7 +215,7 @@ def summarize_step(rec: dict[str, Any]) -> dict[str, Any]:
 def rank_run(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train every configuration in turn on this rank; returns the per-step summaries."""
     state = initialize(ParallelDims(dp=world_size))
-    cfg = build_config(args)
+    cfg = gpt_config(args)
     replica_ok = check_replica(state.dp_cp_group, args.seed)
     setups = make_setups(args, cfg, state)
     gen = torch.Generator().manual_seed(args.seed + rank)  # each data-parallel rank its own batch
@@ -256,9 +233,6 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
             "configs": [{"name": s.name, "zero": s.zero, "bucket_bytes": s.bucket_bytes,
                          "buckets": len(s.opt._buckets), "steps": [summarize_step(r) for r in s.steps]}
                         for s in setups]}
-
-
-# ------------------------------------------------------------------------------------------------ report
 
 
 def combine(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -302,10 +276,6 @@ def combine(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
-
-
 def print_report(args: argparse.Namespace, per_rank: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
     """The table, the notes, the verbose timeline and the JSON line."""
     print(f"gradient-reduction overlap at dp={WORLD} (gloo, {args.arch} L={args.layers} h={args.hidden} s={args.seq} "
@@ -330,7 +300,7 @@ def print_report(args: argparse.Namespace, per_rank: list[dict[str, Any]], rows:
     for zero in (0, 1):
         small, one = by.get((zero, False)), by.get((zero, True))
         if small and one:
-            kinds = ", ".join(f"{KIND_LABEL[k]} {_pct(small[f'{k}_hidden'])}" for k in small["grad_kinds"])
+            kinds = ", ".join(f"{KIND_LABEL[k]} {opt(small[f'{k}_hidden'], '.1%')}" for k in small["grad_kinds"])
             print(f"  zero={zero}: step {small['step_ms']:.1f} ms with small buckets vs {one['step_ms']:.1f} ms with one "
                   f"({one['step_ms'] / small['step_ms']:.3f}x); exposed finish {small['finish_ms']:.1f} vs "
                   f"{one['finish_ms']:.1f} ms; backward {small['backward_ms']:.1f} vs {one['backward_ms']:.1f} ms; "

@@ -1,13 +1,9 @@
 """Per-rank bytes of parameters, gradients and optimizer state under ZeRO-1, against the theory.
 
-For each precision (bf16 params with fp32 masters; fp32) × data-parallel size d × ZeRO-1 off/on,
-a ``GPTModel`` is handed to a ``DistributedOptimizer`` and the bytes are read off the tensors it
-actually holds, each storage counted once: parameters, gradients, optimizer state. d = 1 runs in
-this process; d > 1 on gloo ranks (the table shows rank 0 and flags ranks that differ).
-
-Theory: bytes/param = P + 4 + (M + 8) / d_z (P param bytes, M separate fp32 master bytes, d_z = d
-under ZeRO-1, else 1): bf16 18 | 6 + 12/d, fp32 16 | 8 + 8/d. Measured/theory − 1 is exactly the
-bucket padding. Categories, padding and what is not counted: docs/benchmarks.md.
+Per precision × data-parallel size d × ZeRO-1 off/on, the bytes are read off the tensors a
+``DistributedOptimizer`` holds (each storage once); d > 1 on gloo ranks, rank 0 shown. Theory:
+bytes/param = P + 4 + (M + 8) / d_z: bf16 18 | 6 + 12/d, fp32 16 | 8 + 8/d; measured/theory − 1
+is the bucket padding. Categories and what is not counted: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/optimizer_memory.py [--dp 1,2,4] [--precision bf16,fp32] ...
 Prints a table, notes, then one JSON line with every number.
@@ -16,21 +12,17 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from common import bench_config, ints, mib, names, parser, per_rank, print_json
-from megatron_sp.config import Config
+from common import gpt_config, ints, mib, names, parser, per_rank, print_json
 from megatron_sp.model import GPTModel
 from megatron_sp.mpu import ParallelContext, ParallelDims, ParallelState, initialize
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 
-PARAM_BYTES = {"bf16": 2, "fp32": 4}
-"""P: bytes of one model parameter."""
-MASTER_BYTES = {"bf16": 4, "fp32": 0}
-"""M: bytes of the separate fp32 master copy (fp32 has none: the parameters are the masters)."""
+PARAM_BYTES = {"bf16": 2, "fp32": 4}  # P: bytes of one model parameter
+MASTER_BYTES = {"bf16": 4, "fp32": 0}  # M: the separate fp32 master (fp32: the parameters are the masters)
 GRAD_BYTES = 4  # fp32 main grads
 MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 CATEGORIES = ("params", "grads", "optim")
@@ -38,22 +30,12 @@ DEFAULT_BUCKET_BYTES = inspect.signature(DistributedOptimizer).parameters["bucke
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, layers=4, hidden=256, heads=8, seq=128, vocab=4096, seed=1234)
+    p = parser(__doc__, arch="neox", layers=4, hidden=256, heads=8, seq=128, vocab=4096, seed=1234)
     p.add_argument("--dp", default="1,2,4", help="comma-separated data-parallel sizes")
     p.add_argument("--precision", default="bf16,fp32", help="comma-separated: bf16,fp32")
-    p.add_argument("--arch", default="neox", choices=("neox", "llama"))
     p.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
                    help="DistributedOptimizer bucket_bytes (default: the optimizer's)")
     return p.parse_args(argv)
-
-
-def build_config(args: argparse.Namespace) -> Config:
-    """A finalized Config from the flags (derived sizes from the config loader)."""
-    return bench_config(args.vocab, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
-                        num_heads=args.heads, seq_length=args.seq)
-
-
-# ------------------------------------------------------------------------------------------------ theory
 
 
 def theory_per_param(precision: str, d: int, zero: int) -> dict[str, float]:
@@ -70,36 +52,21 @@ def formula(precision: str, zero: int) -> str:
     return f"{fixed} + {sharded}/d" if zero else f"{fixed + sharded}"
 
 
-# ------------------------------------------------------------------------------------------------ measuring
-
-
-class StorageCounter:
-    """Bytes of unique storages per category; a storage already counted (in any category) is skipped."""
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-        self.bytes = dict.fromkeys(CATEGORIES, 0)
-        self.storages = dict.fromkeys(CATEGORIES, 0)
-
-    def add(self, category: str, tensors: Iterable[torch.Tensor | None]) -> None:
-        for t in tensors:
-            if t is None:
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() in self.seen:
-                continue
-            self.seen.add(storage.data_ptr())
-            self.bytes[category] += storage.nbytes()
-            self.storages[category] += 1
-
-
 def measure(opt: DistributedOptimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
-    """This rank's bytes per category, read off the optimizer's tensors and the model's parameters."""
-    counter = StorageCounter()
-    counter.add("params", [opt.param_buffer, *params])
-    counter.add("grads", [opt.grad_buffer, *(p.main_grad for p in params), *(p.grad for p in params)])
-    counter.add("optim", [opt.exp_avg, opt.exp_avg_sq, opt._master_local])  # fp32: the master is param_buffer
-    return {"bytes": counter.bytes, "storages": counter.storages, "numel": opt.numel, "shard_numel": opt.shard_numel,
+    """This rank's bytes and storages per category, read off the optimizer's tensors and the model's parameters;
+    a storage already counted (in any category) is skipped."""
+    seen: set[int] = set()
+    nbytes, storages = dict.fromkeys(CATEGORIES, 0), dict.fromkeys(CATEGORIES, 0)
+    held = {"params": [opt.param_buffer, *params],
+            "grads": [opt.grad_buffer, *(p.main_grad for p in params), *(p.grad for p in params)],
+            "optim": [opt.exp_avg, opt.exp_avg_sq, opt._master_local]}  # fp32: the master is param_buffer
+    for category, tensors in held.items():
+        for t in tensors:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                nbytes[category] += t.untyped_storage().nbytes()
+                storages[category] += 1
+    return {"bytes": nbytes, "storages": storages, "numel": opt.numel, "shard_numel": opt.shard_numel,
             "buckets": len(opt._buckets)}
 
 
@@ -107,7 +74,7 @@ def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
     """Every (precision, zero) row for d = ``world_size`` on this rank (d = 1: no process groups)."""
     state: ParallelState | None = initialize(ParallelDims(dp=world_size)) if world_size > 1 else None
     parallel = ParallelContext.from_state(state) if state is not None else ParallelContext()
-    cfg = build_config(args)
+    cfg = gpt_config(args)
     rows = []
     for precision in names(args.precision):
         for zero in (0, 1):
@@ -140,9 +107,6 @@ def finish_row(row: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, A
                                      + (row["shard_numel"] - n / d_z) * (MASTER_BYTES[precision] + MOMENT_BYTES))
     row["ranks_differ"] = [o["rank"] for o in others if o["bytes"] != row["bytes"]]
     return row
-
-
-# ------------------------------------------------------------------------------------------------ report
 
 
 def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:

@@ -1,19 +1,10 @@
 """Packed documents vs one unpacked sequence: the cost of a training step (forward + backward) on the same tokens.
 
-A sample of s + 1 byte tokens is cut into documents whose lengths are drawn from a fixed-seed
-exponential distribution (mean ``--mean-doc``), each ended by the EOD token. The same tokens go
-through ``data.collate`` twice: unpacked (positions 0..s-1, one causal sequence) and packed
-(``reset_position_ids=True, reset_attention_mask=True``: positions restart per document and
-``document_ids`` keep attention inside a document), as training does. The whole GPTModel (fp32,
-loss included) runs forward + backward on 1 rank (``--threads`` threads) and at each cp size on
-gloo ranks (1 thread each) under every ``--algos`` algorithm, the batch sharded by
-``layout.shard_batch``. Per step: time (median over ``--reps`` after ``--warmup``, packed and
-unpacked alternating in one process; under cp the slowest rank of each rep) and memory: the
-activation bytes of tools/bench/context_parallel.py (storages saved for backward + tensors held by
-autograd ``ctx``, parameters excluded) and the peak of live bytes of every storage allocated during
-forward + backward (a TorchDispatchMode). Goals: packed <= 1.10x unpacked time and <= 1.05x memory.
-On 1 rank, Hugging Face transformers' packed path on the same tokens: a Llama (or GPT-NeoX) of the
-same sizes, ``attn_implementation="sdpa"``, batch 1, ``position_ids`` restarting per document.
+Byte-token documents of exponential lengths (mean ``--mean-doc``) are collated packed (positions
+and attention reset per document) and unpacked; the whole fp32 GPTModel runs forward + backward on
+1 rank and at each cp size under every ``--algos`` algorithm: time per step, activation bytes (as
+context_parallel.py) and the live-bytes peak. On 1 rank also transformers' packed path on the same
+tokens. Method and goals: docs/benchmarks.md.
 
 Run from the repo root:  python tools/bench/packed.py [--seqs 2048,4096,8192] [--cp 1,2,4] [--algos zigzag,llama3]
 Prints tables and notes, then one JSON line with every number.
@@ -34,7 +25,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import bench_config, check_attention_args, cp_skip_reason, ulysses_degree, ints, mib, names, parser, print_json
+from common import check_attention_args, gpt_config, cp_skip_reason, ints, mib, names, opt, parser, print_json
+from common import ulysses_degree
 from context_parallel import SavedBytes, ctx_held_bytes
 from megatron_sp.config.schema import Config
 from megatron_sp.data import collate
@@ -47,26 +39,21 @@ from megatron_sp.mpu.parallel_state import ParallelDims, initialize
 from megatron_sp.mpu.random import get_tracker, init_rng
 from megatron_sp.testing import run_distributed
 
-TIME_GOAL = 1.10
-"""packed time per step should be at most this times unpacked's."""
-MEMORY_GOAL = 1.05
-"""packed activation bytes should be at most this times unpacked's."""
-BASELINE = "-"
-"""The algorithm label of the cp = 1 rows."""
+TIME_GOAL = 1.10  # packed time per step should be at most this times unpacked's
+MEMORY_GOAL = 1.05  # packed activation bytes should be at most this times unpacked's
+BASELINE = "-"  # the algorithm label of the cp = 1 rows
 VARIANTS = ("packed", "unpacked")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, layers=2, hidden=128, heads=4, kv_heads=None, batch=1, seed=1234)
+    p = parser(__doc__, layers=2, hidden=128, heads=4, kv_heads=None, batch=1, arch="llama", reps=3, warmup=1,
+               seed=1234)
     p.add_argument("--seqs", default="2048,4096,8192", help="comma-separated sequence lengths s")
     p.add_argument("--mean-doc", type=float, default=256.0, help="mean document length in tokens (exponential)")
-    p.add_argument("--arch", choices=("neox", "llama"), default="llama")
     p.add_argument("--cp", default="1,2,4", help="comma-separated cp sizes (1 = one rank)")
     p.add_argument("--algos", default=",".join(ALGORITHMS), help=f"comma-separated, of {','.join(ALGORITHMS)}")
     p.add_argument("--cp-ulysses", type=int, default=2, help="usp: the Ulysses degree inside the cp group")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the 1-rank runs (cp > 1: 1 per rank)")
-    p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     p.add_argument("--hf", default="auto", choices=("auto", "off"),
                    help="compare with transformers' packed path on 1 rank (auto: when transformers imports)")
     return p.parse_args(argv)
@@ -76,9 +63,6 @@ def check_args(args: argparse.Namespace) -> None:
     check_attention_args(args, names(args.algos), ALGORITHMS)
     if any(n < 1 for n in ints(args.cp)) or args.mean_doc < 1 or args.reps < 1:
         raise SystemExit("cp sizes, --mean-doc and --reps must be >= 1")
-
-
-# ------------------------------------------------------------------------------------------------ data
 
 
 def documents(args: argparse.Namespace, seq: int, eod: int) -> tuple[list[np.ndarray], list[int]]:
@@ -103,9 +87,6 @@ def batches(samples: list[np.ndarray], eod: int) -> dict[str, dict[str, torch.Te
     """The same tokens collated packed (positions and attention reset per document) and unpacked."""
     return {"packed": collate(samples, eod, eod_mask_loss=False, reset_position_ids=True, reset_attention_mask=True),
             "unpacked": collate(samples, eod, eod_mask_loss=False)}
-
-
-# ------------------------------------------------------------------------------------------------ memory
 
 
 class LiveBytes(TorchDispatchMode):
@@ -157,15 +138,10 @@ def step_memory(forward: Callable[[], torch.Tensor], zero: Callable[[], None], p
     return {"act": saved.nbytes + held, "saved": saved.nbytes, "ctx": held, "peak": live.peak, "sdpa_ops": live.sdpa}
 
 
-# ------------------------------------------------------------------------------------------------ our model
-
-
 def model_config(args: argparse.Namespace, seq: int, n: int, algo: str) -> Config:
     """A finalized Config of the flags at cp = n under ``algo`` (the byte tokenizer's vocabulary)."""
-    return bench_config(ByteTokenizer().vocab_size, f"parallel.cp={n}", f"parallel.cp_algo={algo}",
-                        f"parallel.cp_ulysses={ulysses_degree(args, algo, n)}", world_size=n, arch=args.arch,
-                        num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                        num_kv_heads=args.kv_heads, seq_length=seq)
+    return gpt_config(args, ByteTokenizer().vocab_size, f"parallel.cp={n}", f"parallel.cp_algo={algo}",
+                      f"parallel.cp_ulysses={ulysses_degree(args, algo, n)}", world_size=n, seq_length=seq)
 
 
 class Step:
@@ -193,7 +169,8 @@ class Step:
         self.model.zero_grad(set_to_none=True)
 
 
-def time_steps(args: argparse.Namespace, run: Callable[[str], None], n: int) -> dict[str, dict[str, list[float]]]:
+def time_steps(args: argparse.Namespace, forward: Callable[[str], torch.Tensor], zero: Callable[[], None],
+               n: int) -> dict[str, dict[str, list[float]]]:
     """``{"wall"|"cpu": {variant: seconds of each timed step}}``, packed and unpacked alternating (ABBA) after the
     warm-up; cpu = this process's CPU time (all its threads): less sensitive to waiting for a shared core."""
     times: dict[str, dict[str, list[float]]] = {"wall": {v: [] for v in VARIANTS}, "cpu": {v: [] for v in VARIANTS}}
@@ -202,7 +179,8 @@ def time_steps(args: argparse.Namespace, run: Callable[[str], None], n: int) -> 
             if n > 1:
                 comm.barrier()
             w0, c0 = time.perf_counter(), time.process_time()
-            run(variant)
+            forward(variant).backward()
+            zero()
             if rep >= args.warmup:
                 times["wall"][variant].append(time.perf_counter() - w0)
                 times["cpu"][variant].append(time.process_time() - c0)
@@ -212,16 +190,8 @@ def time_steps(args: argparse.Namespace, run: Callable[[str], None], n: int) -> 
 def measure(args: argparse.Namespace, seq: int, algo: str, rank: int, n: int,
             full: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
     step = Step(args, seq, algo, rank, n, full)
-
-    def run(variant: str) -> None:
-        step.forward(variant).backward()
-        step.zero()
-
     memory = {v: step_memory(lambda v=v: step.forward(v), step.zero, step.params) for v in VARIANTS}
-    return {"seq": seq, "algo": algo, "memory": memory, "times": time_steps(args, run, n)}
-
-
-# ------------------------------------------------------------------------------------------------ transformers
+    return {"seq": seq, "algo": algo, "memory": memory, "times": time_steps(args, step.forward, step.zero, n)}
 
 
 def hf_model(args: argparse.Namespace, seq: int) -> torch.nn.Module:
@@ -280,13 +250,9 @@ def hf_measure(args: argparse.Namespace, seq: int, full: dict[str, dict[str, tor
     def zero() -> None:
         model.zero_grad(set_to_none=True)
 
-    def run(variant: str) -> None:
-        forward(variant).backward()
-        zero()
-
     return {"seq": seq, "path": {v: hf_mask_path(model, full[v]) for v in VARIANTS},
             "memory": {v: step_memory(lambda v=v: forward(v), zero, params) for v in VARIANTS},
-            "times": time_steps(args, run, 1)}
+            "times": time_steps(args, forward, zero, 1)}
 
 
 def hf_available(args: argparse.Namespace) -> bool:
@@ -297,9 +263,6 @@ def hf_available(args: argparse.Namespace) -> bool:
     except ImportError:
         return False
     return True
-
-
-# ------------------------------------------------------------------------------------------------ ranks
 
 
 def rank_rows(rank: int, world_size: int, args: argparse.Namespace, plan: dict[int, list[str]],
@@ -358,13 +321,6 @@ def finish_hf(result: dict[str, Any], ours: dict[str, Any] | None) -> dict[str, 
     return out
 
 
-# ------------------------------------------------------------------------------------------------ report
-
-
-def _opt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
 def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], hf_rows: list[dict[str, Any]],
                  skipped: list[str], docs: dict[int, dict[str, float]], load: dict[str, list[float]]) -> None:
     g = args.kv_heads or args.heads
@@ -394,10 +350,10 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], hf_rows: 
               f"{'faster':>6} {'cpu o/hf':>8} {'hf act p':>10} {'hf peak p':>10}  hf packed mask")
         for h in hf_rows:
             ours = "-" if h["ours_packed_s"] is None else f"{1e3 * h['ours_packed_s']:.1f}"
-            ratio = "-" if h["ours_over_hf"] is None else f"{h['ours_over_hf']:.3f}"
+            ratio = opt(h["ours_over_hf"])
             faster = "-" if h["faster_than_hf"] is None else ("yes" if h["faster_than_hf"] else "NO")
             print(f"{h['seq']:>5} {ours:>10} {1e3 * h['packed_s']:>10.1f} {1e3 * h['unpacked_s']:>10.1f} "
-                  f"{h['time_ratio']:>7.3f} {ratio:>8} {faster:>6} {_opt(h['ours_over_hf_cpu']):>8} {mib(h['packed_bytes']):>10} "
+                  f"{h['time_ratio']:>7.3f} {ratio:>8} {faster:>6} {opt(h['ours_over_hf_cpu']):>8} {mib(h['packed_bytes']):>10} "
                   f"{mib(h['packed_peak_bytes']):>10}  {h['path']['packed']['mask']}")
     print("\nnotes:")
     if hf_rows:
@@ -439,14 +395,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in ints(args.cp):
         plan: dict[int, list[str]] = {}
         for s in seqs:
-            run = [BASELINE] if n == 1 else []
-            for a in algos if n > 1 else []:
-                why = cp_skip_reason(args, a, n, s)
-                if why:
-                    skipped.append(f"s={s} cp={n} {a}: {why}")
-                else:
-                    run.append(a)
-            if run:
+            why = {a: cp_skip_reason(args, a, n, s) for a in algos} if n > 1 else {}
+            skipped += [f"s={s} cp={n} {a}: {w}" for a, w in why.items() if w]
+            if run := [BASELINE] if n == 1 else [a for a, w in why.items() if not w]:
                 plan[s] = run
         if not plan:
             continue

@@ -1,13 +1,9 @@
 """Measured idle fraction of each pipeline stage under every pipeline schedule, against the theory.
 
-For each pp = p (p gloo ranks, one thread each), micro-batch count m and schedule (``1f1b``,
-``interleaved`` with ``--virtual`` chunks per rank, ``zero_bubble``, ``none``), every rank builds its
-stage of one GPT and runs full steps of ``forward_backward``; the schedules of one m take their
-steps in turn. A stage's idle fraction is ``1 − busy / window``: its compute intervals
-(``ScheduleStats.intervals``) over the step's window on the shared ``perf_counter`` axis; median
-over ``--steps`` after ``--warmup``. Beside it: the textbook bubble (``theory_bubble``), "sim" (the
-same schedule table simulated with this run's measured F/B/I/W costs), and ``cpu/wall`` (time-slicing
-when ranks outnumber cores). Method and caveats: docs/benchmarks.md.
+For each pp = p (p gloo ranks), micro-batch count m and schedule, every rank runs full steps of
+``forward_backward`` on its stage of one GPT; a stage's idle fraction is ``1 − busy / window`` of
+its ``ScheduleStats.intervals`` (median over ``--steps``), beside the textbook bubble, "sim" (the
+same table simulated with the measured F/B/I/W costs) and ``cpu/wall``. Method: docs/benchmarks.md.
 
 Run from the repo root:
   python tools/bench/pipeline_bubble.py [--pp 2,4] [--micro 4,8,16] [--schedules 1f1b,interleaved,zero_bubble]
@@ -24,8 +20,7 @@ from typing import Any
 
 import torch
 
-from common import bench_config, ints, names, parser, print_json
-from megatron_sp.config.schema import ModelConfig
+from common import gpt_config, ints, names, parser, print_json
 from megatron_sp.mpu import ParallelContext, ParallelDims, comm, initialize
 from megatron_sp.pipeline.executor import ScheduleStats, agree_costs, forward_backward
 from megatron_sp.pipeline.partition import PipelineConfigError, build_stage, check_micro_batches
@@ -37,25 +32,14 @@ KINDS = ("F", "B", "I", "W")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, hidden=256, heads=8, seq=128, batch=2, seed=1234)
+    p = parser(__doc__, arch="neox", layers=8, hidden=256, heads=8, seq=128, batch=2, warmup=1, steps=3, seed=1234)
     p.add_argument("--pp", default="2,4", help="comma-separated pipeline sizes (world = pp)")
     p.add_argument("--micro", default="4,8,16", help="comma-separated micro-batch counts m (each >= pp; "
                    "interleaved: a multiple of pp)")
     p.add_argument("--schedules", default="1f1b,interleaved,zero_bubble",
                    help=f"comma-separated schedules, of {', '.join(SCHEDULES)}")
     p.add_argument("--virtual", type=int, default=2, help="model chunks per rank v for interleaved (>= 2)")
-    p.add_argument("--arch", default="neox", help="neox or llama")
-    p.add_argument("--layers", type=int, default=8, help="transformer layers (divisible by every pp, and by pp·v "
-                   "for interleaved)")
-    p.add_argument("--warmup", type=int, default=1, help="steps dropped per (schedule, pp, m)")
-    p.add_argument("--steps", type=int, default=3, help="steps measured per (schedule, pp, m); the median is reported")
     return p.parse_args(argv)
-
-
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    """A finalized ModelConfig from the flags (derived sizes from the config loader)."""
-    return bench_config(VOCAB, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                        seq_length=args.seq).model
 
 
 def micro_batches(args: argparse.Namespace, m: int) -> list[dict[str, torch.Tensor]]:
@@ -70,9 +54,6 @@ def micro_batches(args: argparse.Namespace, m: int) -> list[dict[str, torch.Tens
 def chunks_for(schedule: str, args: argparse.Namespace) -> int:
     """Model chunks per rank v the schedule runs with."""
     return args.virtual if schedule == "interleaved" else 1
-
-
-# ------------------------------------------------------------------------------------------------ measuring
 
 
 def check_events(rank: int, schedule: str, m: int, v: int, stats: ScheduleStats) -> list[str]:
@@ -91,7 +72,7 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace,
     """Every (schedule, m) on this rank: per measured step its call's bounds, thread CPU time and intervals
     (the schedules of one m take their steps in turn)."""
     state = initialize(ParallelDims(pp=world_size))
-    cfg = model_config(args)
+    cfg = gpt_config(args, VOCAB).model
     parallel = ParallelContext.from_state(state)
     stages: dict[int, Any] = {}
     for schedule, _ in cases:
@@ -108,9 +89,7 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace,
             for schedule in [s for s, mm in cases if mm == m]:
                 v = chunks_for(schedule, args)
                 stage = stages[v]
-                for p in stage.parameters():
-                    if p.grad is not None:
-                        p.grad.zero_()
+                stage.zero_grad(set_to_none=False)
                 stats = ScheduleStats()
                 comm.barrier()
                 c0, t0 = time.thread_time(), time.perf_counter()
@@ -123,9 +102,6 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace,
                 results[(schedule, m)]["steps"].append(
                     {"t0": t0, "t1": t1, "cpu": c1 - c0, "intervals": [(k, a, b) for k, (a, b) in zip(kinds, stats.intervals)]})
     return [results[case] for case in cases]
-
-
-# ------------------------------------------------------------------------------------------------ analysis
 
 
 def analyse(schedule: str, p: int, m: int, v: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -170,9 +146,6 @@ def gains(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"schedule": r["schedule"], "pp": r["pp"], "m": r["m"], "step_vs_1f1b": r["step_ms"] / b["step_ms"],
                         "sim_step_vs_1f1b": r["sim_step_ms"] / b["sim_step_ms"]})
     return out
-
-
-# ------------------------------------------------------------------------------------------------ report
 
 
 def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: list[str]) -> None:

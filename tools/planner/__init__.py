@@ -1,10 +1,5 @@
 """The layout planner behind ``tools/plan.py``: per-rank memory and communication of a training layout, and
 the (tp, pp, cp, dp) layouts that fit. Theory, formulas and what ``--verify`` measures: docs/planner.md.
-
-``dims`` the numbers a config fixes | ``state`` parameters, gradients, optimizer state: the real pipeline
-stage and ``DistributedOptimizer`` built on the meta device | ``activations`` bytes saved for backward and
-buffers | ``traffic`` bytes sent per step | ``layouts`` a layout's plan, step time and the search |
-``measure`` ``--verify`` on gloo ranks through the training code's hooks.
 """
 from .activations import attention_kernel, attention_terms, chunk_activations, layer_terms, megatron_in_flight
 from .activations import schedule_peak, table2_layer_bytes

@@ -72,25 +72,24 @@ class SavedBytes:
         return sum(self.storages.values())
 
 
+def _param_storages(optimizer: Any, model: Any) -> dict[int, int]:
+    """Bytes of each parameter storage (``param_buffer`` and any outside it) by address."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [optimizer.param_buffer, *model.parameters()]}
+
+
 def measure_state(optimizer: Any, model: Any) -> dict[str, int]:
-    """Bytes of the parameters (``param_buffer`` and any parameter storage outside it), the fp32 main
-    gradients (``grad_buffer``) and the optimizer state (Adam moments, fp32 masters) a rank holds."""
-    seen = {optimizer.param_buffer.untyped_storage().data_ptr()}
-    params = optimizer.param_buffer.untyped_storage().nbytes()
-    for p in model.parameters():
-        storage = p.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            params += storage.nbytes()
+    """Bytes of the parameters, the fp32 main gradients (``grad_buffer``) and the optimizer state (Adam moments,
+    fp32 masters) a rank holds."""
     optim = [optimizer.exp_avg, optimizer.exp_avg_sq, getattr(optimizer, "_master_local", None)]
-    return {"params": params, "grads": optimizer.grad_buffer.untyped_storage().nbytes(),
+    return {"params": sum(_param_storages(optimizer, model).values()),
+            "grads": optimizer.grad_buffer.untyped_storage().nbytes(),
             "optim": sum(t.untyped_storage().nbytes() for t in optim if t is not None)}
 
 
 def parameter_exclusions(optimizer: Any, model: Any) -> set[int]:
     """Storage addresses of the parameters (not activations)."""
-    return {optimizer.param_buffer.untyped_storage().data_ptr(), *(p.untyped_storage().data_ptr()
-                                                                   for p in model.parameters())}
+    return set(_param_storages(optimizer, model))
 
 
 def probe_chunk(rt: Any, micro_batch: dict[str, Any], chunk: int, denom: float) -> int:

@@ -74,13 +74,10 @@ class StateBytes:
     grads: int
     optim: int
     param_elements: int
-    padded_elements: int
-    """Elements of the flat buffers, bucket padding (to a multiple of dp·cp) included."""
+    padded_elements: int  # of the flat buffers, bucket padding (to a multiple of dp·cp) included
     shard_elements: int
-    tp_synced: int
-    """Elements of ``sequence_parallel`` gradients this rank sums over TP after the dp·cp reduction."""
-    vocab_tables: int
-    """Vocabulary tables (embedding, output layer) on this stage: each has ``padded_vocab − vocab`` padding rows."""
+    tp_synced: int  # elements of ``sequence_parallel`` gradients this rank sums over TP after the dp·cp reduction
+    vocab_tables: int  # embedding / output layer on this stage: each has ``padded_vocab − vocab`` padding rows
     param_dtype: str
     master: bool
 
