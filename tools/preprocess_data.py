@@ -10,6 +10,15 @@ with megatron-core's IndexedDataset (uint16 tokens below 65500 ids, else int32).
 becomes one document; --split-sentences writes one sequence per sentence (PREFIX_{key}_sentence).
 Existing outputs are never replaced unless --overwrite is given; the outputs appear (renamed from
 temporary names) only when all of them are complete, so a failed run leaves nothing behind.
+
+--packed-samples converts samples packed the Hugging Face way (Axolotl multipack,
+DataCollatorWithFlattening; datasets.Dataset.to_json): one line per sample with input_ids,
+position_ids (0 at each document start) and optional labels (-100: not trained), padded to
+--seq-length + 1 tokens, into OUTPUT_PREFIX_packed (+ _positions, _labels); train it with
+data.packing=position_ids data.paths=[OUTPUT_PREFIX_packed]:
+
+    python tools/preprocess_data.py --packed-samples --seq-length 2048 --input packed.jsonl \
+        --output-prefix data/hf/chat --tokenizer-type hf --tokenizer-model path/to/tokenizer.json
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout witho
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_sp.config.schema import TokenizerConfig
+from megatron_sp.data.packed import convert_packed_jsonl
 from megatron_sp.data.preprocess import preprocess_jsonl
 from megatron_sp.data.tokenizer import build_tokenizer
 from megatron_sp.errors import OneLineArgumentParser, UserError
@@ -53,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eod-token", default=None,
                         help="The end-of-document token, when the tokenizer's default is not the one wanted "
                              "(the tokenizer.eod_token config key).")
-    parser.add_argument("--json-keys", nargs="+", default=["text"],
+    parser.add_argument("--json-keys", nargs="+", default=None,
                         help="JSON keys to tokenize, one dataset per key (default: text).")
     parser.add_argument("--append-eod", action="store_true",
                         help="Append the end-of-document token to every document (wanted for GPT pretraining; "
@@ -63,6 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "outputs are named OUTPUT_PREFIX_{key}_sentence. A rule-based splitter (no NLTK).")
     parser.add_argument("--workers", type=int, default=1,
                         help="Tokenizer processes; the output does not depend on it (default: %(default)s).")
+    parser.add_argument("--packed-samples", action="store_true",
+                        help="The input holds pre-packed samples (input_ids, position_ids, optional labels per line, "
+                             "as Hugging Face / Axolotl pack them) instead of text: write OUTPUT_PREFIX_packed "
+                             "(+ _positions, _labels) for data.packing=position_ids. Needs --seq-length.")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="With --packed-samples: the model.seq_length to train with; a sample holds at most "
+                             "seq-length + 1 tokens and shorter ones are padded to that (a padding document, "
+                             "labels -100).")
     parser.add_argument("--overwrite", action="store_true",
                         help="Replace existing OUTPUT_PREFIX_{key}_{level}.bin/.idx files (refused by default).")
     parser.add_argument("--log-interval", type=int, default=1000,
@@ -76,6 +94,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "use --workers 1 to tokenize in this process")
     if args.log_interval < 0:
         parser.error(f"--log-interval must be >= 0, got {args.log_interval}")
+    if args.packed_samples:
+        text_only = [flag for flag, given in (("--json-keys", args.json_keys is not None),
+                                              ("--append-eod", args.append_eod),
+                                              ("--split-sentences", args.split_sentences)) if given]
+        if text_only:
+            parser.error(f"{', '.join(text_only)} tokenize text and do not apply to --packed-samples (the samples "
+                         f"are token ids already); drop them")
+        if args.seq_length is None or args.seq_length < 1:
+            parser.error("--packed-samples needs --seq-length N >= 1: the model.seq_length to train with (a sample "
+                         "holds at most N + 1 tokens)")
+    elif args.seq_length is not None:
+        parser.error("--seq-length applies to --packed-samples only; drop it (text is cut into samples at training)")
+    if args.json_keys is None:
+        args.json_keys = ["text"]
     return args
 
 
@@ -85,6 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = build_tokenizer(TokenizerConfig(type=TOKENIZER_TYPES[args.tokenizer_type],
                                                     model=args.tokenizer_model, eod_token=args.eod_token))
+        if args.packed_samples:
+            stats = convert_packed_jsonl(args.input, args.output_prefix, args.seq_length, tokenizer.vocab_size,
+                                         tokenizer.pad, overwrite=args.overwrite, log_interval=args.log_interval)
+            print(f"samples {stats['samples']} of {args.seq_length + 1} tokens ({stats['padded']} padded, "
+                  f"{stats['pad_tokens']} padding tokens), {stats['seconds']:.1f} s")
+            for prefix in stats["outputs"]:
+                print(f"wrote {prefix}.bin and {prefix}.idx")
+            return 0
         stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
                                  append_eod=args.append_eod, workers=args.workers,
                                  split_sentences=args.split_sentences, log_interval=args.log_interval,

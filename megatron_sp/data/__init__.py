@@ -22,6 +22,7 @@ from megatron_sp.data.indexed import (
     best_dtype,
     data_file_paths,
 )
+from megatron_sp.data.packed import PackedDataset, check_dataset_kind, collate_packed, convert_packed_jsonl
 from megatron_sp.data.preprocess import preprocess_jsonl, tokenize_jsonl_to
 from megatron_sp.data.tokenizer import Tokenizer, build_tokenizer, train_sentencepiece
 from megatron_sp.errors import ConfigError, DataError
@@ -31,13 +32,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megatron_sp")
 
-Dataset = GPTDataset | BlendedDataset
-"""What ``build_datasets`` returns per split: ``len(ds)`` samples, ``ds[i]`` = ``seq_length + 1`` int64 tokens."""
+Dataset = GPTDataset | PackedDataset | BlendedDataset
+"""What ``build_datasets`` returns per split: ``len(ds)`` samples, ``ds[i]`` = ``seq_length + 1`` int64 tokens
+(``data.packing=position_ids``: a ``[3, seq_length + 1]`` array of tokens, position_ids and labels)."""
 
 __all__ = [
-    "BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter", "Tokenizer", "batch_indices",
-    "best_dtype", "build_datasets", "build_tokenizer", "check_inputs", "collate", "ensure_demo_data", "make_demo_corpus",
-    "open_dataset", "parse_blend", "preprocess_jsonl", "split_documents", "train_sentencepiece",
+    "BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter", "PackedDataset", "Tokenizer",
+    "batch_indices", "best_dtype", "build_datasets", "build_tokenizer", "check_inputs", "collate",
+    "convert_packed_jsonl", "ensure_demo_data", "make_demo_corpus", "open_dataset", "parse_blend", "preprocess_jsonl",
+    "split_documents", "train_sentencepiece",
 ]
 
 _TOKEN_CHECK_LIMIT = 1 << 22
@@ -94,6 +97,7 @@ def check_inputs(cfg: Config) -> None:
     that the run's sample count is meaningful for it; cheap, so ``train.py`` runs it before any rank starts."""
     for prefix in parse_blend(cfg.data.paths)[0]:
         indexed = open_dataset(prefix)
+        check_dataset_kind(prefix, cfg.data.packing, cfg.model.seq_length)
         check_index_memory(cfg.train.iters * cfg.train.global_batch_size, cfg.model.seq_length,  # type: ignore[operator]
                            indexed, split_documents(indexed.num_documents, cfg.data.split)[0])
 
@@ -106,12 +110,18 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_train_samples: int,
     prefixes, weights = parse_blend(cfg.data.paths)
     datasets = [open_dataset(prefix) for prefix in prefixes]
     for indexed in datasets:
+        check_dataset_kind(indexed.prefix, cfg.data.packing, cfg.model.seq_length)
         _check_vocabulary(indexed, tokenizer)
     splits = [split_documents(indexed.num_documents, cfg.data.split) for indexed in datasets]
     seq_length, seed = cfg.model.seq_length, cfg.train.seed
 
     def cache_dir(indexed: IndexedDataset) -> Path:
         return Path(cfg.data.cache_dir) if cfg.data.cache_dir else indexed.prefix.parent
+
+    def split_dataset(indexed: IndexedDataset, docs: np.ndarray, n: int, name: str) -> GPTDataset | PackedDataset:
+        if cfg.data.packing == "position_ids":  # one document = one pre-packed sample
+            return PackedDataset(indexed, docs, seq_length, n, seed, name)
+        return GPTDataset(indexed, docs, seq_length, n, seed, cache_dir(indexed), name)
 
     for indexed, (train_docs, _, _) in zip(datasets, splits, strict=True):
         if train_docs.size == 0 or indexed.document_sizes[train_docs].sum() == 0:
@@ -121,16 +131,14 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_train_samples: int,
         check_index_memory(num_train_samples, seq_length, indexed, train_docs)
     if len(datasets) == 1:
         indexed, (train_docs, valid_docs, _) = datasets[0], splits[0]
-        train: Dataset = GPTDataset(indexed, train_docs, seq_length, num_train_samples, seed, cache_dir(indexed),
-                                    "train")
+        train: Dataset = split_dataset(indexed, train_docs, num_train_samples, "train")
         valid: Dataset | None = None
         if num_valid_samples > 0:
             if valid_docs.size == 0:
                 log.warning("the valid split of %s is empty (data.split=%s): no validation", indexed.prefix,
                             cfg.data.split)
             else:
-                valid = GPTDataset(indexed, valid_docs, seq_length, num_valid_samples, seed, cache_dir(indexed),
-                                   "valid")
+                valid = split_dataset(indexed, valid_docs, num_valid_samples, "valid")
         return train, valid
 
     def blend(split: int, name: str, num_samples: int) -> BlendedDataset | None:
@@ -150,8 +158,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_train_samples: int,
             member_weights = [float(datasets[k].document_sizes[docs].sum()) for k, docs in members]
         targets = samples_per_dataset(member_weights, num_samples)
         built = samples_per_dataset(member_weights, num_samples, SURPLUS)
-        parts = [GPTDataset(datasets[k], docs, seq_length, n, seed, cache_dir(datasets[k]), name)
-                 for (k, docs), n in zip(members, built, strict=True)]
+        parts = [split_dataset(datasets[k], docs, n, name) for (k, docs), n in zip(members, built, strict=True)]
         blended = BlendedDataset(parts, member_weights, sum(targets), cache_dir(datasets[0]), name)
         log.info("%s blend of %d samples: %s", name, len(blended), ", ".join(
             f"{w:.3f} {datasets[k].prefix} ({c} samples)"
@@ -205,12 +212,16 @@ def collate(samples: list[np.ndarray], eod: int, eod_mask_loss: bool, reset_posi
     """Stack samples of ``s + 1`` tokens into ``[b, s]`` tensors: ``tokens``, ``labels`` (shifted by one),
     ``position_ids``, ``loss_mask`` (0.0 where the input token is ``eod`` with ``eod_mask_loss``) and, with
     ``reset_attention_mask``, ``document_ids`` (``eod`` tokens strictly before each token). Semantics and
-    Megatron's packed-document flags: docs/data.md, "Batches".
+    Megatron's packed-document flags: docs/data.md, "Batches". Samples of ``PackedDataset`` (``[3, s + 1]``:
+    tokens, position_ids, labels; ``data.packing=position_ids``) go to ``packed.collate_packed``, which ignores
+    the EOD flags.
     """
     import torch  # here, not at the top: the data tools (tools/*.py) then start without importing torch
 
     if not samples:
         raise ValueError("collate needs at least one sample")
+    if np.ndim(samples[0]) == 2:
+        return collate_packed(samples)
     batch = torch.from_numpy(np.stack([np.asarray(s, dtype=np.int64) for s in samples]))  # [b, s+1]
     tokens = batch[:, :-1].contiguous()  # [b, s]
     labels = batch[:, 1:].contiguous()  # [b, s]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_sp.config.registry import check
+from megatron_sp.config.registry import check, choice
 from megatron_sp.config.schema import Config
 from megatron_sp.data.index_cache import cache_paths, description_hash, load_arrays, save_arrays
 from megatron_sp.data.indexed import IndexedDataset
@@ -44,6 +44,31 @@ def parse_split(split: str) -> list[float]:
 def check_split(cfg: Config) -> None:
     """``data.split`` parses to train,valid,test ratios."""
     parse_split(cfg.data.split)
+
+
+PACKINGS = ("eod", "position_ids")
+"""``data.packing``: samples cut from EOD-delimited documents (this module), or pre-packed samples whose
+documents start where ``position_ids`` resets (``packed.PackedDataset``)."""
+
+
+@check
+def check_packing(cfg: Config) -> None:
+    """``data.packing`` is known; with ``position_ids`` the EOD-based flags are off and attention dropout is 0."""
+    d = cfg.data
+    choice("data.packing", d.packing, PACKINGS)
+    if d.packing != "position_ids":
+        return
+    eod_flags = [k for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(d, k)]
+    if eod_flags:
+        raise ConfigError(f"data.packing=position_ids takes positions, documents and trained labels from the "
+                          f"packed samples, so {', '.join('data.' + k for k in eod_flags)} (EOD rules) cannot apply; "
+                          f"set {', '.join('data.' + k + '=false' for k in eod_flags)}")
+    if d.build_demo:
+        raise ConfigError("data.build_demo builds EOD-delimited data, not pre-packed samples; drop data.build_demo "
+                          "or set data.packing=eod")
+    if cfg.model.attention_dropout > 0:
+        raise ConfigError("data.packing=position_ids (documents kept apart in attention) with "
+                          "model.attention_dropout > 0 is not available; set model.attention_dropout=0")
 
 
 def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:

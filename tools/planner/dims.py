@@ -7,16 +7,11 @@ from megatron_sp.config.schema import Config
 from megatron_sp.model.transformer import head_dim, rotary_dim
 from megatron_sp.pipeline.partition import stage_chunks
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes of a parameter / activation element per ``train.precision``."""
-GRAD_BYTES = 4
-"""Main gradients are always fp32."""
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-"""``DistributedOptimizer``'s default ``bucket_bytes``."""
-DEFAULT_PEAK_TFLOPS = 312.0
-"""Default per-device peak for the ranking: an A100's dense bf16 rate (pass your device's)."""
-DEFAULT_BANDWIDTH_GBS = 100.0
-"""Default per-rank bus bandwidth for the ranking, GB/s (pass your interconnect's)."""
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # a parameter / activation element per ``train.precision``
+GRAD_BYTES = 4  # main gradients are always fp32
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # ``DistributedOptimizer``'s default ``bucket_bytes``
+DEFAULT_PEAK_TFLOPS = 312.0  # per-device peak for the ranking: an A100's dense bf16 rate (pass your device's)
+DEFAULT_BANDWIDTH_GBS = 100.0  # per-rank bus bandwidth for the ranking, GB/s (pass your interconnect's)
 
 
 @dataclass(frozen=True)
@@ -55,25 +50,17 @@ class PlanDims:
     documents: bool
     tie: bool
     schedule: str
-    e: int
-    """Bytes of an activation element (the autocast / parameter dtype)."""
-    s_local: int
-    """Tokens of a sample on this rank: ``seq / cp``."""
-    tokens: int
-    """Tokens of one micro-batch on this rank (``b · s/cp``), as the TP regions see them."""
-    shard_tokens: int
-    """Tokens between TP regions: ``/tp`` under sequence parallelism."""
-    kv_split: bool
-    """kv heads split over TP (else every rank holds the whole QKV weight: ``ReplicatedGroupQKV``)."""
+    e: int  # bytes of an activation element (the autocast / parameter dtype)
+    s_local: int  # tokens of a sample on this rank: ``seq / cp``
+    tokens: int  # tokens of one micro-batch on this rank (``b · s/cp``), as the TP regions see them
+    shard_tokens: int  # tokens between TP regions: ``/tp`` under sequence parallelism
+    kv_split: bool  # kv heads split over TP (else every rank holds the whole QKV weight: ``ReplicatedGroupQKV``)
     local_heads: int
-    local_kv: int
-    """kv heads a TP rank computes (1 when replicated: each rank uses one group)."""
+    local_kv: int  # kv heads a TP rank computes (1 when replicated: each rank uses one group)
     local_ffn: int
-    dp_cp: int
-    """The gradient-reduction group (and ZeRO-1 shard count)."""
+    dp_cp: int  # the gradient-reduction group (and ZeRO-1 shard count)
     world: int
-    mask_bytes: int
-    """A dropout mask element: CPU dropout multiplies by a mask in the activation dtype; CUDA keeps a bool."""
+    mask_bytes: int  # a dropout mask element: CPU multiplies by one in the activation dtype; CUDA keeps a bool
 
 
 def dims_of(cfg: Config) -> PlanDims:
@@ -93,7 +80,8 @@ def dims_of(cfg: Config) -> PlanDims:
                     dp=p.dp, virtual_stages=p.virtual_stages, sp=sp, recompute_allgather=p.tp_recompute_allgather,
                     recompute=m.recompute, precision=t.precision, zero=p.zero, cp_algo=p.cp_algo,
                     cp_ulysses=p.cp_ulysses if p.cp_algo == "usp" else 1, device=device, hidden_dropout=m.hidden_dropout,
-                    attention_dropout=m.attention_dropout, documents=cfg.data.reset_attention_mask,
+                    attention_dropout=m.attention_dropout,
+                    documents=cfg.data.reset_attention_mask or cfg.data.packing == "position_ids",
                     tie=m.tie_embeddings, schedule=schedule, e=e, s_local=m.seq_length // p.cp, tokens=tokens,
                     shard_tokens=tokens // p.tp if sp else tokens, kv_split=kv_split, local_heads=m.num_heads // p.tp,
                     local_kv=m.num_kv_heads // p.tp if kv_split else 1, local_ffn=m.ffn_hidden_size // p.tp,
