@@ -119,6 +119,9 @@ class TrainConfig:
     z_loss: float = doc(0.0, "PaLM's z-loss coefficient, e.g. 1e-4 (0: off): adds z_loss·log²Z per token (log Z the "
                              "logsumexp of the token's logits), masked and averaged like the cross entropy; the "
                              "logged loss and val_loss include it.")
+    compile: bool | None = doc(None, "Derived unless set: true on CUDA, false on CPU. Run each transformer layer's "
+                                     "pointwise regions (norms, rotary, SwiGLU, residual adds) through torch.compile; "
+                                     "the first step then includes compile time (logged). docs/compile.md.")
     eval_interval: int = doc(0, "Run validation every this many steps (0: never).")
     eval_iters: int = doc(4, "Global batches per validation run.")
     sample_prompt: str | None = doc(None, "If set, print a greedy sample continuing this prompt at the end.")
@@ -139,6 +142,11 @@ class DataConfig:
     reset_position_ids: bool = doc(False, "Rotary positions restart at 0 after each end-of-document token inside a sample.")
     reset_attention_mask: bool = doc(False, "Packed documents: a token attends only to earlier tokens of its own document "
                                             "(document ids from end-of-document tokens).")
+    packing: str = doc("eod", "eod: samples are cut from EOD-delimited documents (reset_position_ids, "
+                              "reset_attention_mask and eod_mask_loss act on EOD) | position_ids: pre-packed samples "
+                              "(Hugging Face / Axolotl: documents start where position_ids resets to 0) converted by "
+                              "tools/preprocess_data.py --packed-samples; data.paths names their PREFIX_packed; "
+                              "positions, documents and labels (-100: not trained) come from the file.")
     num_workers: int = doc(0, "Loader processes per rank that read and collate the next global batches ahead of the "
                               "step (0: read in the training process, the cheaper choice on CPU unless the storage "
                               "is slow; tools/bench/data.py). The batches are the same either way.")

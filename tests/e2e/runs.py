@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,13 @@ def make_byte_dataset(directory: Path) -> str:
     return str(directory / "byte_text_document")
 
 
-def train(run_dir: Path, data: str, *overrides: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    """Run train.py with BASE + overrides; its logging.dir is run_dir/log."""
+def train(run_dir: Path, data: str, *overrides: str, expect_ok: bool = True,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run train.py with BASE + overrides (and ``env`` added to the environment); its logging.dir is run_dir/log."""
     args = [sys.executable, "train.py", *BASE, f"data.paths=[{data}]", f"logging.dir={run_dir}/log",
             f"data.cache_dir={Path(data).parent}/cache", *overrides]
-    p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, **env} if env else None)
     if expect_ok:
         assert p.returncode == 0, f"train.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p
@@ -62,3 +65,33 @@ def make_packed_dataset(directory: Path) -> str:
     short.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     preprocess_jsonl([short], str(directory / "packed"), build_tokenizer(TokenizerConfig(type="byte")))
     return str(directory / "packed_text_document")
+
+
+def make_hf_packed_dataset(directory: Path, seq_length: int = 64) -> str:
+    """The short documents of ``make_packed_dataset`` (byte tokens, each ended by EOD) packed greedily the
+    Hugging Face way (a JSONL line per sample: input_ids, position_ids restarting at 0 per document, labels
+    -100 on each document's first token, at most ``seq_length + 1`` tokens), converted by
+    ``convert_packed_jsonl``: a prefix for ``data.packing=position_ids``."""
+    from megatron_sp.config import TokenizerConfig
+    from megatron_sp.data import build_tokenizer
+    from megatron_sp.data.corpus import make_demo_corpus
+    from megatron_sp.data.packed import convert_packed_jsonl
+
+    tokenizer = build_tokenizer(TokenizerConfig(type="byte"))
+    corpus = make_demo_corpus(directory / "corpus.jsonl", max_bytes=100_000)
+    lines = [line.strip() for row in corpus.read_text().splitlines() for line in json.loads(row)["text"].splitlines()]
+    docs = [[*tokenizer.encode(line[:60]), tokenizer.eod] for line in lines if len(line) >= 20][:1500]
+    rows, current = [], []
+    for doc in docs:
+        if sum(map(len, current)) + len(doc) > seq_length + 1:
+            rows.append(current)
+            current = []
+        current.append(doc)
+    rows.append(current)
+    packed = directory / "hf_packed.jsonl"
+    packed.write_text("".join(json.dumps({
+        "input_ids": [t for d in row for t in d],
+        "position_ids": [p for d in row for p in range(len(d))],
+        "labels": [-100 if p == 0 else t for d in row for p, t in enumerate(d)]}) + "\n" for row in rows))
+    return convert_packed_jsonl([packed], directory / "hf", seq_length, tokenizer.vocab_size,
+                                tokenizer.pad)["outputs"][0]
