@@ -3,19 +3,24 @@
 The oracle is ``F.cross_entropy(real, t, reduction="none", label_smoothing=ε) + z·logsumexp(real)²``
 on the real (unpadded) vocabulary columns, ignored targets at 0, differentiated by autograd; padded
 columns must not change the loss and must get zero gradient. The custom backward is also checked
-against finite differences (``gradcheck``, fp64). Sharded (TP) parity lives in
-``tests/dist/test_tp_layers.py``.
+against finite differences (``gradcheck``, fp64). The chunked implementation: every chunking (one token,
+a chunk size not dividing the tokens, one chunk) gives the reference; backward saves the logits plus
+O(tokens) bytes, and under bf16 no fp32 tensor exceeds one chunk. Sharded (TP) parity lives in
+``tests/dist/test_tp_layers.py`` and ``tests/dist/test_cross_entropy_tp.py``.
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel
+from megatron_sp.mpu import cross_entropy as ce
 from megatron_sp.mpu import vocab_parallel_cross_entropy
 from megatron_sp.pipeline.partition import build_stage
 
@@ -140,3 +145,132 @@ def test_build_stage_hands_the_options_to_the_last_stage() -> None:
     assert (stage.label_smoothing, stage.z_loss) == (0.2, 1e-3)
     default = build_stage(cfg, 3, state)
     assert (default.label_smoothing, default.z_loss) == (0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the chunked implementation: chunk boundaries, saved bytes, the one-chunk fp32 temporary
+
+
+def _rows_per_chunk(monkeypatch: pytest.MonkeyPatch, rows: int, v_local: int) -> None:
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", rows * v_local)  # what ce.chunk_size does, undone by pytest
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, S * B, S * B + 1])  # 4 does not divide the 15 tokens; 5 does
+@pytest.mark.parametrize("eps, z", [(0.0, 0.0), (0.1, 1e-2)])
+def test_chunk_boundaries_fp64(monkeypatch: pytest.MonkeyPatch, rows: int, eps: float, z: float) -> None:
+    """Every chunking gives the reference loss and grad (padded vocabulary, ignored targets)."""
+    _rows_per_chunk(monkeypatch, rows, PADDED)
+    logits, target = _inputs(PADDED, seed=7)
+    grad_out = torch.randn(S, B, generator=torch.Generator().manual_seed(8), dtype=F64)
+    ref_in = logits.clone().requires_grad_(True)
+    ref = reference(ref_in, target, eps, z)
+    ref.backward(grad_out)
+    x = logits.clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(x, target, None, label_smoothing=eps, vocab_size=VOCAB, z_loss=z)
+    loss.backward(grad_out)
+    torch.testing.assert_close(loss, ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad, ref_in.grad, rtol=0, atol=1e-12)
+    assert torch.count_nonzero(x.grad[..., VOCAB:]) == 0 and torch.count_nonzero(x.grad[target < 0]) == 0
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_single_token(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]) -> None:
+    _rows_per_chunk(monkeypatch, 1, PADDED)
+    logits = torch.randn(*shape, PADDED, generator=torch.Generator().manual_seed(9), dtype=F64)
+    target = torch.full(shape, 5)
+    ref_in = logits.clone().requires_grad_(True)
+    ref = reference(ref_in.reshape(1, 1, PADDED), target.reshape(1, 1), 0.1, 1e-3).reshape(shape)
+    ref.sum().backward()
+    x = logits.clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(x, target, None, label_smoothing=0.1, vocab_size=VOCAB, z_loss=1e-3)
+    loss.sum().backward()
+    assert loss.shape == shape
+    torch.testing.assert_close(loss, ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad, ref_in.grad, rtol=0, atol=1e-12)
+
+
+def test_non_contiguous_inputs_and_retain_graph() -> None:
+    """Transposed logits/targets (the model passes ``labels.t()``) work; backward leaves the logits intact,
+    so a second backward through a retained graph gives the same gradient."""
+    logits, target = _inputs(PADDED, seed=10)
+    x = logits.transpose(0, 1).contiguous().requires_grad_(True)  # [b, s, V]
+    before = x.detach().clone()
+    loss = vocab_parallel_cross_entropy(x.transpose(0, 1), target, None, label_smoothing=0.1, vocab_size=VOCAB,
+                                        z_loss=1e-3)
+    ref = reference(logits, target, 0.1, 1e-3)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-12)
+    loss.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    assert torch.equal(x.detach(), before)
+    loss.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * first, rtol=0, atol=1e-12)
+
+
+def _saved(fn: Any) -> list[torch.Tensor]:
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("eps, z", [(0.0, 0.0), (0.1, 1e-3)])
+def test_saved_bytes_are_the_logits_plus_per_token_vectors(dtype: torch.dtype, eps: float, z: float) -> None:
+    """Backward keeps the logits themselves (no copy) and O(tokens) bytes; no fp32 [tokens, V/t] tensor."""
+    s, b, v = 16, 4, 512
+    x = torch.randn(s, b, v, generator=torch.Generator().manual_seed(11)).to(dtype).requires_grad_(True)
+    target = torch.randint(0, v, (s, b), generator=torch.Generator().manual_seed(12))
+    target[0] = -100
+    saved = _saved(lambda: vocab_parallel_cross_entropy(x, target, None, label_smoothing=eps, vocab_size=v - 3,
+                                                         z_loss=z))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    assert x.untyped_storage().data_ptr() in storages  # the logits, saved as they are
+    others = sum(n for ptr, n in storages.items() if ptr != x.untyped_storage().data_ptr())
+    assert others <= 32 * s * b, others  # per token: max, Σexp, log Z (fp32), target index (int64), 2 flags
+    large = [t for t in saved if t.numel() >= s * b]
+    assert all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in large if t.dim() > 1)
+    if dtype == torch.bfloat16:
+        assert not any(t.dtype == torch.float32 and t.numel() > s * b for t in saved)
+
+
+class _LargestFloat(TorchDispatchMode):
+    """The most elements of any ``dtype`` tensor an op returns while active."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype, self.largest = dtype, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == self.dtype:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("rows", [3, 16])
+def test_one_fp32_chunk_at_a_time_under_bf16(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """With bf16 logits no op, forward or backward, makes an fp32 tensor larger than one chunk."""
+    s, b, v = 16, 4, 256
+    _rows_per_chunk(monkeypatch, rows, v)
+    x = torch.randn(s, b, v, generator=torch.Generator().manual_seed(13)).bfloat16().requires_grad_(True)
+    target = torch.randint(0, v, (s, b), generator=torch.Generator().manual_seed(14))
+    mode = _LargestFloat(torch.float32)
+    with mode:
+        vocab_parallel_cross_entropy(x, target, None, label_smoothing=0.1, z_loss=1e-3).sum().backward()
+    assert 0 < mode.largest <= rows * v, (mode.largest, rows * v)
+    assert x.grad.dtype == torch.bfloat16
+
+
+def test_chunk_size_context_restores_and_validates() -> None:
+    default = ce.CHUNK_ELEMENTS
+    with ce.chunk_size(7):
+        assert ce.CHUNK_ELEMENTS == 7
+    assert ce.CHUNK_ELEMENTS == default
+    with pytest.raises(ValueError, match="chunk size"), ce.chunk_size(0):
+        pass

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron_sp.config.schema import Config
 from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES
 from megatron_sp.model.transformer import arch_spec
+from megatron_sp.mpu.cross_entropy import CHUNK_ELEMENTS
 from megatron_sp.pipeline.schedules import build_schedule
 
 from .dims import PlanDims, dims_of, stage_layers
@@ -138,14 +139,10 @@ class ChunkActivations:
 
     layers: int
     per_layer: dict[str, int]
-    extra: dict[str, int]
-    """Embedding, rotary tables, final norm, output layer and cross entropy (on the chunks that hold them)."""
-    shared: dict[str, int]
-    """Tensors shared by every micro-batch of the step (slices of this rank's batch): counted once."""
-    transient: int
-    """Extra bytes while one of its layers runs backward (the recomputed layer or attention core)."""
-    freed: int = 0
-    """Bytes freed before the transient appears: the head's and, under selective recompute, the last layer's MLP."""
+    extra: dict[str, int]  # embedding, rotary tables, final norm, output layer, cross entropy (where held)
+    shared: dict[str, int]  # shared by every micro-batch of the step (slices of this rank's batch): counted once
+    transient: int  # extra bytes while one of its layers runs backward (the recomputed layer or attention core)
+    freed: int = 0  # freed before the transient appears: the head's and, under selective, the last layer's MLP
 
     @property
     def per_micro_batch(self) -> int:
@@ -181,7 +178,8 @@ def chunk_activations(cfg: Config, pp_rank: int, chunk: int) -> ChunkActivations
             extra["final norm"] = x * e + 2 * D.shard_tokens * e
         gathered = D.shard_tokens if D.sp and D.recompute_allgather else tok
         extra["output layer input"] = gathered * h * e
-        extra["cross entropy (fp32 probs, targets)"] = tok * (D.padded_vocab // D.tp) * 4 + tok * 10
+        # the logits themselves (no fp32 copy) + max, Σexp (fp32), target index (int64), two flags
+        extra["cross entropy (logits, per-token)"] = tok * (D.padded_vocab // D.tp) * e + tok * 18
         shared["loss mask"] = rank_samples * D.s_local * 4
     per_layer = layer_terms(D)
     transient = 0
@@ -192,7 +190,7 @@ def chunk_activations(cfg: Config, pp_rank: int, chunk: int) -> ChunkActivations
     elif D.recompute == "selective":
         none, sel = attention_terms(D, "none"), attention_terms(D, "selective")
         transient = sum(none.values()) - sum(sel.values()) + sel.get("attention output", 0)
-    freed = sum(v for k, v in extra.items() if k in ("final norm", "output layer input", "cross entropy (fp32 probs, targets)"))
+    freed = sum(v for k, v in extra.items() if k in ("final norm", "output layer input", "cross entropy (logits, per-token)"))
     if D.recompute == "selective":
         mlp = ("MLP input", "GeLU input", "fc2 input", "gate/up output", "SiLU output", "down input", "gate/up weight copy")
         freed += sum(v for k, v in per_layer.items() if k in mlp)
@@ -205,10 +203,8 @@ class SchedulePeak:
     """Peak saved-activation bytes of a rank under its schedule."""
 
     peak: int
-    in_flight: int
-    """Most (chunk, micro-batch) pairs holding activations at once (forwarded, weight grads not done)."""
-    in_flight_micro_batches: float
-    """``in_flight`` in whole-stage micro-batches (``in_flight / virtual_stages``)."""
+    in_flight: int  # most (chunk, micro-batch) pairs holding activations at once (weight grads not done)
+    in_flight_micro_batches: float  # ``in_flight`` in whole-stage micro-batches (``/ virtual_stages``)
 
 
 def schedule_peak(cfg: Config, pp_rank: int, chunks: Sequence[ChunkActivations] | None = None) -> SchedulePeak:
@@ -257,9 +253,10 @@ def buffer_terms(cfg: Config, pp_rank: int, in_flight: int) -> dict[str, int]:
         held = in_flight if (pp_rank < D.pp - 1 or D.virtual_stages > 1) else 0
         out["pipeline receive buffers + held outputs"] = (links + held) * stage_io
     if pp_rank == D.pp - 1:
-        cast = D.e != 4 or D.padded_vocab > D.vocab  # an fp32 copy (bf16) or a clone hiding the padded rows
-        forward = D.e + (4 if cast else 0)
-        backward = 4 + (D.e if D.e != 4 else 0)
-        out["logits + cross-entropy transients"] = D.tokens * (D.padded_vocab // D.tp) * max(forward, backward)
+        logits = D.tokens * (D.padded_vocab // D.tp)
+        chunk = min(logits, CHUNK_ELEMENTS) * 4  # the one fp32 chunk the chunked cross entropy works in
+        # the logits are saved (extra); backward adds their gradient (and, in bf16, the fp32 chunk)
+        forward, backward = chunk, logits * D.e + (chunk if D.e != 4 else 0)
+        out["logits + cross-entropy transients"] = max(forward, backward)
     return out
 
