@@ -1,8 +1,5 @@
-"""The one place that knows about accelerators.
-
-Everything else asks this module: which device and backend to use, whether flash-attn can be
-imported, the peak FLOP/s for MFU, memory in use, and how to synchronise. GPU-only
-packages are imported lazily; when one is missing we fall back to plain PyTorch and say so once.
+"""The one place that knows about accelerators: device and backend, RNG state, memory in use, flash-attn
+(imported lazily; without it plain PyTorch, said once) and the CPU peak FLOP/s for MFU (docs/metrics.md).
 """
 from __future__ import annotations
 
@@ -40,11 +37,6 @@ def default_device_type() -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
-def default_backend(device_type: str) -> str:
-    """The torch.distributed backend for a device type: nccl on CUDA, gloo on CPU."""
-    return "nccl" if device_type == "cuda" else "gloo"
-
-
 @check
 def check_device_config(cfg: Config) -> None:
     """``parallel.device`` and ``parallel.backend``: this machine's defaults when unset, and a valid pair."""
@@ -53,10 +45,12 @@ def check_device_config(cfg: Config) -> None:
         p.device = default_device_type()
     choice("parallel.device", p.device, ("cpu", "cuda"))
     if p.backend is None:
-        p.backend = default_backend(p.device)
+        p.backend = "nccl" if p.device == "cuda" else "gloo"
     choice("parallel.backend", p.backend, ("gloo", "nccl"))
     if p.backend == "nccl" and p.device != "cuda":
         raise ConfigError("parallel.backend=nccl needs parallel.device=cuda; use parallel.backend=gloo on CPU")
+    if cfg.train.compile is None:  # measured: on CPU compiling costs more than short runs win (docs/compile.md)
+        cfg.train.compile = p.device == "cuda"
 
 
 def local_device(device_type: str, local_rank: int = 0) -> torch.device:
@@ -104,10 +98,8 @@ def memory_bytes(device: torch.device) -> int:
 
 @functools.cache
 def flash_attn_func() -> Callable[..., Any] | None:
-    """flash-attn's ``flash_attn_func`` when the package imports and a GPU is present, else None.
-
-    Logs one line the first time it is asked, either way.
-    """
+    """flash-attn's ``flash_attn_func`` when the package imports and a GPU is present, else None. Logs one line the
+    first time it is asked, either way."""
     if not cuda_available():
         return None
     try:
@@ -119,8 +111,7 @@ def flash_attn_func() -> Callable[..., Any] | None:
     return fn
 
 
-PEAK_CACHE_ENV = "MEGATRON_SP_CACHE_DIR"
-"""Environment variable naming the directory of ``peak_flops.json`` (tests point it at a tmp dir)."""
+PEAK_CACHE_ENV = "MEGATRON_SP_CACHE_DIR"  # the directory of peak_flops.json (tests point it at a tmp dir)
 
 
 def peak_cache_path() -> Path:
@@ -170,14 +161,8 @@ def _read_peak_cache(path: Path) -> dict[str, float]:
 
 
 def record_peak_flops(dtype: torch.dtype, flops: float) -> float:
-    """Keep ``max(cached, flops)`` as this host's peak for ``dtype`` and return it.
-
-    The cache only ever rises: a run on a busy machine measures low, and the best rate seen on this
-    host is the better estimate of what its cores can do. The file is replaced atomically (a temp
-    file in the same directory, then ``os.replace``), so concurrent runs never read half a file; at
-    worst one of two simultaneous updates is lost. A cache that cannot be read or written is ignored:
-    the run then uses ``flops``.
-    """
+    """Keep ``max(cached, flops)`` as this host's peak for ``dtype`` and return it; the file is replaced
+    atomically, and one that cannot be read or written is ignored (docs/metrics.md)."""
     path = peak_cache_path()
     entries = _read_peak_cache(path)
     key = peak_cache_key(dtype)
@@ -203,19 +188,9 @@ def record_peak_flops(dtype: torch.dtype, flops: float) -> float:
 @functools.cache
 def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 1.0,
                         window: float = 0.2) -> float:
-    """Dense-matmul FLOP/s of this host's CPU cores for ``dtype``, measured now with every core.
-
-    Square matmuls grow from 256 (doubling, up to 4096; each size run twice, the first a warm-up)
-    while the next size is predicted to take at most 2.5 windows: 2048 on a small fp32 host, less
-    where ``dtype`` has no fast kernel (bf16 without AVX512-BF16/AMX runs at a few GFLOP/s), so the
-    whole measurement stays near ``seconds``; ``n`` fixes the size. Then matmuls of the last size
-    run in windows of at least ``window`` seconds until ``seconds`` have passed: other processes
-    only ever slow a window down, so the fastest window (or timed step of the ramp: without a fast
-    kernel small sizes can be faster) is the estimate. This is the raw measurement;
-    ``cpu_peak_flops`` keeps the best over runs. Call it while no other rank of this host computes.
-    On GPUs a short matmul loop measures clocks, not the datasheet peak: there
-    ``logging.peak_tflops`` must be given instead.
-    """
+    """Dense-matmul FLOP/s of this host's CPU cores for ``dtype``, measured now with every core: a ramp of
+    square sizes from 256 (``n`` fixes it), then the fastest ``window`` until ``seconds`` have passed
+    (docs/metrics.md). Call it while no other rank of this host computes; not meaningful on GPUs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(host_cores())
     deadline = time.perf_counter() + seconds
@@ -229,17 +204,15 @@ def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int | None = None
             torch.matmul(a, b, out=out)
             return time.perf_counter() - t0
 
-        size = n or 256
-        a, b, out = operands(size)
-        timed(a, b, out)  # warm-up: threads, kernel choice, first touch of the pages
-        last = timed(a, b, out)
-        best = 2.0 * size**3 / last
-        while n is None and size < 4096 and 8 * last <= 2.5 * window:
-            size *= 2
+        size, best = n or 256, 0.0
+        while True:
             a, b, out = operands(size)
-            timed(a, b, out)
+            timed(a, b, out)  # warm-up: threads, kernel choice, first touch of the pages
             last = timed(a, b, out)
             best = max(best, 2.0 * size**3 / last)
+            if n is not None or size >= 4096 or 8 * last > 2.5 * window:
+                break
+            size *= 2
         while time.perf_counter() < deadline:
             reps, elapsed = 0, 0.0
             while elapsed < window:

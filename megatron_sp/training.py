@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,11 +89,7 @@ def setup(cfg: Config) -> Runtime:
     if dev.type == "cpu" and p.world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
-    if rank == 0:
-        tokenizer = prepare_inputs(cfg)
-    comm.barrier()
-    if rank != 0:
-        tokenizer = prepare_inputs(cfg)
+    tokenizer = _rank0_first(rank, lambda: prepare_inputs(cfg))
     if rank == 0:  # an earlier run's different config.yml is kept as config.yml.N, like its metrics.jsonl
         metrics_mod.keep_earlier_config(Path(cfg.logging.dir) / "config.yml", config_mod.dumps(cfg))
         config_mod.save(cfg, Path(cfg.logging.dir) / "config.yml")
@@ -103,6 +100,8 @@ def setup(cfg: Config) -> Runtime:
     model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, parallel, virtual_stages=cfg.parallel.virtual_stages,
                                    partition=cfg.parallel.pp_partition, label_smoothing=cfg.train.label_smoothing,
                                    z_loss=cfg.train.z_loss).to(dev)  # the whole model when pp == 1
+    if cfg.train.compile:
+        model.compile_regions()  # compiled at the first step (logged after the second)
     if state.pp_size > 1:
         from .pipeline.partition import stage_chunks
         stages = "; ".join(f"stage {r}: " + ", ".join(f"{c.start}-{c.stop - 1}" for c in stage_chunks(
@@ -118,11 +117,7 @@ def setup(cfg: Config) -> Runtime:
 
     n_train = t.iters * t.global_batch_size  # type: ignore[operator]
     n_valid = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0  # type: ignore[operator]
-    if rank == 0:
-        train_ds, valid_ds = build_datasets(cfg, tokenizer, n_train, n_valid)
-    comm.barrier()  # rank 0 wrote the index caches; the others read them
-    if rank != 0:
-        train_ds, valid_ds = build_datasets(cfg, tokenizer, n_train, n_valid)
+    train_ds, valid_ds = _rank0_first(rank, lambda: build_datasets(cfg, tokenizer, n_train, n_valid))
 
     rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds, scaler)
     ckpt = checkpointing.resume_source(cfg)  # auto_resume: checkpoint.save's latest if any, else checkpoint.load
@@ -141,6 +136,13 @@ def setup(cfg: Config) -> Runtime:
     return rt
 
 
+def _rank0_first(rank: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, then on the others (which read the files and caches rank 0 wrote)."""
+    out = fn() if rank == 0 else None
+    comm.barrier()
+    return out if rank == 0 else fn()
+
+
 def _autocast(cfg: Config, dev: torch.device) -> contextlib.AbstractContextManager:
     if cfg.train.precision in ("bf16", "fp16"):
         return torch.autocast(dev.type, dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float16)
@@ -149,10 +151,7 @@ def _autocast(cfg: Config, dev: torch.device) -> contextlib.AbstractContextManag
 
 def _global_sum(values: list[float], rt: Runtime) -> list[float]:
     """Sum floats over the dp_cp group in fp64."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if rt.state.dp_cp_size > 1:
-        comm.all_reduce(t, rt.state.dp_cp_group)
-    return t.tolist()
+    return comm.all_reduce(torch.tensor(values, dtype=torch.float64), rt.state.dp_cp_group).tolist()
 
 
 def train_step(rt: Runtime) -> dict[str, float]:
@@ -180,11 +179,9 @@ def _micro_batches(batch: dict[str, torch.Tensor], cfg: Config) -> list[dict[str
 
 
 def _forward_backward(rt: Runtime, micro_batches: list[dict[str, torch.Tensor]], denom: float) -> torch.Tensor:
-    """The pipeline schedule (plain accumulation when pp == 1); returns this stage's loss sum.
-
-    The optimizer reduces gradients over dp_cp from the last gradient-producing action on. Zero-bubble:
-    each step's table is list-scheduled on the action costs measured in the previous one.
-    """
+    """The pipeline schedule (plain accumulation when pp == 1); returns this stage's loss sum. The optimizer reduces
+    gradients over dp_cp from the last gradient-producing action on. Zero-bubble: each step's table is list-scheduled
+    on the action costs measured in the previous one."""
     cfg, opt, st = rt.cfg, rt.optimizer, rt.state
 
     def loss_fn(token_losses: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -213,8 +210,7 @@ def _finalize_grads(rt: Runtime) -> None:
 
 
 def _global_loss(loss_sum: torch.Tensor, rt: Runtime) -> float:
-    if rt.state.pp_size > 1:  # the loss lives on the last stage
-        loss_sum = comm.all_reduce(loss_sum, rt.state.pp_group)
+    loss_sum = comm.all_reduce(loss_sum, rt.state.pp_group)  # the loss lives on the last stage
     return _global_sum([loss_sum.item()], rt)[0]
 
 
@@ -262,8 +258,7 @@ def evaluate(rt: Runtime) -> float:
                               forward_context=lambda: _autocast(cfg, rt.device))
         count += float(batch["loss_mask"].sum())
     model.train()
-    if st.pp_size > 1:
-        total = comm.all_reduce(total, st.pp_group)
+    total = comm.all_reduce(total, st.pp_group)  # the loss lives on the last stage
     total_sum, count_sum = _global_sum([total.item(), count], rt)
     return total_sum / max(count_sum, 1.0)
 
@@ -289,6 +284,7 @@ def run(cfg: Config) -> Runtime:
 
 def _loop(rt: Runtime) -> None:
     from .model import count_parameters, flops_per_token, generate
+    from .model.fused import cache_dir as compile_cache_dir
 
     cfg, st = rt.cfg, rt.state
     rank0 = st.rank == 0
@@ -310,6 +306,7 @@ def _loop(rt: Runtime) -> None:
     start_step = rt.step
     step_seconds: list[float] = []  # the last steps' training time, for the ETA (metrics.eta_seconds)
     paused = 0.0  # seconds of validation and checkpointing inside the current window (not training)
+    first_step = 0.0  # seconds, with warm-up (and compiling under train.compile)
     saver = checkpointing.Checkpointer(cfg, st, rt.device, rt.lineage)
     preemption = faults.Preemption(enabled=bool(cfg.checkpoint.save))
     while rt.step < cfg.train.iters:
@@ -318,6 +315,11 @@ def _loop(rt: Runtime) -> None:
         saver.poll()  # finishes an asynchronous save once every rank has written its part
         if rt.step > start_step + 1:  # the first step's time includes warm-up
             step_seconds = [*step_seconds, time.perf_counter() - t_step][-metrics_mod.ETA_STEPS:]
+        else:
+            first_step = time.perf_counter() - t_step
+        if cfg.train.compile and rt.step == start_step + 2:
+            log.info("train.compile: first step %.1f s, second %.2f s: about %.1f s compiling (cached for later runs "
+                     "in %s)", first_step, step_seconds[0], first_step - step_seconds[0], compile_cache_dir())
         window.append(out)
         done = rt.step == cfg.train.iters
         if rt.step % cfg.logging.interval == 0 or done:
@@ -362,6 +364,7 @@ def _loop(rt: Runtime) -> None:
         log.info("no sample: generation through pipeline stages is not available yet (parallel.pp > 1)")
     elif cfg.train.sample_prompt and st.dp_rank == 0 and st.cp_rank == 0:  # one model replica (its TP ranks) decodes
         ids = rt.tokenizer.encode(cfg.train.sample_prompt)
+        inner.compile_regions(False)  # decoding shapes change every call: eager, not one compile per length
         cp_group, inner.cp_group = inner.cp_group, comm.LOCAL  # weights are replicated over CP: decode alone
         try:
             out_ids = generate(inner, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from megatron_sp.model.attention.context_parallel import AttentionMeta
+from megatron_sp.model.fused import EAGER, compiled
 from megatron_sp.mpu import comm
 from megatron_sp.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -29,7 +30,7 @@ from megatron_sp.mpu.random import checkpoint
 from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.transformer import (LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
-                                           head_dim, hidden_dropout, make_norm, rotary_dim, scaled_init_std)
+                                           head_dim, hidden_dropout, make_norm, norm_args, rotary_dim, scaled_init_std)
 
 EMBEDDING_NAME = "embedding.weight"
 """The input embedding's parameter name (also the init name of a tied output-layer copy)."""
@@ -147,6 +148,7 @@ class GPTModel(nn.Module):
             raise ValueError(f"layer chunks {self.layer_chunks}: need at least one chunk and distinct layer "
                              f"indices in 0..{cfg.num_layers - 1}")
         self.hidden_dropout = cfg.hidden_dropout
+        self.regions = EAGER  # the final norm's; each layer has its own (compile_regions)
 
         group, sp = parallel.tp_group, parallel.sp
         self.embedding = (VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=group,
@@ -177,6 +179,13 @@ class GPTModel(nn.Module):
             t = self.parallel.tp_size
             full = init_full_tensor(init_name, stored_shape(param, t), init_kind(init_name), self.cfg, self.seed)
             param.copy_(local_shard_of(full, param, self.parallel.tp_rank, t))
+
+    def compile_regions(self, enabled: bool = True) -> None:
+        """Run the pointwise regions of every layer and the final norm through ``torch.compile``
+        (``train.compile``; see ``model.fused``), or eagerly again with ``enabled=False``."""
+        self.regions = compiled() if enabled else EAGER
+        for layer in self.layers.values():
+            layer.set_regions(self.regions)
 
     def output_weight(self) -> torch.Tensor:
         """This rank's ``[padded_vocab/t, h]`` output weight (the embedding's when tied on this stage)."""
@@ -252,7 +261,7 @@ class GPTModel(nn.Module):
         if not self.post_process or chunk != len(self.layer_chunks) - 1:
             return x
 
-        x = self.final_norm(x)
+        x = self.regions.norm(x, *norm_args(self.final_norm))
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/t]
         if labels is None:
             return gather_from_tp(logits, par.tp_group).transpose(0, 1)  # [b, s, V]

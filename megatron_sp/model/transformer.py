@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
 from megatron_sp.model.attention.kernels import cached_attention, dot_product_attention
+from megatron_sp.model.fused import EAGER, Regions
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.parallel_state import ParallelContext
@@ -101,6 +102,11 @@ def make_norm(cfg: ModelConfig, parallel: ParallelContext | None = None) -> nn.M
     return norm
 
 
+def norm_args(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """(weight, bias or None, eps) of a ``make_norm`` module: the arguments of ``fused.norm``."""
+    return norm.weight, getattr(norm, "bias", None), norm.eps
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of the rotary angles ``position · base^(-2i/rotary_dim)``, i < rotary_dim/2.
 
@@ -139,20 +145,6 @@ class RotaryEmbedding(nn.Module):
         angles = positions.to(angle_dtype)[..., None] * self.inv_freq(positions.device, angle_dtype)  # [s, b, rd/2]
         cos, sin = angles.cos(), angles.sin()
         return torch.cat([cos, cos], dim=-1).to(out_dtype), torch.cat([-sin, sin], dim=-1).to(out_dtype)  # [s, b, rd]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary on the first ``rd = cos.shape[-1]`` dims of ``x [..., d]``; the rest pass.
-
-    ``x_rot · cos + cat(x2, x1) · sin = cat(x1·c − x2·s, x2·c + x1·s)`` (HF's ``rotate_half``); the
-    swapped halves are one ``flip`` of a ``[..., 2, rd/2]`` view, no concatenation for full rotary.
-    """
-    rd = cos.shape[-1]
-    d = x.shape[-1]
-    x_rot, x_pass = (x, None) if rd == d else x.split([rd, d - rd], dim=-1)
-    swapped = x_rot.unflatten(-1, (2, rd // 2)).flip(-2).flatten(-2)  # cat(x2, x1)
-    rotated = x_rot * cos + swapped * sin
-    return rotated if x_pass is None else torch.cat([rotated, x_pass], dim=-1)
 
 
 class ReplicatedGroupQKV(nn.Module):
@@ -226,6 +218,7 @@ class SelfAttention(nn.Module):
         self.out = RowParallelLinear(n * d, cfg.hidden_size, bias=bias, group=parallel.tp_group,
                                      sequence_parallel=parallel.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
+        self.regions = EAGER  # pointwise work: fused.EAGER or fused.compiled()
         self.attention_fn: Callable[..., torch.Tensor] = dot_product_attention
         self._kernel_hooks: OrderedDict[int, KernelHook] = OrderedDict()  # weak-referenceable, for RemovableHandle
 
@@ -263,18 +256,9 @@ class SelfAttention(nn.Module):
 
         Under CP ``s`` is this rank's ``s/cp`` tokens (``meta`` says which). With ``kv_cache``
         (inference, tp 1) the tokens follow the cached ones and attend over all of them."""
-        r, d = self.q_per_kv, self.head_dim
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
         s, b = qkv.shape[0], qkv.shape[1]
-        qkv = qkv.view(s, b, -1, r + 2, d)  # [s, b, g_local, r+2, d]
-        cos = cos.to(qkv.dtype)[:, :, None, None, :]  # [s, b|1, 1, 1, rd/2]
-        sin = sin.to(qkv.dtype)[:, :, None, None, :]
-        qk, v = qkv.split([r + 1, 1], dim=3)  # [s, b, g, r+1, d], [s, b, g, 1, d]
-        qk = apply_rotary(qk, cos, sin)  # queries and keys rotated together
-        q, k = qk.split([r, 1], dim=3)
-        q = q.reshape(s, b, -1, d)  # [s, b, n/t, d]
-        # v is a view into the projection output: copy it so autograd does not keep all of qkv alive.
-        k, v = k.squeeze(3), v.squeeze(3).contiguous()  # [s, b, g_local, d]
+        q, k, v = self.regions.rotary_qkv(qkv, cos, sin, self.q_per_kv, self.head_dim)  # [s, b, n/t | g_local, d]
         if kv_cache is not None:
             k_all, v_all = kv_cache.append(k, v)  # [past + s, b, g, d]
             return self.out(cached_attention(q, k_all, v_all).reshape(s, b, -1))
@@ -294,6 +278,7 @@ class MLP(nn.Module):
         parallel = parallel or ParallelContext()
         spec = arch_spec(cfg.arch)
         self.swiglu = spec.swiglu
+        self.regions = EAGER
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         group, sp = parallel.tp_group, parallel.sequence_parallel
         col = {"group": group, "sequence_parallel": sp, "recompute_allgather": parallel.recompute_allgather}
@@ -313,8 +298,7 @@ class MLP(nn.Module):
             # one column-parallel matmul on their concatenated local weights.
             weight = torch.cat([self.gate.weight, self.up.weight])  # [2·ffn/t, h]
             bias = torch.cat([self.gate.bias, self.up.bias]) if self.gate.bias is not None else None
-            gate, up = self.gate(x, weight=weight, bias=bias).chunk(2, dim=-1)  # [s, b, ffn/t] each
-            return self.down(F.silu(gate) * up)
+            return self.down(self.regions.swiglu(self.gate(x, weight=weight, bias=bias)))  # [s, b, 2·ffn/t] inside
         return self.fc2(F.gelu(self.fc1(x)))  # [s, b, ffn/t] inside
 
 
@@ -328,6 +312,7 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.parallel_residual = arch_spec(cfg.arch).parallel_residual
         self.hidden_dropout = cfg.hidden_dropout
+        self.regions = EAGER
         self.attn_norm = make_norm(cfg, parallel)
         self.attention = SelfAttention(cfg, parallel)
         self.mlp_norm = make_norm(cfg, parallel)
@@ -339,12 +324,17 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMeta | None = None, kv_cache: LayerKV | None = None) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape (``meta``, ``kv_cache``: see ``SelfAttention``)."""
+        fused, n1, n2 = self.regions, norm_args(self.attn_norm), norm_args(self.mlp_norm)
+        attn = self._dropout(self.attention(fused.norm(x, *n1), cos, sin, meta, kv_cache))
         if self.parallel_residual:
-            attn = self._dropout(self.attention(self.attn_norm(x), cos, sin, meta, kv_cache))
-            mlp = self._dropout(self.mlp(self.mlp_norm(x)))
-            return x + attn + mlp
-        x = x + self._dropout(self.attention(self.attn_norm(x), cos, sin, meta, kv_cache))
-        return x + self._dropout(self.mlp(self.mlp_norm(x)))
+            mlp = self._dropout(self.mlp(fused.norm(x, *n2)))
+            return fused.add3(x, attn, mlp)
+        x, h = fused.add_norm(x, attn, *n2)
+        return x + self._dropout(self.mlp(h))
+
+    def set_regions(self, regions: Regions) -> None:
+        """Run this layer's pointwise regions (``fused.EAGER`` or ``fused.compiled()``) with ``regions``."""
+        self.regions = self.attention.regions = self.mlp.regions = regions
 
 
 def scaled_init_std(cfg: ModelConfig) -> float:

@@ -10,7 +10,11 @@ processes sharing the cores.
 
 MFU = flops_per_token(cfg) · tokens/s / the host's best peak for the dtype (device.record_peak_flops).
 
-Run from the repo root:  python tools/bench/throughput.py [--arch neox] [--dtype bf16] ...
+With ``--compile`` the alternation also holds our model with its pointwise regions compiled
+(``train.compile``: ``GPTModel.compile_regions``) and the HF model under ``model.compile()``; their
+compile seconds are the first step's time minus the fastest step's.
+
+Run from the repo root:  python tools/bench/throughput.py [--arch neox] [--dtype bf16] [--compile] ...
 Prints a table, then one JSON line with every number.
 """
 from __future__ import annotations
@@ -42,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per model")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-hf", action="store_true", help="only time our model")
+    p.add_argument("--compile", action="store_true", help="also time both models compiled (torch.compile)")
     return p.parse_args(argv)
 
 
@@ -95,13 +100,20 @@ def bench_one(args: argparse.Namespace, arch: str, dtype_name: str) -> dict:
     data = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()  # [b, s]
 
-    steps = {"ours": make_step(ours, lambda: ours(tokens, labels=labels).mean(), dtype)}
+    models = {"ours": ours}
+    if args.compile:
+        models["ours_compiled"] = GPTModel(cfg, seed=args.seed)
+        models["ours_compiled"].compile_regions()
     if not args.no_hf:
-        hf = build_hf(cfg, ours)
-        # HF shifts labels itself (labels=input_ids): the same b·s cross-entropy rows, the last one ignored.
-        steps["hf"] = make_step(hf, lambda: hf(input_ids=tokens, labels=tokens).loss, dtype)
-    for step in steps.values():
-        for _ in range(args.warmup):
+        models["hf"] = build_hf(cfg, ours)
+        if args.compile:
+            models["hf_compiled"] = build_hf(cfg, ours)
+            models["hf_compiled"].compile()
+    steps = {name: make_step(model, loss_closure(model, tokens, labels), dtype) for name, model in models.items()}
+    first: dict[str, float] = {}
+    for name, step in steps.items():
+        first[name] = time_step(step)  # compiled models compile here
+        for _ in range(args.warmup - 1):
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds * args.steps):  # models alternate step by step: noise hits both alike
@@ -118,10 +130,23 @@ def bench_one(args: argparse.Namespace, arch: str, dtype_name: str) -> dict:
     achieved = max(result["flops_per_token"] * result[f"{name}_tokens_per_s"] for name in times)
     peak = device.record_peak_flops(dtype, max(best_peak_flops(dtype), achieved))
     result["peak_flops"] = peak
-    result["ours_mfu"] = result["flops_per_token"] * result["ours_tokens_per_s"] / peak
+    for name in ("ours", "ours_compiled"):
+        if name in times:
+            result[f"{name}_mfu"] = result["flops_per_token"] * result[f"{name}_tokens_per_s"] / peak
+    for name in times:
+        if name.endswith("_compiled"):
+            result[f"{name.removesuffix('_compiled')}_compile_s"] = first[name] - min(times[name])
     if "hf" in times:
         result["ratio"] = result["ours_tokens_per_s"] / result["hf_tokens_per_s"]
     return result
+
+
+def loss_closure(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The mean training loss of ``model`` (ours, or HF's on the same tokens) as a closure."""
+    if isinstance(model, GPTModel):
+        return lambda: model(tokens, labels=labels).mean()
+    # HF shifts labels itself (labels=input_ids): the same b·s cross-entropy rows, the last one ignored.
+    return lambda: model(input_ids=tokens, labels=tokens).loss
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,11 +154,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     results = [bench_one(args, arch, dt) for arch in args.arch.split(",") for dt in args.dtype.split(",")]
-    print(f"{'arch':6} {'dtype':5} {'ours tok/s':>11} {'HF tok/s':>10} {'ratio':>6} {'our MFU':>8}")
+    columns = [("ours", "ours tok/s"), ("hf", "HF tok/s")]
+    if args.compile:
+        columns += [("ours_compiled", "ours comp"), ("hf_compiled", "HF comp")]
+    header = " ".join(f"{title:>11}" for _, title in columns) + f" {'ratio':>6} {'MFU':>6}"
+    print(f"{'arch':6} {'dtype':5} {header}" + (f" {'comp MFU':>8}" if args.compile else ""))
     for r in results:
-        hf = f"{r['hf_tokens_per_s']:10.0f}" if "hf_tokens_per_s" in r else f"{'-':>10}"
+        rates = [r.get(f"{name}_tokens_per_s") for name, _ in columns]
+        cells = " ".join(f"{rate:11.0f}" if rate is not None else f"{'-':>11}" for rate in rates)
         ratio = f"{r['ratio']:6.2f}" if "ratio" in r else f"{'-':>6}"
-        print(f"{r['arch']:6} {r['dtype']:5} {r['ours_tokens_per_s']:11.0f} {hf} {ratio} {r['ours_mfu']:8.1%}")
+        comp = f" {r['ours_compiled_mfu']:8.1%}" if args.compile else ""
+        print(f"{r['arch']:6} {r['dtype']:5} {cells} {ratio} {r['ours_mfu']:6.1%}{comp}")
+    if args.compile:
+        for r in results:
+            ours_c = r["ours_compiled_tokens_per_s"]
+            vs = {"ours eager": r["ours_tokens_per_s"]} | {k: r[f"{n}_tokens_per_s"] for k, n in
+                                                          (("HF eager", "hf"), ("HF compiled", "hf_compiled"))
+                                                          if f"{n}_tokens_per_s" in r}
+            print(f"{r['arch']} {r['dtype']}: ours compiled " + ", ".join(f"{ours_c / rate:.2f}x {k}" for k, rate in vs.items())
+                  + f"; compile s: ours {r['ours_compile_s']:.1f}"
+                  + (f", HF {r['hf_compile_s']:.1f}" if "hf_compile_s" in r else ""))
     config = {k: v for k, v in vars(args).items() if k not in ("arch", "dtype")}
     print_json("throughput", config=config, results=results)
 
