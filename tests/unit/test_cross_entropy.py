@@ -47,14 +47,9 @@ def reference(logits: torch.Tensor, target: torch.Tensor, eps: float, z: float, 
     return (ce + z * torch.logsumexp(real, dim=-1).square()).masked_fill(ignored, 0.0)
 
 
-CASES = [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-2), (0.1, 1e-2), (0.3, 1e-4)]
-
-
-@pytest.mark.parametrize("eps, z", CASES)
-@pytest.mark.parametrize("padded", [VOCAB, PADDED])
-def test_matches_pytorch_formula_fp64(eps: float, z: float, padded: int) -> None:
-    logits, target = _inputs(padded)
-    grad_out = torch.randn(S, B, generator=torch.Generator().manual_seed(1), dtype=F64)
+def _check_fp64(logits: torch.Tensor, target: torch.Tensor, eps: float, z: float, grad_seed: int) -> None:
+    """Loss and logits grad equal the reference's to 1e-12; padded columns and ignored tokens get no gradient."""
+    grad_out = torch.randn(S, B, generator=torch.Generator().manual_seed(grad_seed), dtype=F64)
     ref_in = logits.clone().requires_grad_(True)
     ref = reference(ref_in, target, eps, z)
     ref.backward(grad_out)
@@ -65,6 +60,16 @@ def test_matches_pytorch_formula_fp64(eps: float, z: float, padded: int) -> None
     torch.testing.assert_close(x.grad, ref_in.grad, rtol=0, atol=1e-12)
     assert torch.count_nonzero(x.grad[..., VOCAB:]) == 0  # padded columns: no gradient
     assert torch.count_nonzero(x.grad[target < 0]) == 0 and torch.count_nonzero(loss[target < 0]) == 0
+
+
+CASES = [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-2), (0.1, 1e-2), (0.3, 1e-4)]
+
+
+@pytest.mark.parametrize("eps, z", CASES)
+@pytest.mark.parametrize("padded", [VOCAB, PADDED])
+def test_matches_pytorch_formula_fp64(eps: float, z: float, padded: int) -> None:
+    logits, target = _inputs(padded)
+    _check_fp64(logits, target, eps, z, grad_seed=1)
 
 
 def test_z_loss_is_the_squared_logsumexp_term() -> None:
@@ -161,16 +166,7 @@ def test_chunk_boundaries_fp64(monkeypatch: pytest.MonkeyPatch, rows: int, eps: 
     """Every chunking gives the reference loss and grad (padded vocabulary, ignored targets)."""
     _rows_per_chunk(monkeypatch, rows, PADDED)
     logits, target = _inputs(PADDED, seed=7)
-    grad_out = torch.randn(S, B, generator=torch.Generator().manual_seed(8), dtype=F64)
-    ref_in = logits.clone().requires_grad_(True)
-    ref = reference(ref_in, target, eps, z)
-    ref.backward(grad_out)
-    x = logits.clone().requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(x, target, None, label_smoothing=eps, vocab_size=VOCAB, z_loss=z)
-    loss.backward(grad_out)
-    torch.testing.assert_close(loss, ref.detach(), rtol=0, atol=1e-12)
-    torch.testing.assert_close(x.grad, ref_in.grad, rtol=0, atol=1e-12)
-    assert torch.count_nonzero(x.grad[..., VOCAB:]) == 0 and torch.count_nonzero(x.grad[target < 0]) == 0
+    _check_fp64(logits, target, eps, z, grad_seed=8)
 
 
 @pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
