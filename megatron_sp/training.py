@@ -284,7 +284,7 @@ def run(cfg: Config) -> Runtime:
 
 def _loop(rt: Runtime) -> None:
     from .model import count_parameters, flops_per_token, generate
-    from .model.fused import cache_dir as compile_cache_dir
+    from .model.transformer import compile_cache_dir
 
     cfg, st = rt.cfg, rt.state
     rank0 = st.rank == 0

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from megatron_sp.model.attention.context_parallel import AttentionMeta
-from megatron_sp.model.fused import EAGER, compiled
 from megatron_sp.mpu import comm
 from megatron_sp.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -29,8 +28,8 @@ from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.mpu.random import checkpoint
 from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.transformer import (LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
-                                           head_dim, hidden_dropout, make_norm, norm_args, rotary_dim, scaled_init_std)
+from megatron_sp.model.transformer import (EAGER, LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
+                                           compiled, head_dim, hidden_dropout, make_norm, norm_args, rotary_dim, scaled_init_std)
 
 EMBEDDING_NAME = "embedding.weight"
 """The input embedding's parameter name (also the init name of a tied output-layer copy)."""
@@ -182,7 +181,7 @@ class GPTModel(nn.Module):
 
     def compile_regions(self, enabled: bool = True) -> None:
         """Run the pointwise regions of every layer and the final norm through ``torch.compile``
-        (``train.compile``; see ``model.fused``), or eagerly again with ``enabled=False``."""
+        (``train.compile``; see ``transformer.Regions``), or eagerly again with ``enabled=False``."""
         self.regions = compiled() if enabled else EAGER
         for layer in self.layers.values():
             layer.set_regions(self.regions)

@@ -19,7 +19,7 @@ import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -30,7 +30,6 @@ from torch.utils.hooks import RemovableHandle
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
 from megatron_sp.model.attention.kernels import cached_attention, dot_product_attention
-from megatron_sp.model.fused import EAGER, Regions
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.parallel_state import ParallelContext
@@ -56,6 +55,94 @@ def arch_spec(arch: str) -> ArchSpec:
     if arch == "llama":
         return ArchSpec(layernorm=False, bias=False, parallel_residual=False, swiglu=True)
     raise ValueError(f"unknown model.arch {arch!r}; expected one of {ARCHS}")
+
+
+# The pointwise regions of a layer: the work between its matmuls, attention and collectives. A layer
+# calls them through ``self.regions``: ``EAGER`` or ``compiled()`` (``train.compile``), the same functions
+# through ``torch.compile``. No region communicates, draws random numbers or reads state beyond its
+# arguments, so compiling them leaves collectives, recompute and the zero-bubble split where they were
+# (docs/compile.md).
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary on the first ``rd = cos.shape[-1]`` dims of ``x [..., d]``; the rest pass.
+
+    ``x_rot · cos + cat(x2, x1) · sin = cat(x1·c − x2·s, x2·c + x1·s)`` (HF's ``rotate_half``); the
+    swapped halves are one ``flip`` of a ``[..., 2, rd/2]`` view, no concatenation for full rotary.
+    """
+    rd = cos.shape[-1]
+    d = x.shape[-1]
+    x_rot, x_pass = (x, None) if rd == d else x.split([rd, d - rd], dim=-1)
+    swapped = x_rot.unflatten(-1, (2, rd // 2)).flip(-2).flatten(-2)  # cat(x2, x1)
+    rotated = x_rot * cos + swapped * sin
+    return rotated if x_pass is None else torch.cat([rotated, x_pass], dim=-1)
+
+
+def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               r: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused QKV output ``[s, b, g·(r+2)·d]`` into q ``[s, b, g·r, d]``, k and v ``[s, b, g, d]``,
+    queries and keys rotated (cos/sin ``[s, b|1, rd]``)."""
+    s, b = qkv.shape[0], qkv.shape[1]
+    qkv = qkv.view(s, b, -1, r + 2, d)  # [s, b, g, r+2, d]
+    cos = cos.to(qkv.dtype)[:, :, None, None, :]  # [s, b|1, 1, 1, rd]
+    sin = sin.to(qkv.dtype)[:, :, None, None, :]
+    qk, v = qkv.split([r + 1, 1], dim=3)  # [s, b, g, r+1, d], [s, b, g, 1, d]
+    qk = apply_rotary(qk, cos, sin)  # queries and keys rotated together
+    q, k = qk.split([r, 1], dim=3)
+    # v is a view into the projection output: copy it so autograd does not keep all of qkv alive.
+    return q.reshape(s, b, -1, d), k.squeeze(3), v.squeeze(3).contiguous()
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm (with ``bias``) or RMSNorm (``bias`` None) over the last dim."""
+    if bias is not None:
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual ``x + y`` and its norm (a sequential-residual layer's second half begins so)."""
+    x = x + y
+    return x, norm(x, weight, bias, eps)
+
+
+def add3(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``x + y + z``: the parallel residual."""
+    return x + y + z
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) · up`` of the concatenated ``[..., 2·f]`` gate and up projections → ``[..., f]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class Regions:
+    """The pointwise regions a layer calls (eager or compiled)."""
+
+    rotary_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = rotary_qkv
+    norm: Callable[..., torch.Tensor] = norm
+    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_norm
+    add3: Callable[..., torch.Tensor] = add3
+    swiglu: Callable[..., torch.Tensor] = swiglu
+
+
+EAGER = Regions()
+
+
+@functools.cache
+def compiled() -> Regions:
+    """The regions through ``torch.compile`` (inductor; shapes static until one changes, then dynamic)."""
+    return Regions(**{f.name: torch.compile(getattr(EAGER, f.name)) for f in fields(Regions)})
+
+
+def compile_cache_dir() -> str:
+    """Where inductor caches compiled kernels for later runs (``TORCHINDUCTOR_CACHE_DIR``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    return inductor_cache_dir()
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, parallel: ParallelContext) -> torch.Tensor:
@@ -103,7 +190,7 @@ def make_norm(cfg: ModelConfig, parallel: ParallelContext | None = None) -> nn.M
 
 
 def norm_args(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """(weight, bias or None, eps) of a ``make_norm`` module: the arguments of ``fused.norm``."""
+    """(weight, bias or None, eps) of a ``make_norm`` module: the arguments of ``Regions.norm``."""
     return norm.weight, getattr(norm, "bias", None), norm.eps
 
 
@@ -218,7 +305,7 @@ class SelfAttention(nn.Module):
         self.out = RowParallelLinear(n * d, cfg.hidden_size, bias=bias, group=parallel.tp_group,
                                      sequence_parallel=parallel.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
-        self.regions = EAGER  # pointwise work: fused.EAGER or fused.compiled()
+        self.regions = EAGER  # pointwise work: EAGER or compiled()
         self.attention_fn: Callable[..., torch.Tensor] = dot_product_attention
         self._kernel_hooks: OrderedDict[int, KernelHook] = OrderedDict()  # weak-referenceable, for RemovableHandle
 
@@ -324,16 +411,16 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMeta | None = None, kv_cache: LayerKV | None = None) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape (``meta``, ``kv_cache``: see ``SelfAttention``)."""
-        fused, n1, n2 = self.regions, norm_args(self.attn_norm), norm_args(self.mlp_norm)
-        attn = self._dropout(self.attention(fused.norm(x, *n1), cos, sin, meta, kv_cache))
+        fn, n1, n2 = self.regions, norm_args(self.attn_norm), norm_args(self.mlp_norm)
+        attn = self._dropout(self.attention(fn.norm(x, *n1), cos, sin, meta, kv_cache))
         if self.parallel_residual:
-            mlp = self._dropout(self.mlp(fused.norm(x, *n2)))
-            return fused.add3(x, attn, mlp)
-        x, h = fused.add_norm(x, attn, *n2)
+            mlp = self._dropout(self.mlp(fn.norm(x, *n2)))
+            return fn.add3(x, attn, mlp)
+        x, h = fn.add_norm(x, attn, *n2)
         return x + self._dropout(self.mlp(h))
 
     def set_regions(self, regions: Regions) -> None:
-        """Run this layer's pointwise regions (``fused.EAGER`` or ``fused.compiled()``) with ``regions``."""
+        """Run this layer's pointwise regions (``EAGER`` or ``compiled()``) with ``regions``."""
         self.regions = self.attention.regions = self.mlp.regions = regions
 
 
