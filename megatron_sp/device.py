@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import resource
+import shutil
 import socket
 import tempfile
 import time
@@ -51,6 +52,9 @@ def check_device_config(cfg: Config) -> None:
         raise ConfigError("parallel.backend=nccl needs parallel.device=cuda; use parallel.backend=gloo on CPU")
     if cfg.train.compile is None:  # measured: on CPU compiling costs more than short runs win (docs/compile.md)
         cfg.train.compile = p.device == "cuda"
+    if cfg.train.compile and p.device == "cpu" and not any(map(shutil.which, (os.environ.get("CXX", "g++"), "clang++"))):
+        raise ConfigError("train.compile=true on CPU needs a C++ compiler for torch.compile (g++, clang++ or $CXX): "
+                          "install one, or set train.compile=false")
 
 
 def local_device(device_type: str, local_rank: int = 0) -> torch.device:

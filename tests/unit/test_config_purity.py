@@ -72,3 +72,13 @@ def test_each_part_checks_its_keys_once(override, needle):
     with pytest.raises(ConfigError) as exc:
         config.load(overrides=["data.paths=[d/x]", "tokenizer.type=byte", "parallel.device=cpu", override])
     assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_train_compile_defaults_off_on_cpu_and_needs_a_compiler(monkeypatch):
+    base = ["data.paths=[d/x]", "tokenizer.type=byte", "parallel.device=cpu"]
+    assert config.load(overrides=base).train.compile is False
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError) as exc:
+        config.load(overrides=[*base, "train.compile=true"])
+    assert "train.compile=true on CPU needs a C++ compiler" in str(exc.value) and "\n" not in str(exc.value)
