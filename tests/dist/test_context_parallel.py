@@ -251,13 +251,15 @@ def test_cp1_packed_documents_local_path(heads: str, docs: str, dtype: str) -> N
     assert all(e <= TOL[dtype] for e in errors.values()), errors
 
 
-def _ulysses_saved(rank: int, world: int) -> dict[str, int]:
-    """Bytes saved for backward by Ulysses attention followed by an output projection (which saves its input)."""
+def _ulysses_saved(rank: int, world: int, algo: str) -> dict[str, int]:
+    """Bytes saved for backward by Ulysses (or USP of Ulysses degree 2) attention followed by an output
+    projection (which saves its input)."""
     q, k, v, _, pos, doc = _inputs("mha", "packed", "fp32")
-    lay = sequence_layout("ulysses")
+    lay = sequence_layout(algo)
     ql, kl, vl = (shard(x, world, rank, lay, dim=0).requires_grad_(True) for x in (q, k, v))
-    meta = AttentionMeta.build(shard(pos, world, rank, lay, dim=1), shard(doc, world, rank, lay, dim=1), "ulysses",
-                               dist.group.WORLD)
+    sub = _usp_groups(world, rank, 2) if algo == "usp" else (None, None)
+    meta = AttentionMeta.build(shard(pos, world, rank, lay, dim=1), shard(doc, world, rank, lay, dim=1), algo,
+                               dist.group.WORLD, ulysses_group=sub[0], ring_group=sub[1])
     weight = torch.randn(N * D, N * D, requires_grad=True)
     storages: dict[int, int] = {}
 
@@ -274,8 +276,10 @@ def _ulysses_saved(rank: int, world: int) -> dict[str, int]:
     return {"activation": activation, "out": out.untyped_storage().nbytes()}
 
 
-def test_ulysses_holds_its_output_once() -> None:
-    """Saved for backward: q, k, v after the all-to-all, the output once (shared with the projection) and lse."""
-    for r in run_distributed(_ulysses_saved, 2):
-        lse_bytes = B * (N // 2) * 2 * r["out"] // (B * N * D)  # [b, n/cp, s] fp32 vs out [s/cp, b, n, d] fp32
+@pytest.mark.parametrize("algo, world", [("ulysses", 2), ("usp", 4)])
+def test_ulysses_holds_its_output_once(algo: str, world: int) -> None:
+    """Saved for backward: q, k, v after the all-to-all, the output once (shared with the projection) and lse
+    (USP: the ring runs inside the one Function, its output is not kept in the heads layout)."""
+    for r in run_distributed(_ulysses_saved, world, algo=algo):
+        lse_bytes = r["out"] // D  # [b, n/u, s·u/cp] fp32 vs out [s/cp, b, n, d] fp32
         assert r["activation"] == 4 * r["out"] + lse_bytes, r

@@ -73,10 +73,9 @@ def attention_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]
     if algo in ("ulysses", "usp"):
         degree = D.cp if algo == "ulysses" else D.cp_ulysses
         kv = ulysses_kv(D, degree)
-        # Ulysses holds its output once (backward moves it back by an all-to-all); USP's ring keeps its accumulator
+        # Ulysses and USP hold their output once (backward moves it back by an all-to-all)
         return _nonzero({"q (all-to-all)": tok * n_l * d * e, "k,v (all-to-all)": 2 * tok * kv * d * e,
-                         "fp32 output accumulator": acc if algo == "usp" else 0, "log-sum-exp": lse,
-                         "attention output": out})
+                         "log-sum-exp": lse, "attention output": out})
     return _nonzero({**inputs, "fp32 output accumulator": acc, "log-sum-exp": lse,
                      "attention output": out if e != 4 else 0})
 

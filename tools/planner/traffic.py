@@ -78,7 +78,8 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
             per_layer["all_to_all"] += (N - 1) / N * tok * D.local_heads * d * e
         else:  # usp: Ulysses of degree u inside a ring over cp / u
             u = D.cp_ulysses
-            ulysses(u)
+            ulysses(u)  # + the saved output moved back in backward, as for Ulysses
+            per_layer["all_to_all"] += (u - 1) / u * tok * D.local_heads * d * e
             ring(N // u, 2 * tok * ulysses_kv(D, u) * d)
             per_layer["all_to_all"] += (u - 1) / u * D.micro_batch * D.local_heads * D.s_local * 4 * repeats
         for op, nbytes in per_layer.items():

@@ -176,22 +176,52 @@ def _block_backward(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse:
 # ------------------------------------------------------------------------------- ring and zigzag
 
 
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention forward: K,V passed to the next rank, compute overlapping; fp32 (out, lse)."""
+    n, rank, parts = meta.size, meta.rank, meta.parts
+    acc = _Accumulator(q, meta.positions[rank], meta.doc(rank), parts, scale)
+    kv = torch.stack([k, v]).contiguous()  # [2, s/cp, b, g, d]: one message per step
+    for step in range(n):
+        src = (rank - step) % n
+        pending = comm.ring_exchange_async(kv, meta.group) if step < n - 1 else None
+        acc.add(kv[0], kv[1], meta.positions[src], meta.doc(src), parts)
+        if pending is not None:
+            kv = pending.wait()
+    return acc.result()
+
+
+def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, meta: AttentionMeta, scale: float) -> tuple[torch.Tensor, ...]:
+    """Ring attention backward: K,V travel again, each block's dK,dV accumulator travels with it."""
+    n, rank, parts = meta.size, meta.rank, meta.parts
+    dout = dout.contiguous()
+    dq = None
+    kv = torch.stack([k, v]).contiguous()
+    dkv = None  # the fp32 accumulator of the block held now; it travels with the block
+    for step in range(n):
+        src = (rank - step) % n
+        pending = comm.ring_exchange_async(kv, meta.group) if step < n - 1 else None
+        gq, gk, gv = _block_backward(dout, q, out, lse, meta.positions[rank], meta.doc(rank), kv[0], kv[1],
+                                     meta.positions[src], meta.doc(src), parts, scale)
+        dq = gq if dq is None else dq + gq
+        mine = torch.stack([gk, gv])
+        dkv = mine if dkv is None else dkv + mine
+        dkv = comm.ring_exchange_async(dkv, meta.group).wait()  # to the rank that holds this block next
+        if pending is not None:
+            kv = pending.wait()
+    # after n hand-overs the accumulator of this rank's own block (every rank's share) is here
+    assert dq is not None and dkv is not None
+    return dq, dkv[0], dkv[1]
+
+
 class _Ring(torch.autograd.Function):
-    """Ring attention (contiguous or zigzag layout): K,V passed to the next rank, compute overlapping."""
+    """Ring attention (contiguous or zigzag layout)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
                 scale: float) -> torch.Tensor:
-        n, rank, parts = meta.size, meta.rank, meta.parts
-        acc = _Accumulator(q, meta.positions[rank], meta.doc(rank), parts, scale)
-        kv = torch.stack([k, v]).contiguous()  # [2, s/cp, b, g, d]: one message per step
-        for step in range(n):
-            src = (rank - step) % n
-            pending = comm.ring_exchange_async(kv, meta.group) if step < n - 1 else None
-            acc.add(kv[0], kv[1], meta.positions[src], meta.doc(src), parts)
-            if pending is not None:
-                kv = pending.wait()
-        out, lse = acc.result()
+        out, lse = _ring_forward(q, k, v, meta, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta, ctx.scale = meta, scale
         ctx.mark_non_differentiable(lse)
@@ -200,26 +230,8 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        meta, scale = ctx.meta, ctx.scale
-        n, rank, parts = meta.size, meta.rank, meta.parts
-        dout = dout.contiguous()
-        dq = None
-        kv = torch.stack([k, v]).contiguous()
-        dkv = None  # the fp32 accumulator of the block held now; it travels with the block
-        for step in range(n):
-            src = (rank - step) % n
-            pending = comm.ring_exchange_async(kv, meta.group) if step < n - 1 else None
-            gq, gk, gv = _block_backward(dout, q, out, lse, meta.positions[rank], meta.doc(rank), kv[0], kv[1],
-                                         meta.positions[src], meta.doc(src), parts, scale)
-            dq = gq if dq is None else dq + gq
-            mine = torch.stack([gk, gv])
-            dkv = mine if dkv is None else dkv + mine
-            dkv = comm.ring_exchange_async(dkv, meta.group).wait()  # to the rank that holds this block next
-            if pending is not None:
-                kv = pending.wait()
-        # after n hand-overs the accumulator of this rank's own block (every rank's share) is here
-        assert dq is not None and dkv is not None
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.meta, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 # ------------------------------------------------------------------------------------------ llama3
@@ -361,28 +373,27 @@ def _usp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     u = comm.group_size(meta.ulysses_group)
     rings = meta.size // u
-    qh, kh, vh = _heads_to_sequence(q, k, v, meta.ulysses_group)  # this Ulysses group's tokens, heads/u
     cat_docs = None if meta.documents is None else [torch.cat(meta.documents[j * u:(j + 1) * u], 1)
                                                      for j in range(rings)]
     ring_meta = AttentionMeta("ring", meta.ring_group, meta.rank // u,
                               [torch.cat(meta.positions[j * u:(j + 1) * u], 1) for j in range(rings)], cat_docs,
                               chunks=u * meta.parts)
-    out, lse = _Ring.apply(qh, kh, vh, ring_meta, scale)
-    lse = comm.all_to_all(lse, meta.ulysses_group, scatter_dim=2, gather_dim=1)  # [b, n_heads, s/cp]
-    return all_to_all(out, meta.ulysses_group, scatter_dim=0, gather_dim=2), lse
+    out, lse_h = _Ulysses.apply(q, k, v, meta.ulysses_group, ring_meta, scale)  # ring inside each Ulysses group
+    return out, comm.all_to_all(lse_h, meta.ulysses_group, scatter_dim=2, gather_dim=1)  # [b, n_heads, s/cp]
 
 
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
              with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     if meta.size == 1:
         return _Local.apply(q, k, v, meta, scale)
-    out, lse_h = _Ulysses.apply(q, k, v, meta, scale)  # [s/cp, b, n_heads, d], [b, n_heads/cp, s]
+    out, lse_h = _Ulysses.apply(q, k, v, meta.group, meta, scale)  # [s/cp, b, n_heads, d], [b, n_heads/cp, s]
     lse = comm.all_to_all(lse_h, meta.group, scatter_dim=2, gather_dim=1) if with_lse else None  # [b, n_heads, s/cp]
     return out, lse
 
 
 class _Ulysses(torch.autograd.Function):
-    """Ulysses in one Function: heads→sequence all-to-all, exact local attention, and back.
+    """Ulysses in one Function: heads→sequence all-to-all over ``group``, attention of the gathered
+    sequence (exact local attention; USP: ring attention over ``inner.group``), and back.
 
     Memory invariant: the attention output is held once. The returned ``[s/cp, b, n, d]`` output
     (which the output projection saves anyway) is what is saved; backward recovers the
@@ -390,25 +401,27 @@ class _Ulysses(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, inner: AttentionMeta,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        qh, kh, vh = _heads_to_sequence(q, k, v, meta.group)  # [s, b, n_heads/cp, d] (no autograd in here)
-        out_h, lse_h = _local_forward(qh, kh, vh, meta, scale)  # every rank's chunk in rank order = the gathered order
-        out = comm.all_to_all(out_h.to(q.dtype), meta.group, scatter_dim=0, gather_dim=2)  # [s/cp, b, n_heads, d]
+        qh, kh, vh = _heads_to_sequence(q, k, v, group)  # [s·u/cp, b, n_heads/u, d] (no autograd in here)
+        attend = _ring_forward if inner.algo == "ring" else _local_forward
+        out_h, lse_h = attend(qh, kh, vh, inner, scale)  # every rank's chunk in rank order = the gathered order
+        out = comm.all_to_all(out_h.to(q.dtype), group, scatter_dim=0, gather_dim=2)  # [s/cp, b, n_heads, d]
         ctx.save_for_backward(qh, kh, vh, out, lse_h)
-        ctx.meta, ctx.scale, ctx.kv_heads = meta, scale, k.shape[2]
+        ctx.group, ctx.inner, ctx.scale, ctx.kv_heads = group, inner, scale, k.shape[2]
         ctx.mark_non_differentiable(lse_h)
         return out, lse_h
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[torch.Tensor | None, ...]:
         qh, kh, vh, out, lse_h = ctx.saved_tensors
-        group = ctx.meta.group
+        group = ctx.group
         out_h = comm.all_to_all(out, group, scatter_dim=2, gather_dim=0)  # the local output, recomputed by moving
         dout_h = comm.all_to_all(dout.contiguous(), group, scatter_dim=2, gather_dim=0)
-        dqh, dkh, dvh = _local_backward(dout_h, qh, kh, vh, out_h, lse_h, ctx.meta, ctx.scale)
+        grads = _ring_backward if ctx.inner.algo == "ring" else _local_backward
+        dqh, dkh, dvh = grads(dout_h, qh, kh, vh, out_h, lse_h, ctx.inner, ctx.scale)
         dq, dk, dv = (comm.all_to_all(x.to(qh.dtype), group, scatter_dim=0, gather_dim=2) for x in (dqh, dkh, dvh))
         if dk.shape[2] != ctx.kv_heads:  # kv heads were repeated for the Ulysses degree: sum the copies
             s, b, _, d = dk.shape
             dk, dv = (x.view(s, b, ctx.kv_heads, -1, d).sum(3) for x in (dk, dv))
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
