@@ -2,13 +2,76 @@
 """Train a GPT: python train.py --conf configs/demo.yml [--conf more.yml] [section.key=value ...]
 
 Run it plainly (it starts the local ranks the config needs) or under torchrun; both behave the same.
+``main(argv)`` checks, once and before any rank starts, what can fail early (sinks, output directories,
+checkpoints, data files); then, run plainly with world size > 1, it starts the local ranks
+(``launcher.start_local``), else it trains on this rank (``training.run``). A user error is one line
+from rank 0 and its exit code; Ctrl-C exits 130.
 """
+from __future__ import annotations
+
+import argparse
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_sp.cli import main
+from megatron_sp import checkpointing, config as config_mod, launcher, metrics as metrics_mod, training
+from megatron_sp.errors import OneLineArgumentParser, UserError
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = OneLineArgumentParser(
+        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a GPT. Config keys can be set in --conf files (YAML/JSON, merged in order) "
+                    "and as section.key=value overrides; --help-config lists every key.")
+    parser.add_argument("--conf", action="append", default=[], help="config file; repeat to merge (later wins)")
+    parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides like parallel.dp=2 train.iters=50")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``train.py``: returns the process exit code; user errors print one line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.help_config:
+        print(config_mod.help_text())
+        return 0
+    torchrun = launcher.under_torchrun()
+    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    cfg = None
+    try:
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+        cfg = config_mod.load(args.conf, args.overrides, world_size=world)
+        metrics_mod.setup_logging(cfg.logging.level, rank)
+        metrics_mod.check_sinks(cfg)  # a missing wandb/tensorboard: one line now, not a rank failing later
+        checkpointing.check_output_dir(cfg.logging.dir, "logging.dir")  # a file there: one line, not after training
+        if rank == 0:  # checkpoint.save: a file, in use by a run now, or another run's checkpoints: one line now
+            checkpointing.check_save_dir(cfg)
+        if not torchrun:
+            training.prepare_inputs(cfg)  # build the demo data once, check files, before any rank starts
+            if cfg.checkpoint.load and not (cfg.checkpoint.auto_resume and cfg.checkpoint.save
+                                            and (Path(cfg.checkpoint.save) / "latest").is_file()):
+                checkpointing.read_meta(checkpointing.resolve(cfg.checkpoint.load))  # a bad path: one line now
+            if cfg.parallel.world_size > 1:
+                return launcher.start_local(cfg.parallel.world_size, argv, Path(cfg.logging.dir) / "ranks",
+                                            cfg.checkpoint.save, cpu=cfg.parallel.device == "cpu")
+            launcher.single_rank_env()
+        # Global rank 0 locks checkpoint.save for the whole run (released on any exit) and checks it again
+        with checkpointing.claim_save_dir(cfg) if rank == 0 else contextlib.nullcontext():
+            training.run(cfg)
+    except UserError as exc:
+        if cfg is not None or rank == 0:  # every rank reads the same config and fails alike: rank 0 says it
+            print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt as exc:  # Ctrl-C: a first one saves (faults.Preemption), a second one lands here at once
+        if rank == 0:
+            print("interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
+        return 130
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -497,7 +497,7 @@ def single_rank_env() -> None:
 
 
 def start_local(nproc: int, argv: list[str], log_dir: Path, save_dir: str | None, cpu: bool) -> int:
-    """Run ``nproc`` local ranks of this command (a script like train.py, else ``megatron_sp.cli``) with
+    """Run ``nproc`` local ranks of this command (the running script, else the repository's train.py) with
     torch.distributed.run in this process; return the exit code (a dead rank named in one line; after
     SIGTERM/SIGINT 0 or 130 if the ranks saved in ``save_dir``, else 128 + signal: docs/launcher.md)."""
     from torch.distributed import run as torch_run
@@ -505,16 +505,16 @@ def start_local(nproc: int, argv: list[str], log_dir: Path, save_dir: str | None
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc) if cpu else 1))
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # set when run as python -m megatron_sp.cli
-    script = os.path.abspath(sys.argv[0]) if spec is None and sys.argv and sys.argv[0].endswith(".py") else None
-    command = [script or "megatron_sp.cli", *argv]
+    main_script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else ""
+    script = os.path.abspath(main_script) if main_script else str(Path(__file__).resolve().parents[1] / "train.py")
+    command = [script, *argv]
     extra = ("--log-dir", str(log_dir), "--redirects", "0", "--tee", "0")
     log.info("starting %d local ranks (torch.distributed.run --standalone --nproc-per-node %d)", nproc, nproc)
     for name in [n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)  # our one line names the failure (each sets its own level)
     started = time.time()
     try:
-        torch_run.main(torchrun_args(1, nproc, ["--standalone"], command, module=script is None, extra=extra))
+        torch_run.main(torchrun_args(1, nproc, ["--standalone"], command, extra=extra))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode

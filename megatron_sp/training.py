@@ -4,7 +4,7 @@
 One step (``train_step``) is short and linear: this rank's batch (``data.batching``) → micro-batches
 → forward/backward with ``loss = Σ token losses / global valid tokens`` (gradients summed over
 dp_cp, never averaged) → finalize grads → global grad norm, clip, optimizer step.
-The command line is ``cli.py``; starting local ranks is ``launcher.py``.
+The command line is ``train.py``; starting local ranks is ``launcher.py``.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_sp import cli, launcher, training
+import train as cli  # train.py: its main() is the command line
+from megatron_sp import launcher, training
 from megatron_sp.data.indexed import HEADER, IndexedDatasetWriter, data_file_paths
 
 BASE = ["tokenizer.type=byte", "data.build_demo=false", "train.iters=1", "model.seq_length=8"]

@@ -2,7 +2,7 @@
 
 Every case must end with a non-zero exit code and exactly one stderr line ``error: ...`` that names
 the offending key or file, with no traceback, before any rank starts or any step runs. The cases go
-through ``megatron_sp.cli.main(argv)`` in this process (the config and the input files are
+through train.py's ``main(argv)`` in this process (the config and the input files are
 checked before ``train.py`` launches ranks, so nothing else runs); a few also go through a real
 ``python train.py`` to show the process behaves the same. Data-file corruption and hostfile cases
 live with their own modules' tests.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_sp import cli, launcher, training
+import train as cli  # train.py: its main() is the command line
+from megatron_sp import launcher, training
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_sp import checkpointing, cli, config, faults, launcher, training
+import train as cli  # train.py: its main() is the command line
+from megatron_sp import checkpointing, config, faults, launcher, training
 from megatron_sp.checkpointing import Lineage, SaveDirLock
 from megatron_sp.errors import ConfigError, TrainingError
 from megatron_sp.model import GPTModel
