@@ -1,9 +1,7 @@
 """The one place that knows about accelerators: device and backend, RNG state, memory in use, flash-attn
-(imported lazily; without it plain PyTorch, said once) and the CPU peak FLOP/s for MFU (docs/metrics.md).
-"""
+and the CPU peak FLOP/s for MFU (docs/metrics.md)."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -13,7 +11,6 @@ import platform
 import resource
 import shutil
 import socket
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -102,8 +99,7 @@ def memory_bytes(device: torch.device) -> int:
 
 @functools.cache
 def flash_attn_func() -> Callable[..., Any] | None:
-    """flash-attn's ``flash_attn_func`` when the package imports and a GPU is present, else None. Logs one line the
-    first time it is asked, either way."""
+    """flash-attn's ``flash_attn_func`` when it imports and a GPU is present, else None (logged once)."""
     if not cuda_available():
         return None
     try:
@@ -119,8 +115,7 @@ PEAK_CACHE_ENV = "MEGATRON_SP_CACHE_DIR"  # the directory of peak_flops.json (te
 
 
 def peak_cache_path() -> Path:
-    """``peak_flops.json`` in ``$MEGATRON_SP_CACHE_DIR``, else ``$XDG_CACHE_HOME/megatron_sp``, else
-    ``~/.cache/megatron_sp``."""
+    """``peak_flops.json`` in ``$MEGATRON_SP_CACHE_DIR``, else ``$XDG_CACHE_HOME`` or ``~/.cache``/megatron_sp."""
     if os.environ.get(PEAK_CACHE_ENV):
         return Path(os.environ[PEAK_CACHE_ENV]) / "peak_flops.json"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -158,51 +153,38 @@ def _read_peak_cache(path: Path) -> dict[str, float]:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: float(v) for k, v in data.items()
+    return {k: float(v) for k, v in (data.items() if isinstance(data, dict) else ())
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
 
 
 def record_peak_flops(dtype: torch.dtype, flops: float) -> float:
-    """Keep ``max(cached, flops)`` as this host's peak for ``dtype`` and return it; the file is replaced
-    atomically, and one that cannot be read or written is ignored (docs/metrics.md)."""
+    """Keep and return ``max(cached, flops)`` for this host and ``dtype`` (atomic; an unusable cache is ignored)."""
+    from .data.index_cache import atomic_file
+
     path = peak_cache_path()
     entries = _read_peak_cache(path)
     key = peak_cache_key(dtype)
     best = max(flops, entries.get(key, 0.0))
     if best > entries.get(key, 0.0):
         entries[key] = best
-        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(entries, f, indent=1, sort_keys=True)
-                f.write("\n")
-            os.replace(tmp, path)
+            with atomic_file(path) as f:
+                f.write((json.dumps(entries, indent=1, sort_keys=True) + "\n").encode())
         except OSError as exc:
             log.debug("peak FLOP/s cache %s not written: %s", path, exc)
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
     return best
 
 
 @functools.cache
 def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 1.0,
                         window: float = 0.2) -> float:
-    """Dense-matmul FLOP/s of this host's CPU cores for ``dtype``, measured now with every core: a ramp of
-    square sizes from 256 (``n`` fixes it), then the fastest ``window`` until ``seconds`` have passed
-    (docs/metrics.md). Call it while no other rank of this host computes; not meaningful on GPUs."""
+    """Dense-matmul FLOP/s of this host's CPU cores for ``dtype`` (sizes ramp from 256 unless ``n``; the fastest
+    ``window`` within ``seconds``: docs/metrics.md). Call it while no other rank of this host computes."""
     threads = torch.get_num_threads()
     torch.set_num_threads(host_cores())
     deadline = time.perf_counter() + seconds
     try:
-        def operands(size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return (torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype),
-                    torch.empty(size, size, dtype=dtype))
-
         def timed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
             t0 = time.perf_counter()
             torch.matmul(a, b, out=out)
@@ -210,7 +192,8 @@ def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int | None = None
 
         size, best = n or 256, 0.0
         while True:
-            a, b, out = operands(size)
+            a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+            out = torch.empty(size, size, dtype=dtype)
             timed(a, b, out)  # warm-up: threads, kernel choice, first touch of the pages
             last = timed(a, b, out)
             best = max(best, 2.0 * size**3 / last)
@@ -230,7 +213,6 @@ def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int | None = None
 
 
 def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, float]:
-    """(best peak seen on this host for ``dtype``, this run's measurement): measures, then updates
-    the cache (see ``record_peak_flops``). The best is the MFU denominator on CPU."""
+    """(best peak seen on this host for ``dtype``: the CPU MFU denominator, this run's measurement)."""
     measured = measured_peak_flops(dtype)
     return record_peak_flops(dtype, measured), measured

@@ -1,9 +1,5 @@
-"""User-facing error types.
-
-Anything a user can fix (a bad config key, a missing data file) raises one of these. ``train.py``
-and the tools print such an error as a single line and exit with a non-zero code, without a
-traceback. Programming errors stay ordinary exceptions and keep their traceback.
-"""
+"""User-facing error types: what a user can fix is printed as one line, without a traceback (train.py, the
+tools); programming errors stay ordinary exceptions."""
 from __future__ import annotations
 
 import argparse
@@ -33,8 +29,8 @@ class UserError(Exception):
 
 
 def read_utf8(path: Path, what: str, hint: str, error: type[UserError] | None = None) -> str:
-    """The text of a UTF-8 file; else one ``error`` (default ``DataError``) line naming ``what``, the file, the
-    line of the first bad byte and ``hint`` (a binary file passed where a text file belongs)."""
+    """The text of a UTF-8 file; else one ``error`` (default ``DataError``) naming ``what``, the file, the line of
+    the first bad byte and ``hint``."""
     error = error or DataError
     try:
         data = path.read_bytes()
@@ -68,8 +64,7 @@ class LaunchError(UserError):
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one ``error:`` line (exit code 2) instead of usage + message,
-    like every other user error of train.py and the tools."""
+    """argparse whose usage errors are one ``error:`` line (exit code 2), like every other user error."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {one_line(message)} (see {self.prog} --help)\n")

@@ -1,9 +1,5 @@
-"""Faults during training: preemption by SIGTERM or Ctrl-C, and collectives whose peer died or hung.
-
-``Preemption``: a stop signal sets a flag; after each step the ranks agree on it (MAX of the signal
-number), all save the same step, then exit 0 (SIGTERM) or 130 (SIGINT); a second signal aborts.
-``peer_failure``: when a collective raises, the surviving ranks check in at the rendezvous store,
-and the one-line error names the ranks that never do. Details: docs/launcher.md, "Faults".
+"""Faults during training: preemption (SIGTERM, Ctrl-C: every rank saves the same step, then exits 0 or 130)
+and collectives whose peer died or hung (the error names the silent ranks). See docs/launcher.md, "Faults".
 """
 from __future__ import annotations
 

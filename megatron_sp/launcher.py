@@ -1,11 +1,7 @@
 """The one launcher: ``deepy.py`` (one torchrun per host) and ``train.py``'s start of local ranks.
 
-deepy: ``split_argv`` (launcher vs script options) → hosts and environment (``multinode``) →
-``build_plan`` (exact argv lists; ``--dry-run`` prints them) → ``execute`` (one session per command;
-the first failing host stops the others). Nothing runs through a local shell.
-train.py run plainly with world size > 1: ``start_local`` runs torch.distributed.run in this process
-(first Ctrl-C: the ranks save, exit 130; a second one aborts; a dead rank: one line naming it).
-Both build torchrun's arguments with ``torchrun_args``. Details: docs/launcher.md.
+deepy: ``split_argv`` → hosts and environment (``multinode``) → ``build_plan`` (exact argv lists;
+``--dry-run`` prints them) → ``execute``. ``start_local`` runs train.py's ranks. See docs/launcher.md.
 """
 from __future__ import annotations
 
@@ -45,7 +41,6 @@ log = logging.getLogger("megatron_sp")
 # ----------------------------------------------------------------------------- command line
 
 def _build_parser() -> argparse.ArgumentParser:
-    """The launcher's options."""
     parser = _Parser(
         prog="deepy.py", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="python deepy.py [options] SCRIPT [script args] [-- script args]",
@@ -83,9 +78,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def split_argv(argv: list[str], valued: set[str], known: set[str]) -> tuple[list[str], list[str]]:
-    """Split deepy.py's arguments into (launcher options, [script, *script args]): before the script every
-    option is the launcher's (an unknown one is an error), after it only its exact long options; after ``--``
-    everything is the script's."""
+    """(launcher options, [script, *script args]); which option is whose: docs/launcher.md."""
     own: list[str] = []
     command: list[str] = []
     verbatim = False
@@ -142,8 +135,7 @@ class Layout:
 
 
 def config_layout(script_args: list[str]) -> Layout | None:
-    """The layout of train.py's ``--conf`` files and dotted overrides among ``script_args`` (None without --conf);
-    the config is loaded without ``finalize`` (no torch import)."""
+    """The layout of the ``--conf`` files and dotted overrides in ``script_args`` (None without --conf; no torch)."""
     confs: list[str] = []
     overrides: list[str] = []
     it = iter(script_args)
@@ -206,8 +198,7 @@ class Command:
 
 @dataclass
 class LaunchPlan:
-    """What ``deepy`` runs: the ``launcher`` used, its ``commands`` and a one-line ``summary``.
-    (Not ``plan.LayoutPlan``, the memory/communication plan of a config.)"""
+    """What ``deepy`` runs: the ``launcher`` used, its ``commands`` and a one-line ``summary``."""
 
     launcher: str
     commands: list[Command]
@@ -226,10 +217,6 @@ class _Request:
     port: int
     rdzv_id: str
     cwd: str
-
-    @property
-    def name(self) -> str:
-        return self.command[0]
 
     def torchrun(self, nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
         return [self.args.python, "-u", "-m", "torch.distributed.run",
@@ -283,22 +270,26 @@ def build_plan(args: argparse.Namespace, command: list[str], environ: Mapping[st
     return _plan_remote(req, launcher)
 
 
+def _one_command_ranks(req: _Request, launcher: str) -> tuple[int, dict[str, str]]:
+    """(ranks per host or 0, environment) from the selected slots (the same on every host) or --nproc-per-node."""
+    env = dict(req.env.explicit)
+    if req.hosts:
+        nproc, devices = uniform_slots(req.hosts, launcher)
+        return nproc, with_devices(env, devices)
+    return req.args.nproc_per_node or 0, env
+
+
 def _plan_local(req: _Request) -> LaunchPlan:
     """torchrun on this machine: ``--standalone`` (a free port) unless --master-port is given."""
     args, hosts = req.args, req.hosts
     if len(hosts) > 1 or (args.num_nodes or 1) > 1:
         raise LaunchError(f"--launcher local starts ranks on this machine only, but {len(hosts) or args.num_nodes} "
                           "hosts are selected; use --launcher ssh/pdsh/slurm or select one host")
-    env = dict(req.env.explicit)  # the rest of this shell's environment is inherited
-    if hosts:
-        nproc = hosts[0].nproc
-        env = with_devices(env, hosts[0].visible_devices)
-    elif args.nproc_per_node:
-        nproc = args.nproc_per_node
-    elif req.layout is not None:
+    nproc, env = _one_command_ranks(req, "local")
+    if not nproc and req.layout is None:
+        raise LaunchError(f"--nproc-per-node is needed: {req.command[0]} has no --conf to take the number of ranks from")
+    if not nproc:
         nproc = req.layout.world or req.layout.model_parallel  # dp derived: 1, as train.py does on its own
-    else:
-        raise LaunchError(f"--nproc-per-node is needed: {req.name} has no --conf to take the number of ranks from")
     check_layout(req.layout, nproc, "on this machine")
     if args.master_port is None:
         rendezvous, where = ["--standalone"], "a free local port"
@@ -306,20 +297,17 @@ def _plan_local(req: _Request) -> LaunchPlan:
         addr = args.master_addr or "127.0.0.1"
         rendezvous, where = req.c10d(addr), f"{addr}:{req.port}"
     argv = [*env_prefix(env), *req.torchrun(1, nproc, rendezvous)]
-    return LaunchPlan("local", [Command("local", argv)], f"local launch of {req.name}: {nproc} ranks on this machine, "
+    return LaunchPlan("local", [Command("local", argv)], f"local launch of {req.command[0]}: {nproc} ranks on this machine, "
                                                    f"rendezvous on {where}")
 
 
 def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
     """One srun step, one torchrun per node; this shell's environment goes along (--export=ALL)."""
-    args, hosts = req.args, req.hosts
-    env = dict(req.env.explicit)
-    if hosts:
-        nproc, devices = uniform_slots(hosts, "slurm")
-        env = with_devices(env, devices)
-        names = [h.name for h in hosts]
-        nodes = len(hosts)
-    else:
+    args, layout = req.args, req.layout
+    nproc, env = _one_command_ranks(req, "slurm")
+    names = [h.name for h in req.hosts]
+    nodes = len(names)
+    if not req.hosts:
         nodes_text = str(args.num_nodes or "") or environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
         if not nodes_text or not nodes_text.isdigit() or int(nodes_text) < 1:
             raise LaunchError("--launcher slurm without --hostfile needs --num-nodes (or a Slurm allocation: "
@@ -329,21 +317,19 @@ def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
         if names and len(names) < nodes:
             raise LaunchError(f"--num-nodes {nodes}: the Slurm allocation has only {len(names)} node(s)")
         names = names[:nodes]
-        if args.nproc_per_node:
-            nproc = args.nproc_per_node
-        elif req.layout is not None and req.layout.world is not None and req.layout.world % nodes == 0:
-            nproc = req.layout.world // nodes
-        else:
-            raise LaunchError(f"--nproc-per-node is needed: the ranks per node of {req.name} on {nodes} Slurm node(s) "
+        if not nproc and layout is not None and layout.world is not None and layout.world % nodes == 0:
+            nproc = layout.world // nodes
+        if not nproc:
+            raise LaunchError(f"--nproc-per-node is needed: the ranks per node of {req.command[0]} on {nodes} Slurm node(s) "
                               "cannot be taken from the hostfile or the config")
-    check_layout(req.layout, nodes * nproc, f"{nodes} node(s) × {nproc}")
+    check_layout(layout, nodes * nproc, f"{nodes} node(s) × {nproc}")
     master = args.master_addr or names[0]
     srun = ["srun", "--nodes", str(nodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1", "--export=ALL"]
     if names:
         srun += ["--nodelist", ",".join(names)]
     argv = [*env_prefix(env), *srun, *req.torchrun(nodes, nproc, req.c10d(master))]
     return LaunchPlan("slurm", [Command("slurm", argv)],
-                      f"slurm launch of {req.name}: {nodes} node(s) × {nproc} ranks, {req.c10d_text(master)}")
+                      f"slurm launch of {req.command[0]}: {nodes} node(s) × {nproc} ranks, {req.c10d_text(master)}")
 
 
 def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
@@ -353,7 +339,7 @@ def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
     check_layout(req.layout, total, hosts_text(hosts))
     master = args.master_addr or hosts[0].name
     env = req.env.remote()
-    summary = f"{launcher} launch of {req.name}: {len(hosts)} host(s) ({hosts_text(hosts)}), {total} ranks, "
+    summary = f"{launcher} launch of {req.command[0]}: {len(hosts)} host(s) ({hosts_text(hosts)}), {total} ranks, "
     if launcher == "pdsh":
         nproc, devices = uniform_slots(hosts, "pdsh")
         remote = remote_command(req.cwd, with_devices(env, devices), req.torchrun(len(hosts), nproc, req.c10d(master)))
@@ -389,8 +375,7 @@ def _raise_stop(signum: int, frame: Any) -> None:
 
 
 def _stop_all(procs: list[subprocess.Popen], grace: float = STOP_GRACE_S) -> None:
-    """SIGTERM to each still-running process group (each child leads its own session), SIGKILL after
-    ``grace`` seconds, or at once on a second Ctrl-C."""
+    """SIGTERM to each running process group, SIGKILL after ``grace`` seconds (at once on a second Ctrl-C)."""
     for p in procs:
         if p.poll() is None:
             _signal_group(p, signal.SIGTERM)
@@ -421,11 +406,10 @@ def _pump(label: str, stream: Any, out: TextIO, lock: threading.Lock) -> None:
 
 
 def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Run the plan's commands, each in its own session; return the exit code (the first failing command's,
-    130 on interrupt). Ctrl-C, SIGTERM or a failing host stops the others (SIGTERM, SIGKILL after ``STOP_GRACE_S``)."""
-    out = out or sys.stdout
-    err = err or sys.stderr
-    prefix = plan.launcher == "ssh"
+    """Run the plan's commands, each in its own session; return the first failing one's exit code (130 on Ctrl-C).
+    Ctrl-C, SIGTERM or a failing host stops the others."""
+    out, err = out or sys.stdout, err or sys.stderr
+    prefix = plan.launcher == "ssh"  # ssh output gets a host prefix; the others keep the terminal
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -433,9 +417,8 @@ def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = No
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)} if in_main else {}
     try:
         for cmd in plan.commands:
-            pipe = subprocess.PIPE if prefix else None  # ssh output gets a host prefix; the others keep the terminal
             try:
-                p = subprocess.Popen(cmd.argv, stdin=subprocess.DEVNULL, stdout=pipe,
+                p = subprocess.Popen(cmd.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if prefix else None,
                                      stderr=subprocess.STDOUT if prefix else None, start_new_session=True)
             except OSError as exc:
                 _stop_all(procs)
@@ -443,25 +426,18 @@ def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = No
                                   "--launcher") from None
             procs.append(p)
             if prefix:
-                t = threading.Thread(target=_pump, args=(cmd.label, p.stdout, out, lock), daemon=True)
-                t.start()
-                pumps.append(t)
-        failed: tuple[str, int] | None = None
+                pumps.append(threading.Thread(target=_pump, args=(cmd.label, p.stdout, out, lock), daemon=True))
+                pumps[-1].start()
         while True:
             codes = [p.poll() for p in procs]
-            if failed is None:
-                bad = [(cmd.label, rc) for cmd, rc in zip(plan.commands, codes) if rc not in (None, 0)]
-                if bad:
-                    failed = bad[0]
-                    if len(procs) > 1 and any(rc is None for rc in codes):
-                        with lock:
-                            print(f"deepy: {failed[0]} exited with code {failed[1]}; stopping the other hosts",
-                                  file=err, flush=True)
-                        _stop_all(procs)
-                        codes = [p.poll() for p in procs]
-            if all(rc is not None for rc in codes):
+            failed = next(((cmd.label, rc) for cmd, rc in zip(plan.commands, codes) if rc not in (None, 0)), None)
+            if failed is not None or None not in codes:
                 break
             time.sleep(0.05)
+        if failed is not None and None in codes:
+            with lock:
+                print(f"deepy: {failed[0]} exited with code {failed[1]}; stopping the other hosts", file=err, flush=True)
+            _stop_all(procs)
     except (KeyboardInterrupt, _Stop) as exc:
         with lock:
             print("deepy: interrupted; stopping every launched process", file=err, flush=True)
@@ -472,12 +448,12 @@ def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = No
             signal.signal(s, handler)
         for t in pumps:
             t.join(timeout=5)
-    if failed is not None:
-        code = failed[1] if failed[1] > 0 else 128 - failed[1]  # killed by signal n → 128 + n, as a shell reports
-        if len(procs) > 1:
-            print(f"error: {failed[0]} failed with exit code {code}; its output is above", file=err)
-        return code
-    return 0
+    if failed is None:
+        return 0
+    code = failed[1] if failed[1] > 0 else 128 - failed[1]  # killed by signal n → 128 + n, as a shell reports
+    if len(procs) > 1:
+        print(f"error: {failed[0]} failed with exit code {code}; its output is above", file=err)
+    return code
 
 
 # ----------------------------------------------------------------------------- train.py's local ranks
@@ -488,8 +464,7 @@ def under_torchrun() -> bool:
 
 
 def single_rank_env() -> None:
-    """The environment of a one-rank torchrun on a free local port (train.py at world size 1 takes the same
-    code path as every launched rank)."""
+    """The environment of a one-rank torchrun on a free local port (train.py at world size 1)."""
     from .testing import free_port
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -497,9 +472,8 @@ def single_rank_env() -> None:
 
 
 def start_local(nproc: int, argv: list[str], log_dir: Path, save_dir: str | None, cpu: bool) -> int:
-    """Run ``nproc`` local ranks of this command (the running script, else the repository's train.py) with
-    torch.distributed.run in this process; return the exit code (a dead rank named in one line; after
-    SIGTERM/SIGINT 0 or 130 if the ranks saved in ``save_dir``, else 128 + signal: docs/launcher.md)."""
+    """Run ``nproc`` local ranks of this script (else the repository's train.py) with torch.distributed.run in this
+    process; return the exit code (docs/launcher.md, "train.py run plainly")."""
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

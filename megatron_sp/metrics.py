@@ -1,7 +1,5 @@
-"""Throughput numbers, the console and the run's metric sinks (metrics.jsonl, wandb, tensorboard).
-
-``throughput`` computes tokens/s, TFLOP/s and MFU (6N + 6·L·h·s FLOPs per token over ``Peak``, never
-above 1); ``MetricsLogger`` (rank 0 only) writes them. MFU, the CPU peak and file rotation: docs/metrics.md.
+"""Throughput (tokens/s, TFLOP/s, MFU ≤ 1), the console and the metric sinks (metrics.jsonl, wandb, tensorboard).
+MFU, the CPU peak and file rotation: docs/metrics.md.
 """
 from __future__ import annotations
 
@@ -40,9 +38,8 @@ def setup_logging(level: str, rank: int) -> None:
 
 
 class Peak:
-    """The MFU denominator of a run: peak FLOP/s of all its devices (0 = unknown, MFU 0). ``given``
-    (``logging.peak_tflops``): kept, MFU capped at 1. Otherwise measured, and raised to any achieved rate above it
-    (``on_raise(flops)`` caches the new total). Either warns once if ``warn``."""
+    """The MFU denominator: peak FLOP/s of all devices (0: unknown, MFU 0). ``given`` (logging.peak_tflops): MFU
+    capped at 1; measured: raised to any achieved rate above it (``on_raise`` caches it). See docs/metrics.md."""
 
     def __init__(self, flops: float, given: bool = False, on_raise: Callable[[float], object] | None = None,
                  warn: bool = True) -> None:
@@ -114,8 +111,7 @@ ETA_STEPS = 20  # steps the ETA looks back over
 
 
 def eta_seconds(step_seconds: Sequence[float], remaining: int) -> float:
-    """Seconds for ``remaining`` steps at the median of ``step_seconds`` (the last ``ETA_STEPS`` steps; inf when
-    empty)."""
+    """Seconds for ``remaining`` steps at the median of ``step_seconds`` (inf when empty)."""
     if remaining <= 0:
         return 0.0
     if not step_seconds:
@@ -126,8 +122,7 @@ def eta_seconds(step_seconds: Sequence[float], remaining: int) -> float:
 def format_eta(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
+    h, rem = divmod(int(seconds), 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
@@ -137,8 +132,8 @@ def _count(n: int) -> str:
 
 
 def parameter_summary(total: int, on_rank: int, tp: int, pp: int, vocab: int | None, padded_vocab: int) -> str:
-    """``5.12M parameters (2.63M on this rank: tp2 pp1)`` for the start-up line: ``total`` is the whole model
-    (a tied embedding once), ``on_rank`` this rank's tensors; both count padded vocabulary rows, as the line says."""
+    """``5.12M parameters (2.63M on this rank: tp2 pp1)``: the whole model (a tied embedding once) and this rank's
+    tensors, both with padded vocabulary rows."""
     text = f"{_count(total)} parameters"
     if tp * pp > 1:
         text += f" ({_count(on_rank)} on this rank: tp{tp} pp{pp})"
@@ -148,21 +143,18 @@ def parameter_summary(total: int, on_rank: int, tp: int, pp: int, vocab: int | N
 
 
 def _sink_missing(key: str) -> str:
-    """What to tell the user when the package of the optional sink ``logging.<key>`` is absent."""
     return f"logging.{key}=true needs {key}: pip install 'megatron_sp[logging]' (or set logging.{key}=false)"
 
 
 def check_sinks(cfg: Config) -> None:
-    """Raise the ``ConfigError`` of an enabled optional sink whose package is not installed (cheap: nothing
-    is imported; train.py calls it before any rank starts)."""
+    """Refuse an enabled optional sink whose package is not installed (nothing is imported)."""
     for key in ("wandb", "tensorboard"):
         if getattr(cfg.logging, key) and importlib.util.find_spec(key) is None:
             raise ConfigError(_sink_missing(key))
 
 
 def next_run_suffix(log_dir: Path) -> int:
-    """One more than the largest N of metrics.jsonl.N / tensorboard.N in ``log_dir`` (1 if none): the number
-    an earlier run's files get when a fresh run starts there (``config.yml.N`` follows the same number)."""
+    """The N an earlier run's metrics.jsonl.N / tensorboard.N / config.yml.N get in ``log_dir`` (1 + the largest)."""
     if not log_dir.is_dir():
         return 1
     taken = [int(p.name.rsplit(".", 1)[1]) for p in log_dir.iterdir()
@@ -212,7 +204,6 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ConfigError(_sink_missing("tensorboard")) from None
-            # On resume, TensorBoard drops the earlier run's events past the resume step, as metrics.jsonl does.
             self._tb = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"),
                                      purge_step=resume_step + 1 if resume_step else None)
 

@@ -1,9 +1,6 @@
-"""The multi-node side of the launcher: hosts, slots, the ranks' environment, remote command strings.
-
-``parse_hostfile`` → ``select_hosts`` (``--include``/``--exclude`` in DeepSpeed syntax,
-``--num-nodes``, ``--nproc-per-node``) → ``collect_env`` (``NCCL_*`` etc. from this shell,
-``.deepy_env``, ``--env``) → ``remote_command`` (every piece ``shlex.quote``d).
-Host names are restricted to ``[A-Za-z0-9._-]`` and never start with '-': see docs/launcher.md.
+"""The multi-node side of the launcher: hostfile, slot selection, the ranks' environment, remote command
+strings (every piece ``shlex.quote``d; host names only ``[A-Za-z0-9._-]``, never starting with '-').
+See docs/launcher.md.
 """
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ class Host:
 
 
 def check_hostname(name: str, where: str) -> str:
-    """``name`` normalised (lower case, no trailing '.': DNS names are case-insensitive and ``node1.`` is
-    ``node1``) if it is a plain host name or IPv4 address; a LaunchError naming ``where`` otherwise."""
+    """``name`` lower-cased without a trailing '.' if it is a plain host name or IPv4 address, else a LaunchError."""
     if not _HOST_RE.fullmatch(name) or name.startswith("-"):
         raise LaunchError(f"{where}: host name {name!r} is not allowed: use only letters, digits, '.', '_' and '-' "
                           "and do not start with '-' (for user@host, ports or IPv6 use an alias in ~/.ssh/config)")
@@ -123,18 +119,14 @@ def select_hosts(pool: Mapping[str, int], hostfile: str, include: str | None = N
     """The hosts and slots of the launch, in hostfile order."""
     if include and exclude:
         raise LaunchError("--include and --exclude cannot be combined; use one of them")
-    if include:
-        chosen = parse_host_spec(include, "--include", pool, hostfile)
-        hosts = [Host(h, chosen[h] or tuple(range(pool[h]))) for h in pool if h in chosen]
-    else:
-        dropped = parse_host_spec(exclude, "--exclude", pool, hostfile) if exclude else {}
-        hosts = []
-        for h, n in pool.items():
-            if h in dropped and dropped[h] is None:
-                continue
-            slots = tuple(s for s in range(n) if s not in (dropped.get(h) or ()))
-            if slots:
-                hosts.append(Host(h, slots))
+    spec = parse_host_spec(include or exclude, "--include" if include else "--exclude", pool, hostfile) \
+        if include or exclude else {}
+    hosts = []
+    for h, n in pool.items():
+        listed = (spec[h] or tuple(range(n))) if h in spec else ()  # None: the whole host
+        slots = listed if include else tuple(s for s in range(n) if s not in listed)
+        if slots:
+            hosts.append(Host(h, slots))
     if not hosts:
         raise LaunchError(f"--exclude {exclude!r} leaves no host of {hostfile}")
     if num_nodes is not None:  # (>= 1: checked with the other launcher options)
@@ -154,8 +146,7 @@ def select_hosts(pool: Mapping[str, int], hostfile: str, include: str | None = N
 
 @dataclass
 class EnvSpec:
-    """Variables for every rank: ``auto`` (copied from this shell; remote launchers only) and
-    ``explicit`` (``.deepy_env`` and ``--env``; every launcher)."""
+    """Variables for every rank: ``auto`` (from this shell; remote launchers) and ``explicit`` (.deepy_env, --env)."""
 
     auto: dict[str, str] = field(default_factory=dict)
     explicit: dict[str, str] = field(default_factory=dict)

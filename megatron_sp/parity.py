@@ -1,8 +1,5 @@
-"""Gather every parameter's full (unsharded) gradient by name: the parity standard's witness (docs/parity.md).
-
-``full_main_grads`` reassembles the reduced gradients from any layout (TP shards gathered, PP stages
-merged; DP/CP replicas are identical), ``grad_diffs`` measures max|Δ| / max|ref| per parameter, and
-``load_grads`` / ``compare_runs`` read and compare two runs' ``logging.dump_grads_step`` dumps.
+"""Full (unsharded) gradients by name from any layout, and the comparison of two runs under the parity
+standard (loss, step-1 grad norm, ``logging.dump_grads_step`` dumps). See docs/parity.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
-"""Run a function on several gloo ranks: the multi-rank test harness.
+"""Run a function on several gloo ranks: the multi-rank test harness (in the package: training and tools use it).
 
-``run_distributed(fn, world_size, **kwargs)`` starts ``world_size`` processes from a ``forkserver``
-with torch preloaded (a launch costs a fork, not an import); each rank uses one thread, joins a gloo
-group on a free localhost port and returns ``fn(rank, world_size, **kwargs)``. A rank that raises
-makes it raise ``RankError`` naming that rank; the others are terminated. ``fn`` must be a
-module-level function (of an importable module or of ``__main__``). In the package, not under
-tests/, because training and tools use it: docs/parity.md, "Other oracles".
+``run_distributed(fn, world_size, **kwargs)`` forks ``world_size`` ranks from a ``forkserver`` with torch
+preloaded; each joins a gloo group on a free localhost port and returns ``fn(rank, world_size, **kwargs)``
+(a module-level function). A rank that raises makes it raise ``RankError`` naming that rank. See docs/parity.md.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import multiprocessing as mp
 import os
@@ -24,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 _PRELOAD = ["torch", "torch.distributed", "megatron_sp.testing"]
-_CTX: Any = None
 
 
 class RankError(RuntimeError):
@@ -35,12 +32,11 @@ class RankError(RuntimeError):
         self.rank = rank
 
 
+@functools.cache
 def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(_PRELOAD)
-    return _CTX
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -96,50 +92,47 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
-    error: RankError | None = None
-    deadline = time.monotonic() + timeout_s + 30
-    pending: list[Any] = []
     errors: list[tuple[float, int, str]] = []  # (when it raised, rank, traceback)
-    while len(out) < world_size and error is None:
-        item = pending.pop(0) if pending else _get(results, 0.05)
+    failure: RankError | None = None  # a rank that died without reporting, or the timeout
+
+    def take(item: Any) -> None:
+        rank, status, data = item
+        if status == "ok":
+            out[rank] = pickle.loads(data)
+        else:
+            errors.append((data[0], rank, data[1]))
+
+    deadline = time.monotonic() + timeout_s + 30
+    while len(out) < world_size and not errors and failure is None:
+        item = _get(results, 0.05)
+        dead = [r for r, p in enumerate(procs) if r not in out and not p.is_alive() and p.exitcode not in (None, 0)]
+        if item is None and dead:
+            item = _get(results, 0.5)  # its report may still be in the pipe
+            if item is None:
+                failure = RankError(dead[0], f"process exited with code {procs[dead[0]].exitcode} without reporting")
         if item is not None:
-            rank, status, data = item
-            if status == "ok":
-                out[rank] = pickle.loads(data)
-            else:
-                errors.append((data[0], rank, data[1]))
-                error = RankError(rank, data[1])
-            continue
-        for r, p in enumerate(procs):
-            if r not in out and not p.is_alive() and p.exitcode not in (None, 0):
-                late = _get(results, 0.5)  # its report may still be in the pipe
-                if late is not None:
-                    pending.append(late)
-                    break
-                error = RankError(r, f"process exited with code {p.exitcode} without reporting")
-                break
-        if time.monotonic() > deadline:
+            take(item)
+        elif time.monotonic() > deadline:
             missing = [r for r in range(world_size) if r not in out]
-            error = RankError(missing[0], f"timed out after {timeout_s:.0f}s; ranks {missing} did not finish")
-    if error is not None:
+            failure = RankError(missing[0], f"timed out after {timeout_s:.0f}s; ranks {missing} did not finish")
+    if errors or failure is not None:
         # Give the other ranks a moment to report their own errors, then stop them. The error that
         # was raised first is the cause; the others are usually peers losing their connection to it.
         grace = time.monotonic() + 1.0
         while time.monotonic() < grace and any(p.is_alive() for p in procs):
             item = _get(results, 0.02)
             if item is not None and item[1] == "error":
-                errors.append((item[2][0], item[0], item[2][1]))
+                take(item)
         if errors:
-            _, rank, detail = min(errors)
-            error = RankError(rank, detail)
+            failure = RankError(*min(errors)[1:])
         for p in procs:
             if p.is_alive():
                 p.kill()
     for p in procs:
         p.join(timeout=10)
     results.close()
-    if error is not None:
-        raise error
+    if failure is not None:
+        raise failure
     return [out[r] for r in range(world_size)]
 
 

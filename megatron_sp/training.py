@@ -1,10 +1,7 @@
 """The training loop: step → metrics → checkpoint cadence, on every rank.
 
-``run(cfg)``: ``setup`` (process groups → data → model → optimizer → resume) then ``_loop``.
-One step (``train_step``) is short and linear: this rank's batch (``data.batching``) → micro-batches
-→ forward/backward with ``loss = Σ token losses / global valid tokens`` (gradients summed over
-dp_cp, never averaged) → finalize grads → global grad norm, clip, optimizer step.
-The command line is ``train.py``; starting local ranks is ``launcher.py``.
+``run(cfg)``: ``setup`` (process groups → data → model → optimizer → resume) then ``_loop``. ``train_step`` is
+short and linear: ``loss = Σ token losses / global valid tokens``, gradients summed over dp_cp (never averaged).
 """
 from __future__ import annotations
 
@@ -25,7 +22,9 @@ from torch import nn
 
 from . import checkpointing, config as config_mod, device as device_mod, faults, metrics as metrics_mod
 from .config import Config
+from .data import build_datasets, build_tokenizer, check_inputs, ensure_demo_data
 from .data.batching import next_train_batch, rank_batch
+from .data.index_cache import atomic_file
 from .errors import TrainingError
 from .mpu import ParallelContext, ParallelDims, ParallelState, comm, init_default_group, initialize
 from .mpu.random import get_tracker, init_rng
@@ -33,14 +32,15 @@ from .optim.grad_scaler import DynamicLossScaler
 from .optim import DistributedOptimizer, lr_at, named_trainable
 from .parity import full_main_grads
 from .pipeline.executor import ScheduleStats, agree_costs, forward_backward, forward_only
-from .pipeline.partition import tied_embedding_params
+from .model import count_parameters, flops_per_token, generate
+from .model.transformer import compile_cache_dir
+from .pipeline.partition import build_stage, stage_chunks, tied_embedding_params
 
 log = logging.getLogger("megatron_sp")
 
 
 def prepare_inputs(cfg: Config) -> Any:
     """Build the demo data if asked and absent; load the tokenizer and derive the vocab sizes; open the dataset."""
-    from .data import build_tokenizer, check_inputs, ensure_demo_data
     if cfg.data.build_demo:
         ensure_demo_data(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
@@ -74,9 +74,6 @@ class Runtime:
 
 def setup(cfg: Config) -> Runtime:
     """Everything before the first step, on every rank."""
-    from .data import build_datasets
-    from .pipeline.partition import build_stage
-
     p = cfg.parallel
     if not dist.is_initialized():  # from torchrun's environment (train.py at world size 1: launcher.single_rank_env)
         init_default_group(p.backend, p.timeout_s)  # type: ignore[arg-type]
@@ -103,12 +100,9 @@ def setup(cfg: Config) -> Runtime:
     if cfg.train.compile:
         model.compile_regions()  # compiled at the first step (logged after the second)
     if state.pp_size > 1:
-        from .pipeline.partition import stage_chunks
         stages = "; ".join(f"stage {r}: " + ", ".join(f"{c.start}-{c.stop - 1}" for c in stage_chunks(
             cfg.model, p.pp, r, p.virtual_stages, p.pp_partition)) for r in range(p.pp))
         log.info("pipeline: schedule %s, partition %s, layers %s", p.pp_schedule, p.pp_partition, stages)
-    # Gradients: fp32 main-grad buffer reduced over dp_cp in buckets during backward; bf16 keeps bf16
-    # params with fp32 masters; parallel.zero=1 shards the optimizer state and masters over dp_cp.
     optimizer = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
                                      precision=cfg.train.precision)
     t = cfg.train
@@ -156,13 +150,33 @@ def _global_sum(values: list[float], rt: Runtime) -> list[float]:
 
 def train_step(rt: Runtime) -> dict[str, float]:
     """One optimizer step over one global batch. Returns loss, grad_norm, lr, tokens, stepped."""
-    cfg, opt = rt.cfg, rt.optimizer
+    cfg, opt, st = rt.cfg, rt.optimizer, rt.state
     opt.zero_grad()
     batch = next_train_batch(rt)
     global_tokens = _global_sum([float(batch["loss_mask"].sum())], rt)[0]
-    loss_sum = _forward_backward(rt, _micro_batches(batch, cfg), denom=max(global_tokens, 1.0))
-    _finalize_grads(rt)
-    global_loss = _global_loss(loss_sum, rt)
+    denom = max(global_tokens, 1.0)
+
+    def loss_fn(token_losses: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (token_losses.float() * mb["loss_mask"]).sum() / denom
+
+    # The pipeline schedule (plain accumulation when pp == 1); the optimizer reduces gradients over dp_cp from the
+    # last gradient-producing action on. Zero-bubble: list-scheduled on the action costs of the previous step.
+    stats = ScheduleStats()
+    loss_sum = forward_backward(rt.model, _micro_batches(batch, cfg), st, loss_fn, cfg.parallel.pp_schedule,
+                                lambda on: setattr(opt, "sync_grads", on),
+                                grad_scale=rt.scaler.scale if rt.scaler.enabled else 1.0,
+                                forward_context=lambda: _autocast(cfg, rt.device), stats=stats,
+                                costs=rt.pipeline_costs)
+    if cfg.parallel.pp_schedule == "zero_bubble" and st.pp_size > 1:
+        rt.pipeline_costs = agree_costs(stats, st)
+    opt.finish_grad_sync()
+    tied = tied_embedding_params(rt.model, st)
+    if tied:  # tied input/output embeddings on the first and last stage: sum their grads
+        opt.sync_grads_over(tied, st.embedding_group)
+    if rt.scaler.enabled:
+        opt.scale_grads(rt.scaler.inv_scale)
+    loss_sum = comm.all_reduce(loss_sum, st.pp_group)  # the loss lives on the last stage
+    global_loss = _global_sum([loss_sum.item()], rt)[0]
     if cfg.logging.dump_grads_step == rt.step + 1:
         dump_grads(rt)
     lr = lr_at(rt.step, cfg.train)
@@ -176,42 +190,6 @@ def train_step(rt: Runtime) -> dict[str, float]:
 def _micro_batches(batch: dict[str, torch.Tensor], cfg: Config) -> list[dict[str, torch.Tensor]]:
     micro = cfg.train.micro_batch_size
     return [{k: v[i * micro:(i + 1) * micro] for k, v in batch.items()} for i in range(cfg.train.grad_accum_steps)]  # type: ignore[arg-type]
-
-
-def _forward_backward(rt: Runtime, micro_batches: list[dict[str, torch.Tensor]], denom: float) -> torch.Tensor:
-    """The pipeline schedule (plain accumulation when pp == 1); returns this stage's loss sum. The optimizer reduces
-    gradients over dp_cp from the last gradient-producing action on. Zero-bubble: each step's table is list-scheduled
-    on the action costs measured in the previous one."""
-    cfg, opt, st = rt.cfg, rt.optimizer, rt.state
-
-    def loss_fn(token_losses: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        return (token_losses.float() * mb["loss_mask"]).sum() / denom
-
-    stats = ScheduleStats()
-    loss_sum = forward_backward(rt.model, micro_batches, st, loss_fn, cfg.parallel.pp_schedule,
-                                lambda on: setattr(opt, "sync_grads", on),
-                                grad_scale=rt.scaler.scale if rt.scaler.enabled else 1.0,
-                                forward_context=lambda: _autocast(cfg, rt.device), stats=stats,
-                                costs=rt.pipeline_costs)
-    if cfg.parallel.pp_schedule == "zero_bubble" and st.pp_size > 1:
-        rt.pipeline_costs = agree_costs(stats, st)
-    return loss_sum
-
-
-def _finalize_grads(rt: Runtime) -> None:
-    """dp_cp reduction done, tied embedding grads summed over the embedding group, loss scale undone."""
-    opt, st = rt.optimizer, rt.state
-    opt.finish_grad_sync()
-    tied = tied_embedding_params(rt.model, st)
-    if tied:  # tied input/output embeddings on the first and last stage: sum their grads
-        opt.sync_grads_over(tied, st.embedding_group)
-    if rt.scaler.enabled:
-        opt.scale_grads(rt.scaler.inv_scale)
-
-
-def _global_loss(loss_sum: torch.Tensor, rt: Runtime) -> float:
-    loss_sum = comm.all_reduce(loss_sum, rt.state.pp_group)  # the loss lives on the last stage
-    return _global_sum([loss_sum.item()], rt)[0]
 
 
 def _check_step(rt: Runtime, stepped: bool, grad_norm: float, loss: float) -> None:
@@ -234,10 +212,8 @@ def dump_grads(rt: Runtime) -> None:
     """Write every parameter's full gradient (after reduction, before clipping) on rank 0."""
     grads = full_main_grads(rt.model, rt.optimizer, rt.state)
     if rt.state.rank == 0:
-        path = Path(rt.cfg.logging.dir) / f"grads_step{rt.step + 1}.pt"
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(grads, tmp)
-        tmp.replace(path)
+        with atomic_file(Path(rt.cfg.logging.dir) / f"grads_step{rt.step + 1}.pt") as f:
+            torch.save(grads, f)
 
 
 @torch.no_grad()
@@ -283,16 +259,10 @@ def run(cfg: Config) -> Runtime:
 
 
 def _loop(rt: Runtime) -> None:
-    from .model import count_parameters, flops_per_token, generate
-    from .model.transformer import compile_cache_dir
-
     cfg, st = rt.cfg, rt.state
-    rank0 = st.rank == 0
-    metrics = metrics_mod.MetricsLogger(cfg, enabled=rank0, resume_step=rt.step)
-    inner = getattr(rt.model, "module", rt.model)
-    # The whole model from the config (every TP shard and PP stage), and what this rank holds.
+    metrics = metrics_mod.MetricsLogger(cfg, enabled=st.rank == 0, resume_step=rt.step)
     params = metrics_mod.parameter_summary(count_parameters(cfg.model, exclude_embeddings=False),
-                                           inner.num_parameters(), st.tp_size, st.pp_size, cfg.model.vocab_size,
+                                           rt.model.num_parameters(), st.tp_size, st.pp_size, cfg.model.vocab_size,
                                            cfg.model.padded_vocab_size)  # type: ignore[arg-type]
     peak = metrics_mod.peak_flops_total(cfg, st, rt.device)
     fpt = flops_per_token(cfg.model)
@@ -324,8 +294,7 @@ def _loop(rt: Runtime) -> None:
         done = rt.step == cfg.train.iters
         if rt.step % cfg.logging.interval == 0 or done:
             device_mod.synchronize(rt.device)
-            now = time.perf_counter()
-            rate = metrics_mod.throughput(tokens_per_step * len(window), now - t_window - paused, fpt, peak)
+            rate = metrics_mod.throughput(tokens_per_step * len(window), time.perf_counter() - t_window - paused, fpt, peak)
             record = {"step": rt.step, "loss": float(np.mean([w["loss"] for w in window])), "lr": out["lr"],
                       "grad_norm": out["grad_norm"], "tokens_per_s": rate["tokens_per_s"], "tflops": rate["tflops"],
                       "mfu": rate["mfu"], "memory_bytes": device_mod.memory_bytes(rt.device),
@@ -364,11 +333,11 @@ def _loop(rt: Runtime) -> None:
         log.info("no sample: generation through pipeline stages is not available yet (parallel.pp > 1)")
     elif cfg.train.sample_prompt and st.dp_rank == 0 and st.cp_rank == 0:  # one model replica (its TP ranks) decodes
         ids = rt.tokenizer.encode(cfg.train.sample_prompt)
-        inner.compile_regions(False)  # decoding shapes change every call: eager, not one compile per length
-        cp_group, inner.cp_group = inner.cp_group, comm.LOCAL  # weights are replicated over CP: decode alone
+        rt.model.compile_regions(False)  # decoding shapes change every call: eager, not one compile per length
+        cp_group, rt.model.cp_group = rt.model.cp_group, comm.LOCAL  # weights are replicated over CP: decode alone
         try:
-            out_ids = generate(inner, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)
+            out_ids = generate(rt.model, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)
         finally:
-            inner.cp_group = cp_group
+            rt.model.cp_group = cp_group
         log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(out_ids[len(ids):]))
 

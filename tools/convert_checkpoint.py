@@ -43,7 +43,6 @@ from megatron_sp.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf
 log = logging.getLogger("megatron_sp")
 
 HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama"}
-STEP0 = "iter_0000000"
 
 
 def detect_format(path: Path) -> str:
@@ -182,13 +181,8 @@ def relayout(src: Path, out: Path, iteration: int | None, tp: int | None, pp: in
 
 
 def sentencepiece_to_tokenizers(model: Path) -> Any:
-    """A ``tokenizers.Tokenizer`` that encodes like our SentencePiece BPE model (no protobuf needed).
-
-    Our models (byte fallback, identity normalisation, no dummy prefix or whitespace split) map to:
-    spaces → "▁", no pre-tokenizer, BPE over the same pieces with merges ranked by the merged piece's
-    score, byte fallback. Unlike ``SentencePieceTokenizer``, a literal "▁" encodes as a space and the
-    control pieces' text (``</s>``) maps to those ids.
-    """
+    """A ``tokenizers.Tokenizer`` that encodes like our SentencePiece BPE model, without protobuf (the mapping:
+    docs/checkpoints.md, "Converting")."""
     import sentencepiece as spm
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 

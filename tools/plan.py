@@ -7,9 +7,8 @@
     python tools/plan.py --conf configs/demo.yml --verify --set parallel.dp=1 parallel.tp=2 \\
         parallel.sequence_parallel=true
 
-Prints the config's own layout per rank (memory by kind, bytes sent per step per dimension), then
-every tp·pp·cp·dp = --devices the config loader accepts, fitting and fastest first; ``--verify`` runs
-the config on CPU gloo ranks beside the prediction. The model: ``tools/planner/``, docs/planner.md.
+Prints the config's own layout per rank, then every tp·pp·cp·dp = --devices layout the config loader
+accepts, fitting and fastest first; --verify measures the config on CPU gloo ranks. See docs/planner.md.
 """
 from __future__ import annotations
 
@@ -148,7 +147,7 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
         worst = lp.worst
         verdict = "fits" if worst.total <= memory else "does NOT fit"
         print(f"  worst rank: stage {worst.pp_rank}, {B(worst.total)} of {B(memory)}: {verdict}")
-    print(f"\n{'communication per step per rank (bytes sent)':<43}" + "".join(f"{f'stage {r.pp_rank}':>{width}}" for r in shown))
+    print(f"\n{'communication per step per rank (bytes sent)':<43}{header}")
     dims = {"tp": "TP", "cp": "CP", "pp": "PP p2p", "dp": "DP grads/params", "other": "scalars"}
     for dim, label in dims.items():
         ops = sorted({op for r in shown for op in r.comm.get(dim, {})})

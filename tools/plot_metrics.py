@@ -24,7 +24,6 @@ if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout witho
 from megatron_sp.errors import DataError, OneLineArgumentParser, UserError
 
 
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("metrics", nargs="+", metavar="METRICS_JSONL",

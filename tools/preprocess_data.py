@@ -1,24 +1,13 @@
 #!/usr/bin/env python
-"""Tokenize JSONL corpora into Megatron indexed datasets (PREFIX_{key}_document.bin/.idx).
+"""Tokenize JSONL corpora into Megatron indexed datasets (PREFIX_{key}_document.bin/.idx, byte-compatible with
+megatron-core), or convert samples packed the Hugging Face way (--packed-samples) for data.packing=position_ids.
 
-    python tools/preprocess_data.py --input data/demo/corpus.jsonl --output-prefix data/demo/demo \\
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model --append-eod \\
-        --workers 2
-
-The flags follow Megatron-LM's tools/preprocess_data.py; the output files are byte-compatible
-with megatron-core's IndexedDataset (uint16 tokens below 65500 ids, else int32). Each JSON line
-becomes one document; --split-sentences writes one sequence per sentence (PREFIX_{key}_sentence).
-Existing outputs are never replaced unless --overwrite is given; the outputs appear (renamed from
-temporary names) only when all of them are complete, so a failed run leaves nothing behind.
-
---packed-samples converts samples packed the Hugging Face way (Axolotl multipack,
-DataCollatorWithFlattening; datasets.Dataset.to_json): one line per sample with input_ids,
-position_ids (0 at each document start) and optional labels (-100: not trained), padded to
---seq-length + 1 tokens, into OUTPUT_PREFIX_packed (+ _positions, _labels); train it with
-data.packing=position_ids data.paths=[OUTPUT_PREFIX_packed]:
-
+    python tools/preprocess_data.py --input data/demo/corpus.jsonl --output-prefix data/demo/demo \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model --append-eod --workers 2
     python tools/preprocess_data.py --packed-samples --seq-length 2048 --input packed.jsonl \
         --output-prefix data/hf/chat --tokenizer-type hf --tokenizer-model path/to/tokenizer.json
+
+The outputs appear only once all are complete; existing ones are kept unless --overwrite. Details: docs/data.md.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Save and load training checkpoints: sharded, layout-free, atomic, optionally asynchronous.
 
-Each rank writes only the boxes of the global tensors (``model/NAME``, ``optim/NAME/KEY``) it holds
-to its own safetensors file; any (tp, pp, cp, dp, ZeRO) layout loads any other, and the same layout
-also restores every rank's RNG. A save is renamed into place (then ``latest``) once complete; with
-``checkpoint.async_save`` a thread writes it and ``Checkpointer.poll()`` finishes it. Directory
-layout, atomicity and run ownership (``ownership.py``): docs/checkpoints.md.
+Each rank writes the boxes of the global tensors it holds (``model/NAME``, ``optim/NAME/KEY``) to its own
+safetensors file; any (tp, pp, cp, dp, ZeRO) layout loads any other. Directory layout, atomicity,
+asynchronous saves and run ownership (``ownership.py``): docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -27,20 +25,13 @@ from ..mpu.random import RNGTracker
 from ..mpu.sharding import is_sharded, is_tied_copy, stored_name, stored_shape
 from ..optim import DistributedOptimizer, named_trainable
 from . import store
-from .ownership import FORMAT_VERSION as FORMAT_VERSION, LOCK_FILE as LOCK_FILE, Lineage as Lineage
-from .ownership import SaveDirLock as SaveDirLock, check_output_dir as check_output_dir
-from .ownership import check_save_dir as check_save_dir, claim_save_dir as claim_save_dir
-from .ownership import lineage_of as lineage_of, read_meta as read_meta, resolve as resolve
-from .ownership import resume_source as resume_source
-from .ownership import _peek_meta, _step_of, expired
-from .store import INDEX as INDEX, Reader as Reader
+from .ownership import (FORMAT_VERSION, LOCK_FILE, Lineage, SaveDirLock, _peek_meta, _step_of,  # noqa: F401
+                        check_output_dir, check_save_dir, claim_save_dir, expired, lineage_of, read_meta, resolve,
+                        resume_source)
+from .store import INDEX, Reader
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
 log = logging.getLogger("megatron_sp")
-
-
-def step_dir(step: int) -> str:
-    return f"iter_{step:07d}"
 
 
 def writer_layout(cfg: Config) -> dict[str, int]:
@@ -106,8 +97,7 @@ class _Pending:
 
 
 class Checkpointer:
-    """Writes the checkpoints of one run (every rank holds one; ``save``/``poll``/``wait`` are collective).
-    ``lineage``: the run's history (``Lineage.start`` from the checkpoint it loaded); None: a fresh run."""
+    """Writes the checkpoints of one run (``save``/``poll``/``wait`` are collective); ``lineage`` None: a fresh run."""
 
     def __init__(self, cfg: Config, state: ParallelState | None, dev: torch.device,
                  lineage: Lineage | None = None) -> None:
@@ -130,7 +120,7 @@ class Checkpointer:
         self.wait()
         asynchronous = self.cfg.checkpoint.async_save if asynchronous is None else asynchronous
         root = Path(self.cfg.checkpoint.save)  # type: ignore[arg-type]
-        final, tmp = root / step_dir(step), root / f".tmp_{step_dir(step)}"
+        final, tmp = root / f"iter_{step:07d}", root / f".tmp_iter_{step:07d}"
         refusal = self._foreign(final) if self.rank == 0 else None
         if self.rank == 0 and refusal is None:
             if tmp.exists():
@@ -181,8 +171,8 @@ class Checkpointer:
                 "not in this run's history; move it away or set checkpoint.overwrite=true to replace it")
 
     def poll(self) -> bool:
-        """Finish an asynchronous save if every rank has written its file; True when none is in flight.
-        Collective while a save is in flight: call it on every rank after each step."""
+        """Finish an asynchronous save if every rank has written its file; True when none is in flight
+        (collective while one is: call it on every rank after each step)."""
         job = self.pending
         if job is None:
             return True
@@ -233,8 +223,7 @@ def _publish(tmp: Path, final: Path, keep: int, lineage: Lineage) -> None:
 def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
          state: ParallelState | None, dev: torch.device, tracker: RNGTracker | None = None,
          extra: dict[str, Any] | None = None, lineage: Lineage | None = None) -> Path:
-    """Collectively write the checkpoint of ``step`` and return its directory (synchronous).
-    ``extra``: more JSON-able state for meta.json. ``lineage`` None: each call is a fresh run."""
+    """Collectively write the checkpoint of ``step`` (``extra``: more meta.json state) and return its directory."""
     return Checkpointer(cfg, state, dev, lineage).save(step, consumed_samples, model, optimizer, tracker, extra,
                                                        asynchronous=False)
 
@@ -274,8 +263,7 @@ def _read_local(reader: Reader, name: str, p: nn.Parameter, state: ParallelState
 
 
 def load_model_state(model: nn.Module, ckpt: Path, state: ParallelState | None, reader: Reader | None = None) -> None:
-    """Copy this rank's shards of the checkpoint's tensors into ``model`` (names and full shapes must match;
-    a pipeline stage checks only the names it holds)."""
+    """Copy this rank's shards into ``model`` (names and full shapes must match; a pipeline stage checks its own)."""
     reader = reader or Reader(ckpt)
     own = {stored_name(n, p): p for n, p in named_trainable(model)}
     saved = {n[len("model/"):] for n in reader.names("model/")}
@@ -315,9 +303,8 @@ def _load_optimizer(model: nn.Module, optimizer: DistributedOptimizer, reader: R
 def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None,
          dev: torch.device, seed: int, tracker: RNGTracker | None = None,
          layout: dict[str, int] | None = None) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG; return the meta (step, consumed samples). RNG states load only
-    when ``layout`` (``writer_layout(cfg)``) equals the writer's, else every rank reseeds from seed, step and rank. A
-    converted checkpoint may hold weights only (fresh optimizer)."""
+    """Restore model, optimizer and this rank's RNG (only when ``layout`` is the writer's, else reseeded from seed,
+    step and rank); return the meta. A converted checkpoint may hold weights only (fresh optimizer)."""
     meta = read_meta(ckpt)
     reader = Reader(ckpt)
     rank, world_size = (state.rank, state.dims.world_size) if state is not None else (0, 1)

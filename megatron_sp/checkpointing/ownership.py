@@ -1,8 +1,7 @@
 """Run ownership of a save directory: nothing the user did not ask for is overwritten or deleted.
 
-``Lineage`` (run ids in meta.json), the checks before training (``check_save_dir``), the lock
-(``SaveDirLock``), what ``keep`` deletes (``expired``), and which checkpoint a path names
-(``resolve``, ``read_meta``). The rules: docs/checkpoints.md, "Run ownership".
+``Lineage`` (run ids in meta.json), ``check_save_dir``, the lock (``SaveDirLock``), what ``keep``
+deletes (``expired``) and which checkpoint a path names (``resolve``): docs/checkpoints.md, "Run ownership".
 """
 from __future__ import annotations
 
@@ -105,12 +104,11 @@ def lineage_of(meta: dict[str, Any]) -> tuple[tuple[str, int], ...]:
 
 
 def _peek_meta(ckpt: Path) -> dict[str, Any] | None:
-    """meta.json of a checkpoint directory, or None when it is missing or unreadable (no checks)."""
+    """meta.json of a checkpoint directory, or None when it is missing, unreadable or of another format."""
     try:
-        meta = json.loads((ckpt / "meta.json").read_text())
-    except (OSError, ValueError):
+        return read_meta(ckpt)
+    except DataError:
         return None
-    return meta if isinstance(meta, dict) else None
 
 
 def _step_of(name: str) -> int | None:
@@ -125,8 +123,7 @@ def _names(names: list[str], most: int = 3) -> str:
 
 
 def check_output_dir(path: str | Path, key: str) -> None:
-    """Refuse (one ``ConfigError`` naming ``key``) a directory path that is, or lies under, a regular file,
-    or whose nearest existing folder is not writable."""
+    """Refuse a directory path ``key`` that is or lies under a file, or whose nearest existing folder is read-only."""
     target = Path(path)
     probe = target
     while not probe.exists() and probe.parent != probe:
@@ -139,8 +136,7 @@ def check_output_dir(path: str | Path, key: str) -> None:
 
 
 def resume_source(cfg: Config) -> Path | None:
-    """The checkpoint a run starts from: checkpoint.save's ``latest`` under auto_resume when it exists,
-    else checkpoint.load's; None for a fresh run."""
+    """The checkpoint a run starts from: under auto_resume checkpoint.save's ``latest`` if any, else checkpoint.load."""
     c = cfg.checkpoint
     if c.auto_resume and c.save and (Path(c.save) / "latest").is_file():
         return resolve(c.save)
@@ -154,9 +150,8 @@ def _saves(cfg: Config, step: int) -> bool:
 
 
 def check_save_dir(cfg: Config, lock: SaveDirLock | None = None) -> None:
-    """Refuse, before training, a ``checkpoint.save`` this run may not write into (one ``ConfigError``):
-    a file, another run's lock (unless ``lock`` is ours), or (unless ``checkpoint.overwrite``) another
-    run's checkpoints or step directories outside this run's history."""
+    """Refuse a ``checkpoint.save`` this run may not write into: a file, another run's lock (unless ``lock`` is
+    ours), or (unless ``checkpoint.overwrite``) checkpoints outside this run's history."""
     c = cfg.checkpoint
     if not c.save:
         return
@@ -186,8 +181,8 @@ def check_save_dir(cfg: Config, lock: SaveDirLock | None = None) -> None:
 
 
 class SaveDirLock:
-    """Exclusive use of a save directory: a non-blocking ``fcntl.flock`` on ``SAVE_DIR/.lock`` (which
-    records the holder), released by ``release`` or by the kernel at exit. The file stays (deleting races)."""
+    """Exclusive use of a save directory: a non-blocking ``flock`` on ``SAVE_DIR/.lock`` (naming the holder),
+    released by ``release`` or at exit. The file stays (deleting it races)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -254,8 +249,7 @@ def claim_save_dir(cfg: Config) -> Iterator[None]:
 
 
 def expired(root: Path, keep: int, lineage: Lineage, latest: str) -> list[str]:
-    """The checkpoints of ``root`` that ``keep`` deletes: ``lineage``'s history beyond the newest ``keep``
-    (none when ``keep`` <= 0), never ``latest`` nor the checkpoint the run loaded."""
+    """``lineage``'s checkpoints in ``root`` beyond the newest ``keep`` (if > 0), never ``latest`` nor the loaded one."""
     if keep <= 0:
         return []
     history = sorted((m["step"], p.name) for p in root.glob("iter_*") if p.is_dir()

@@ -1,7 +1,5 @@
-"""A layout-free tensor store: boxes of global tensors in per-rank safetensors files, one JSON index.
-
-A reader gets any box of any tensor assembled from the stored boxes that overlap it, so the writing
-layout never matters. Format and design (why not ``torch.distributed.checkpoint``): docs/checkpoints.md.
+"""A layout-free tensor store: boxes of global tensors in per-rank safetensors files, one JSON index; a
+reader assembles any box of any tensor from the stored boxes. Format and design: docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -85,13 +83,8 @@ def boxes_of_flat(name: str, flat: torch.Tensor, start: int, local_shape: Sequen
     for flat_start, offs, lens in flat_boxes(start, start + flat.numel(), local_shape):
         piece = flat[flat_start - start:flat_start - start + math.prod(lens)].view(lens)
         goffs = [o + s for o, s in zip(offs, shift)]
-        for dim, limit in enumerate(clip):
-            if goffs[dim] >= limit:
-                piece = None
-                break
-            if goffs[dim] + piece.shape[dim] > limit:
-                piece = piece.narrow(dim, 0, limit - goffs[dim])
-        if piece is not None and piece.numel():
+        piece = piece[tuple(slice(0, max(0, limit - o)) for o, limit in zip(goffs, clip))]
+        if piece.numel():
             out.append(Box(name, tuple(goffs), piece.detach().to("cpu", copy=True).contiguous()))
     return out
 
@@ -123,10 +116,8 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
 
 def write_file(path: Path, boxes: Sequence[Box], extra: dict[str, torch.Tensor] | None = None) -> None:
     """One safetensors file holding ``boxes`` (and ``extra`` tensors under their own keys), fsynced."""
-    tensors = {b.key: b.data for b in boxes}
-    tensors.update(extra or {})
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_safetensors(tensors, path)
+    save_safetensors({**{b.key: b.data for b in boxes}, **(extra or {})}, path)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 
@@ -157,17 +148,6 @@ def finish_index(index: dict[str, Any], ckpt: Path) -> None:
 def _require(path: Path) -> None:
     if not path.is_file():
         raise DataError(f"checkpoint file '{path}' is missing; the checkpoint is incomplete")
-
-
-def open_file(path: Path) -> Any:
-    from safetensors import safe_open
-
-    _require(path)
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except Exception as exc:  # safetensors raises its own error type for every malformed file
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"checkpoint file '{path}' is corrupted or truncated ({first[:120]})") from None
 
 
 class Reader:
@@ -201,8 +181,15 @@ class Reader:
         return _DTYPES[self.tensors[name]["dtype"]]
 
     def file(self, file: str) -> Any:
+        """The open safetensors ``file`` (its presence and size were checked with the index)."""
         if file not in self._open:
-            self._open[file] = open_file(self.ckpt / file)
+            from safetensors import safe_open
+
+            try:
+                self._open[file] = safe_open(str(self.ckpt / file), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error type for every malformed file
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise DataError(f"checkpoint file '{self.ckpt / file}' is corrupted or truncated ({first[:120]})") from None
         return self._open[file]
 
     def read(self, name: str, offsets: Sequence[int] | None = None, lengths: Sequence[int] | None = None) -> torch.Tensor:
@@ -221,11 +208,9 @@ class Reader:
                 continue
             src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box["offsets"]))
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
+            f = self.file(box["file"])
             try:
-                part = self.file(box["file"]).get_slice(box["key"])[src] if shape else \
-                    self.file(box["file"]).get_tensor(box["key"])
-            except DataError:
-                raise
+                part = f.get_slice(box["key"])[src] if shape else f.get_tensor(box["key"])
             except Exception as exc:
                 raise DataError(f"checkpoint file '{self.ckpt / box['file']}': cannot read '{box['key']}' ({exc}); "
                                 "the checkpoint is corrupted") from None

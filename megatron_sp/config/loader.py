@@ -1,14 +1,10 @@
-"""Load, merge, override and resolve a config: ``load(conf_files, overrides, world_size)``.
-
-YAML/JSON files merge in order (later wins), dotted ``section.key=value`` overrides are parsed to
-each field's type, then ``finalize`` fills the derived values, checks the config's own rules and
-runs the checks every other part registered (``registry``). Every error is one ``ConfigError``
-naming the key, the bad value and the fix.
-"""
+"""``load(conf_files, overrides, world_size)``: YAML/JSON files merged in order, dotted ``section.key=value``
+overrides parsed to each field's type, then ``finalize`` (derived values, the config's own rules, the checks
+each part registered). Every error is one ``ConfigError`` naming the key, the bad value and the fix."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import difflib
 import json
 import math
 import types
@@ -19,9 +15,9 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError, read_utf8
-from .registry import choice, run_checks
+from .registry import choice, did_you_mean, run_checks
 from .registry import show as _show
-from .schema import SECTIONS, Config
+from .schema import SECTIONS, Config, TokenizerConfig
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
@@ -76,8 +72,7 @@ def _count_nodes(data: Any, limit: int) -> int:
 
 
 def _did_you_mean(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(options))}"
+    return did_you_mean(name, options) or f"; known keys: {', '.join(sorted(options))}"
 
 
 def _number(value: Any) -> int | float | None:
@@ -86,10 +81,8 @@ def _number(value: Any) -> int | float | None:
         return value
     if isinstance(value, str):
         for parse in (lambda v: int(v.replace("_", "")), float):
-            try:
+            with contextlib.suppress(ValueError):
                 return parse(value)
-            except ValueError:
-                pass
     return None
 
 
@@ -229,6 +222,18 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
             raise ConfigError(f"{dotted}: {v} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def check_tokenizer_keys(tk: TokenizerConfig, kind: str) -> None:
+    """The keys tokenizer type ``kind`` needs (a model file) or refuses (the byte tokenizer's special tokens)."""
+    if kind == "sentencepiece" and not tk.model:
+        raise ConfigError("tokenizer.model is not set; give the SentencePiece .model path, or set tokenizer.type=byte")
+    if kind == "hf" and not tk.model:
+        raise ConfigError("tokenizer.model is not set; give the path of the Hugging Face tokenizer.json "
+                          "(tokenizer.type=hf)")
+    if kind == "byte" and (tk.eod_token is not None or tk.pad_token is not None):
+        raise ConfigError("tokenizer.eod_token / tokenizer.pad_token: the byte tokenizer's special ids are fixed "
+                          "(EOD 256, pad 257); drop these keys")
+
+
 def finalize(cfg: Config, world_size: int | None = None) -> Config:
     """Fill the derived values, check the config's own rules, then run every registered check. Idempotent."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
@@ -345,15 +350,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
             d.paths = [str(demo / "demo_text_document")]
         if cfg.tokenizer.type == "sentencepiece" and cfg.tokenizer.model is None:
             cfg.tokenizer.model = str(demo / "tokenizer.model")
-    tk = cfg.tokenizer
-    if tk.type == "sentencepiece" and not tk.model:
-        raise ConfigError("tokenizer.model is not set; give the SentencePiece .model path, or set tokenizer.type=byte")
-    if tk.type == "hf" and not tk.model:
-        raise ConfigError("tokenizer.model is not set; give the path of the Hugging Face tokenizer.json "
-                          "(tokenizer.type=hf)")
-    if tk.type == "byte" and (tk.eod_token is not None or tk.pad_token is not None):
-        raise ConfigError("tokenizer.eod_token / tokenizer.pad_token: the byte tokenizer's special ids are fixed "
-                          "(EOD 256, pad 257); drop these keys")
+    check_tokenizer_keys(cfg.tokenizer, cfg.tokenizer.type)
     if cfg.checkpoint.save is None and cfg.checkpoint.interval:
         raise ConfigError("checkpoint.interval is set but checkpoint.save is not; set checkpoint.save=DIR")
     if cfg.checkpoint.save is None and cfg.checkpoint.auto_resume:

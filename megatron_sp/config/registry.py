@@ -1,10 +1,6 @@
-"""The one registry of config checks: each part of megatron_sp checks its own keys, ``finalize`` runs them.
-
-A part marks ``fn(cfg) -> None`` with ``@check``; ``fn`` raises one ``ConfigError`` per broken rule,
-naming the key and the fix (it may also fill a derived value of its own keys). The package root
-hands ``discover`` the import of those modules, so this package imports nothing of megatron_sp
-above ``errors`` and the checking modules load on the first ``run_checks`` only.
-"""
+"""The registry of config checks: each part marks ``fn(cfg)`` with ``@check`` (one ``ConfigError`` per broken
+rule; it may fill derived values of its own keys) and ``finalize`` runs them. The package root hands
+``discover`` their imports, so config imports nothing above ``errors`` and they load on the first run."""
 from __future__ import annotations
 
 import difflib
@@ -54,9 +50,13 @@ def show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
 
 
+def did_you_mean(value: str, options: Sequence[str]) -> str:
+    """"; did you mean 'x'?" for the option closest to ``value``, or "" when none is close."""
+    close = difflib.get_close_matches(value, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
 def choice(key: str, value: str, options: Sequence[str]) -> None:
     """A ``ConfigError`` unless ``value`` is one of ``options`` (with a "did you mean")."""
     if value not in options:
-        close = difflib.get_close_matches(value, list(options), n=1, cutoff=0.5)
-        raise ConfigError(f"{key}: '{show(value)}' is not one of {', '.join(options)}"
-                          + (f"; did you mean '{close[0]}'?" if close else ""))
+        raise ConfigError(f"{key}: '{show(value)}' is not one of {', '.join(options)}{did_you_mean(value, options)}")

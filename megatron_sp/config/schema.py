@@ -1,9 +1,5 @@
-"""The typed config tree: one dataclass per section, one documented field per key.
-
-Fields whose default is ``None`` and whose doc starts with "Derived" are filled in by
-``megatron_sp.config.loader.finalize`` (once); a user may set them, and then they are checked for
-consistency instead of computed.
-"""
+"""The typed config tree: one dataclass per section, one documented field per key. "Derived" fields
+(default ``None``) are filled by ``loader.finalize`` unless set, and then checked instead."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -60,9 +56,8 @@ class ParallelConfig:
                                "it defaults to 1 and sets the number of local ranks train.py starts.")
     sequence_parallel: bool = doc(False, "Megatron sequence parallelism inside the TP group (needs tp > 1): "
                                          "activations between TP regions are split along the sequence.")
-    tp_recompute_allgather: bool = doc(True, "Under sequence parallelism, column-parallel layers save only their "
-                                             "input shard for backward and all-gather it again there (1/tp of the "
-                                             "memory, one more all-gather); false caches the gathered input.")
+    tp_recompute_allgather: bool = doc(True, "Sequence parallelism: column-parallel layers keep only their input shard "
+                                             "and all-gather it again in backward; false caches the gathered input.")
     cp_algo: str = doc("ring", "Context-parallel attention: ring | zigzag | llama3 | ulysses | usp (Ulysses of "
                                "degree cp_ulysses inside a ring).")
     cp_ulysses: int = doc(1, "cp_algo=usp: the Ulysses degree inside the cp group (divides cp; the ring runs over "
@@ -70,13 +65,11 @@ class ParallelConfig:
     cp_heads_k_stride: int = doc(1, "llama3 context parallelism: kv heads per all-gather (the next group's "
                                     "gather overlaps the current group's attention).")
     pp_schedule: str = doc("1f1b", "Pipeline schedule: 1f1b | interleaved (needs virtual_stages >= 2) | zero_bubble "
-                                   "(ZB-H1: backward split into input and weight gradients) | none (no pipelining: "
-                                   "one micro-batch at a time through all stages).")
+                                   "(ZB-H1) | none (one micro-batch at a time through all stages). docs/pipeline.md.")
     virtual_stages: int = doc(1, "Model chunks per pipeline rank (interleaved schedule): rank r holds layer blocks "
                                  "r, r+pp, r+2pp, ...")
-    pp_partition: str = doc("uniform", "Layers per pipeline stage: uniform | balanced (even parameter counts, "
-                                       "embedding on the first stage and output layer on the last counted) | a "
-                                       "comma-separated layer count per virtual stage, e.g. \"3,5\".")
+    pp_partition: str = doc("uniform", "Layers per pipeline stage: uniform | balanced (even parameter counts) | a "
+                                       "layer count per virtual stage, e.g. \"3,5\" (docs/pipeline.md).")
     zero: int = doc(0, "ZeRO stage: 0 (off) or 1 (optimizer state sharded over DP).")
     backend: str | None = doc(None, "Derived unless set: torch.distributed backend, 'nccl' on CUDA, 'gloo' on CPU.")
     device: str | None = doc(None, "Derived unless set: 'cuda' when a GPU is visible, else 'cpu'.")
@@ -90,9 +83,8 @@ class TrainConfig:
 
     iters: int = doc(100, "Number of optimizer steps to train for.")
     micro_batch_size: int = doc(1, "Samples per micro-batch per data-parallel rank.")
-    global_batch_size: int | None = doc(None, "Derived (= micro_batch_size · dp) unless set: samples per "
-                                              "optimizer step over all ranks. Must be a multiple of "
-                                              "micro_batch_size · dp.")
+    global_batch_size: int | None = doc(None, "Derived (= micro_batch_size · dp) unless set: samples per optimizer "
+                                              "step over all ranks, a multiple of micro_batch_size · dp.")
     grad_accum_steps: int | None = doc(None, "Derived: micro-batches per rank per step = global_batch_size / "
                                              "(micro_batch_size · dp).")
     seed: int = doc(1234, "Seed of the model initialisation, data order and dropout.")
@@ -113,15 +105,12 @@ class TrainConfig:
     adam_beta2: float = doc(0.95, "AdamW beta2.")
     adam_eps: float = doc(1e-8, "AdamW epsilon.")
     clip_grad: float = doc(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
-    label_smoothing: float = doc(0.0, "ε of the cross entropy, spread over the full (unpadded) vocabulary "
-                                      "(Megatron --label-smoothing); in [0, 1). The logged loss and val_loss "
-                                      "are the smoothed loss.")
-    z_loss: float = doc(0.0, "PaLM's z-loss coefficient, e.g. 1e-4 (0: off): adds z_loss·log²Z per token (log Z the "
-                             "logsumexp of the token's logits), masked and averaged like the cross entropy; the "
-                             "logged loss and val_loss include it.")
-    compile: bool | None = doc(None, "Derived unless set: true on CUDA, false on CPU. Run each transformer layer's "
-                                     "pointwise regions (norms, rotary, SwiGLU, residual adds) through torch.compile; "
-                                     "the first step then includes compile time (logged). docs/compile.md.")
+    label_smoothing: float = doc(0.0, "ε in [0, 1) of the cross entropy over the full (unpadded) vocabulary (Megatron "
+                                      "--label-smoothing); the logged loss and val_loss are the smoothed loss.")
+    z_loss: float = doc(0.0, "PaLM's z-loss coefficient, e.g. 1e-4 (0: off): adds z_loss·log²Z per token, masked and "
+                             "averaged like the cross entropy; the logged loss and val_loss include it.")
+    compile: bool | None = doc(None, "Derived unless set: true on CUDA, false on CPU. Run each layer's pointwise "
+                                     "regions through torch.compile (first step includes compile time). docs/compile.md.")
     eval_interval: int = doc(0, "Run validation every this many steps (0: never).")
     eval_iters: int = doc(4, "Global batches per validation run.")
     sample_prompt: str | None = doc(None, "If set, print a greedy sample continuing this prompt at the end.")
@@ -132,31 +121,24 @@ class TrainConfig:
 class DataConfig:
     """Training data: Megatron mmap indexed datasets (.bin + .idx), one or a weighted blend."""
 
-    paths: list = doc([], "Dataset prefixes (each names PREFIX.bin and PREFIX.idx): [PREFIX], or a weighted blend "
-                          "[w1, PREFIX1, w2, PREFIX2, ...] (Megatron's --data-path; weights are normalised and each "
-                          "dataset gives its share of every split's samples). Several prefixes without weights are "
-                          "blended in proportion to their tokens.")
+    paths: list = doc([], "Dataset prefixes (each names PREFIX.bin and PREFIX.idx): [PREFIX], or a blend [w1, PREFIX1, "
+                          "w2, PREFIX2, ...] (Megatron's --data-path; no weights: by tokens). docs/data.md, Blending.")
     split: str = doc("98,2,0", "train,valid,test ratios over the documents of each dataset, Megatron style.")
     eod_mask_loss: bool = doc(False, "Leave out of the loss the positions whose input token is EOD (Megatron's "
                                         "rule: predicting EOD is trained, guessing the next document's start is not).")
     reset_position_ids: bool = doc(False, "Rotary positions restart at 0 after each end-of-document token inside a sample.")
     reset_attention_mask: bool = doc(False, "Packed documents: a token attends only to earlier tokens of its own document "
                                             "(document ids from end-of-document tokens).")
-    packing: str = doc("eod", "eod: samples are cut from EOD-delimited documents (reset_position_ids, "
-                              "reset_attention_mask and eod_mask_loss act on EOD) | position_ids: pre-packed samples "
-                              "(Hugging Face / Axolotl: documents start where position_ids resets to 0) converted by "
-                              "tools/preprocess_data.py --packed-samples; data.paths names their PREFIX_packed; "
-                              "positions, documents and labels (-100: not trained) come from the file.")
-    num_workers: int = doc(0, "Loader processes per rank that read and collate the next global batches ahead of the "
-                              "step (0: read in the training process, the cheaper choice on CPU unless the storage "
-                              "is slow; tools/bench/data.py). The batches are the same either way.")
+    packing: str = doc("eod", "eod: samples cut from EOD-delimited documents | position_ids: Hugging Face pre-packed "
+                              "samples (tools/preprocess_data.py --packed-samples; docs/data.md, Pre-packed samples).")
+    num_workers: int = doc(0, "Loader processes per rank that read and collate batches ahead of the step (0: in the "
+                              "training process, cheaper on CPU unless storage is slow; docs/data.md).")
     prefetch_factor: int = doc(2, "Batches each loader process prepares ahead (data.num_workers > 0).")
     build_demo: bool = doc(False, "If the data or tokenizer files are absent, build the demo corpus (from the "
                                   "Python standard library's sources), train the tokenizer and preprocess it.")
     demo_dir: str = doc("data/demo", "Where build_demo writes the corpus, tokenizer and dataset.")
-    cache_dir: str | None = doc(None, "Derived (= each dataset's directory) unless set: where the document/sample/"
-                                      "shuffle and blending index caches are written (file names carry a hash of "
-                                      "their parameters; a changed parameter or dataset file builds new ones).")
+    cache_dir: str | None = doc(None, "Derived (= each dataset's directory) unless set: where the index caches are "
+                                      "written (named by a hash of their parameters and dataset files).")
 
 
 @dataclass
@@ -168,8 +150,7 @@ class TokenizerConfig:
     model: str | None = doc(None, "The SentencePiece .model file (type sentencepiece), or the tokenizer.json (or its "
                                   "directory) of type hf.")
     vocab_size: int = doc(4096, "Vocabulary size when build_demo trains the tokenizer.")
-    eod_token: str | None = doc(None, "The end-of-document token (appended after each document, and where packed "
-                                      "documents are cut). Default: sentencepiece's eos piece; hf: the first of "
+    eod_token: str | None = doc(None, "The end-of-document token. Default: sentencepiece's eos piece; hf: the first of "
                                       "<|endoftext|>, </s>, <|end_of_text|>, <eos> in the vocabulary.")
     pad_token: str | None = doc(None, "The padding token. Default: the tokenizer's pad piece (<pad>, <|padding|>, "
                                       "[PAD]), else the EOD token.")
@@ -184,16 +165,12 @@ class CheckpointConfig:
     interval: int = doc(0, "Save every this many steps (0: only at the end).")
     keep: int = doc(0, "Keep only the newest this many checkpoints (0: keep all).")
     save_at_end: bool = doc(True, "Save a checkpoint after the last step (needs save).")
-    async_save: bool = doc(False, "Write checkpoint files in a background thread while training goes on (each rank "
-                                  "first copies its part to host memory); the checkpoint becomes 'latest' once every "
-                                  "rank has written it.")
-    auto_resume: bool = doc(False, "Resume from checkpoint.save's 'latest' when it exists (else from "
-                                   "checkpoint.load, else from scratch): a restarted job (torchrun --max-restarts, "
-                                   "a requeued Slurm job) continues where it stopped.")
-    overwrite: bool = doc(False, "Let this run save into a checkpoint.save directory that holds checkpoints it does "
-                                 "not resume from (another run's, or a rollback's later steps), replacing the step "
-                                 "directories it saves; the others stay and keep never deletes them. Off: such a "
-                                 "run is refused at start-up.")
+    async_save: bool = doc(False, "Write checkpoint files in a background thread while training goes on; the "
+                                  "checkpoint becomes 'latest' once every rank has written it (docs/checkpoints.md).")
+    auto_resume: bool = doc(False, "Resume from checkpoint.save's 'latest' when it exists (else from checkpoint.load, "
+                                   "else from scratch), so a restarted or requeued job continues where it stopped.")
+    overwrite: bool = doc(False, "Let this run save into a checkpoint.save directory holding checkpoints it does not "
+                                 "resume from (refused at start-up when off; docs/checkpoints.md).")
 
 
 @dataclass

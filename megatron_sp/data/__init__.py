@@ -1,8 +1,5 @@
-"""The data pipeline the training loop uses: tokenizer → indexed .bin/.idx → GPT dataset → batches.
-
-Entry points: ``ensure_demo_data``, ``build_tokenizer``, ``build_datasets``, ``batch_indices``,
-``collate``; ``megatron_sp.data.loader.BatchLoader`` (imports torch) reads the batches. See docs/data.md.
-"""
+"""The data pipeline: tokenizer → indexed .bin/.idx → GPT dataset → batches (``loader.BatchLoader``, which
+imports torch, reads them). See docs/data.md."""
 from __future__ import annotations
 
 import logging
@@ -54,27 +51,18 @@ def ensure_demo_data(cfg: Config) -> None:
         return
     prefix = parse_blend(cfg.data.paths)[0][0]  # one prefix and, for sentencepiece, a model path: finalize checks
     demo_dir = Path(cfg.data.demo_dir)
-    sentencepiece = cfg.tokenizer.type.lower() == "sentencepiece"
-    model_path = Path(cfg.tokenizer.model) if sentencepiece else None
+    model_path = Path(cfg.tokenizer.model) if cfg.tokenizer.type == "sentencepiece" else None
     need_tokenizer = model_path is not None and not model_path.is_file()
     if not need_tokenizer and all(p.is_file() for p in data_file_paths(prefix)):
         return
     corpus = demo_dir / "corpus.jsonl"
     if not corpus.is_file():
         make_demo_corpus(corpus)
-    if model_path is not None and need_tokenizer:
+    if need_tokenizer:
         if model_path.suffix != ".model":
             raise ConfigError(f"tokenizer.model {model_path} must end in .model for build_demo to create it")
         train_sentencepiece([corpus], model_path.with_suffix(""), cfg.tokenizer.vocab_size)
     tokenize_jsonl_to([corpus], {"text": prefix}, build_tokenizer(cfg.tokenizer), append_eod=True)
-
-
-def physical_memory_bytes() -> int:
-    """This machine's RAM (0 when the OS does not say)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def check_index_memory(num_samples: int, seq_length: int, indexed: IndexedDataset, documents: np.ndarray) -> None:
@@ -85,8 +73,11 @@ def check_index_memory(num_samples: int, seq_length: int, indexed: IndexedDatase
         return  # an empty split: build_datasets says so
     epochs = -(-(num_samples * seq_length + 1) // tokens)
     needed = 64 * num_samples + 24 * epochs * documents.size
-    memory = physical_memory_bytes()
-    if memory and needed > memory:
+    try:
+        memory = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # the OS does not say
+        return
+    if 0 < memory < needed:
         raise DataError(f"train.iters × train.global_batch_size = {num_samples} samples of {indexed.prefix} need about "
                         f"{needed / 2**30:.3g} GiB of dataset indices ({epochs} epochs), more than this machine's "
                         f"{memory / 2**30:.3g} GiB; lower train.iters")
@@ -181,11 +172,8 @@ def open_dataset(prefix: str | Path) -> IndexedDataset:
 
 
 def _check_vocabulary(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:
-    """Raise ``DataError`` when the first tokens of the dataset use ids the tokenizer does not have."""
-    n = min(indexed.num_tokens, _TOKEN_CHECK_LIMIT)
-    if n == 0 or len(indexed) == 0:
-        return
-    head = np.asarray(indexed.token_range(0, n))
+    """Raise ``DataError`` when the first tokens of the (non-empty) dataset use ids the tokenizer does not have."""
+    head = np.asarray(indexed.token_range(0, min(indexed.num_tokens, _TOKEN_CHECK_LIMIT)))
     top = int(head.max())
     if top >= tokenizer.vocab_size or int(head.min()) < 0:
         raise DataError(f"{indexed.bin_path} holds token id {top} but the {tokenizer.name} tokenizer has only "
@@ -210,16 +198,10 @@ def batch_indices(step: int, global_batch_size: int, dp_rank: int, dp_size: int)
 def collate(samples: list[np.ndarray], eod: int, eod_mask_loss: bool, reset_position_ids: bool = False,
             reset_attention_mask: bool = False) -> dict[str, torch.Tensor]:
     """Stack samples of ``s + 1`` tokens into ``[b, s]`` tensors: ``tokens``, ``labels`` (shifted by one),
-    ``position_ids``, ``loss_mask`` (0.0 where the input token is ``eod`` with ``eod_mask_loss``) and, with
-    ``reset_attention_mask``, ``document_ids`` (``eod`` tokens strictly before each token). Semantics and
-    Megatron's packed-document flags: docs/data.md, "Batches". Samples of ``PackedDataset`` (``[3, s + 1]``:
-    tokens, position_ids, labels; ``data.packing=position_ids``) go to ``packed.collate_packed``, which ignores
-    the EOD flags.
-    """
+    ``position_ids``, ``loss_mask`` and, with ``reset_attention_mask``, ``document_ids``; 2-D (packed) samples
+    go to ``packed.collate_packed``, which ignores the EOD flags. Semantics: docs/data.md, "Batches"."""
     import torch  # here, not at the top: the data tools (tools/*.py) then start without importing torch
 
-    if not samples:
-        raise ValueError("collate needs at least one sample")
     if np.ndim(samples[0]) == 2:
         return collate_packed(samples)
     batch = torch.from_numpy(np.stack([np.asarray(s, dtype=np.int64) for s in samples]))  # [b, s+1]

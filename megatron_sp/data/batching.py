@@ -1,12 +1,8 @@
-"""This rank's batch of a step: global batch → DP shard → CP shard, on the device.
-
-Global batch ``k`` is samples ``k·gbs … (k+1)·gbs - 1`` for every layout; DP rank ``r`` takes the
-``r``-th contiguous block of it (``loader.BatchLoader``), and with context parallelism each CP rank
-keeps its part of every sample's sequence (``model.attention.layout.shard_batch``; labels were
-shifted on the full sequence first).
-"""
+"""This rank's batch of a step: global batch → DP block (``batch_indices``) → CP part of every sample's
+sequence (``model.attention.layout.shard_batch``, after the labels were shifted), on the device."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -28,33 +24,35 @@ class Run(Protocol):
 
 def rank_batch(rt: Run, ds: Any, first_sample: int) -> dict[str, torch.Tensor]:
     """This rank's share of the global batch of ``ds`` starting at ``first_sample``."""
-    from megatron_sp.data import collate
-
     cfg, st = rt.cfg, rt.state
     per_rank = cfg.train.global_batch_size // st.dp_size  # type: ignore[operator]
     start = first_sample + st.dp_rank * per_rank
-    batch = collate([ds[i] for i in range(start, start + per_rank)], rt.tokenizer.eod, cfg.data.eod_mask_loss,
-                    reset_position_ids=cfg.data.reset_position_ids, reset_attention_mask=cfg.data.reset_attention_mask)
-    return place_batch(rt, batch)
+    return place_batch(rt, _collate_fn(rt)([ds[i] for i in range(start, start + per_rank)]))
 
 
 def next_train_batch(rt: Run) -> dict[str, torch.Tensor]:
     """``rank_batch(rt, rt.train_ds, rt.consumed_samples)``, from the read-ahead loader (rebuilt whenever it is
     not positioned at ``consumed_samples``: the first step, after a resume)."""
-    from megatron_sp.data.loader import BatchLoader, rank_collate
+    from megatron_sp.data.loader import BatchLoader
 
     cfg, st = rt.cfg, rt.state
     loader = rt.train_loader
     if loader is None or loader.next_sample != rt.consumed_samples:
         if loader is not None:
             loader.close()
-        collate_fn = rank_collate(rt.tokenizer.eod, cfg.data.eod_mask_loss, cfg.data.reset_position_ids,
-                                  cfg.data.reset_attention_mask)
         loader = rt.train_loader = BatchLoader(
             rt.train_ds, rt.consumed_samples, cfg.train.global_batch_size, st.dp_rank, st.dp_size,  # type: ignore[arg-type]
-            collate_fn, num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
+            _collate_fn(rt), num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
             pin_memory=rt.device.type == "cuda")
     return place_batch(rt, next(loader))
+
+
+def _collate_fn(rt: Run) -> Callable[[list[Any]], dict[str, torch.Tensor]]:
+    """``data.collate`` with this run's EOD and packing flags bound."""
+    from megatron_sp.data.loader import rank_collate
+
+    d = rt.cfg.data
+    return rank_collate(rt.tokenizer.eod, d.eod_mask_loss, d.reset_position_ids, d.reset_attention_mask)
 
 
 def place_batch(rt: Run, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

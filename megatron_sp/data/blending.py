@@ -1,7 +1,5 @@
-"""Weighted blends of several datasets (``data.paths: [w1, PREFIX1, w2, PREFIX2, ...]``), with
-megatron-core's sizes and greedy blending algorithm; the index arrays are cached like the GPT
-dataset's. The algorithm: docs/data.md, "Blending".
-"""
+"""Weighted blends of several datasets (``data.paths: [w1, PREFIX1, w2, PREFIX2, ...]``) with megatron-core's
+sizes and greedy algorithm (docs/data.md, "Blending"); the index arrays are cached like the GPT dataset's."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +15,7 @@ import numpy as np
 
 from megatron_sp.config.registry import check
 from megatron_sp.config.schema import Config
-from megatron_sp.data.index_cache import cache_paths, description_hash, load_arrays, save_arrays
+from megatron_sp.data.index_cache import cache_paths, description_hash, load_or_build
 from megatron_sp.errors import ConfigError, DataError
 
 log = logging.getLogger("megatron_sp")
@@ -44,11 +42,8 @@ def _as_weight(entry: Any) -> float | None:
 
 
 def parse_blend(paths: Sequence[Any]) -> tuple[list[str], list[float] | None]:
-    """``data.paths`` → ``(prefixes, weights or None)``; ``ConfigError`` naming the entry otherwise.
-
-    ``[PREFIX, ...]`` has no weights; as soon as one entry is a number the list must be pairs
-    ``weight, prefix`` with positive weights.
-    """
+    """``data.paths`` → ``(prefixes, weights or None)``: ``[PREFIX, ...]`` has no weights; once one entry is a
+    number the list must be pairs ``weight, prefix`` with positive weights (else ``ConfigError``)."""
     entries = list(paths)
     if not entries:
         raise ConfigError("data.paths is empty; give a dataset prefix (data.paths=[path/to/prefix]) or set "
@@ -133,10 +128,6 @@ class BlendedDataset:
 
     def __init__(self, datasets: Sequence[Any], weights: Sequence[float], size: int, cache_dir: Path | None,
                  name: str) -> None:
-        if len(datasets) != len(weights) or not datasets:
-            raise ValueError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
-        if size < 0:
-            raise ValueError(f"size must be >= 0, got {size}")
         self.datasets = list(datasets)
         self.weights = normalize(weights)
         self.size = size
@@ -151,23 +142,14 @@ class BlendedDataset:
         }
         self.hash = description_hash(self.description)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self.loaded_from_cache = False
-        arrays = None
-        if self.cache_dir is not None:
-            arrays = load_arrays(self.cache_paths(), _ARRAYS)
-            if arrays is not None and not (arrays["dataset_index"].shape == arrays["dataset_sample_index"].shape
-                                           == (size,)):
-                log.warning("ignoring inconsistent blending cache %s; rebuilding it", self.cache_paths()["dataset_index"])
-                arrays = None
-            self.loaded_from_cache = arrays is not None
-        if arrays is None:
-            start = time.perf_counter()
-            dataset_index, sample_index = build_blending_indices(self.weights, size)
-            arrays = {"dataset_index": dataset_index, "dataset_sample_index": sample_index}
+        start = time.perf_counter()
+        arrays, self.loaded_from_cache = load_or_build(
+            self.cache_paths() if self.cache_dir is not None else None, _ARRAYS, self.description,
+            lambda: dict(zip(_ARRAYS, build_blending_indices(self.weights, size), strict=True)),
+            lambda a: a["dataset_index"].shape == a["dataset_sample_index"].shape == (size,), "blending cache")
+        if not self.loaded_from_cache:
             log.info("built %s blending indices: %d samples from %d datasets in %.2f s", name, size,
                      len(self.datasets), time.perf_counter() - start)
-            if self.cache_dir is not None:
-                save_arrays(self.cache_paths(), arrays, self.description)
         self.dataset_index: np.ndarray = arrays["dataset_index"]
         self.dataset_sample_index: np.ndarray = arrays["dataset_sample_index"]
         self.counts = np.bincount(self.dataset_index, minlength=len(self.datasets))

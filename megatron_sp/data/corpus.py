@@ -1,6 +1,5 @@
 """JSONL corpora (one JSON object per line, plain or gzip) and the demo corpus: the Python standard
-library's ``.py`` files, one per document, needing no download (same Python, same bytes).
-"""
+library's ``.py`` files, one per document, needing no download (same Python, same bytes)."""
 from __future__ import annotations
 
 import gzip
@@ -45,11 +44,9 @@ def demo_source_files(stdlib: Path | None = None) -> list[tuple[str, Path]]:
 
 
 def make_demo_corpus(out_path: str | Path, max_bytes: int = 4_000_000) -> Path:
-    """Write the demo JSONL corpus (``{"text": source}`` per line) of at most ``max_bytes`` bytes, atomically.
-
-    Files come in ``demo_source_files`` order (empty, non-UTF-8 and overflowing ones skipped), then are
-    written in a second fixed shuffle so the validation split is not biased towards small files.
-    """
+    """Write the demo JSONL corpus (``{"text": source}`` per line) of at most ``max_bytes`` bytes, atomically:
+    files in ``demo_source_files`` order (empty, non-UTF-8 and overflowing ones skipped), written in a second
+    fixed shuffle so the validation split is not biased towards small files."""
     out_path = Path(out_path)
     if max_bytes <= 0:
         raise DataError(f"max_bytes must be positive, got {max_bytes}")
@@ -104,33 +101,38 @@ def read_lines(path: Path) -> Iterator[bytes]:
         raise DataError(f"{path}: not a readable gzip file ({e})") from None
 
 
+def load_json_object(raw: bytes | str, where: str, example: str) -> dict[str, Any]:
+    """One JSONL line as a dict; ``DataError`` naming ``where`` (file:line) and the ``example`` line otherwise."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON object "
+                        f"like {example}") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
 def parse_jsonl_line(raw: bytes | str, path: str | Path, line_no: int, json_keys: Sequence[str],
                      allow_lists: bool = False) -> list[Any]:
     """The strings under ``json_keys`` of one JSONL line; ``DataError`` naming file and line otherwise.
     ``allow_lists``: a value may also be a list of strings (a document already split into sentences)."""
-    try:
-        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg} at column {e.colno}); each line must be one "
-                        f"JSON object like {{\"text\": \"...\"}}") from None
-    if not isinstance(record, dict):
-        raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+    where = f"{path}:{line_no}"
+    record = load_json_object(raw, where, '{"text": "..."}')
     values = []
     for key in json_keys:
         if key not in record:
-            raise DataError(f"{path}:{line_no}: key '{key}' missing (keys present: {sorted(record)}); "
+            raise DataError(f"{where}: key '{key}' missing (keys present: {sorted(record)}); "
                             f"choose the key with --json-keys / --json-key")
         value = record[key]
-        if allow_lists and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            values.append(value)
-            continue
-        if not isinstance(value, str):
+        is_list = allow_lists and isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if not (is_list or isinstance(value, str)):
             expected = "a string or a list of strings" if allow_lists else "a string"
-            raise DataError(f"{path}:{line_no}: key '{key}' holds {type(value).__name__}, expected {expected}")
+            raise DataError(f"{where}: key '{key}' holds {type(value).__name__}, expected {expected}")
         values.append(value)
     return values
 

@@ -1,21 +1,18 @@
-"""Megatron-style GPT dataset: fixed-length samples cut from shuffled, concatenated documents.
-
-The three index arrays (``doc_idx``, ``sample_idx``, ``shuffle_idx``, as Megatron-LM) are cached under
-a hash of everything they depend on. Their definition: docs/data.md, "GPT dataset".
-"""
+"""Megatron-style GPT dataset: fixed-length samples cut from shuffled, concatenated documents; its index
+arrays (``doc_idx``, ``sample_idx``, ``shuffle_idx``) are cached under a hash of their inputs. See
+docs/data.md, "GPT dataset"."""
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from megatron_sp.config.registry import check, choice
 from megatron_sp.config.schema import Config
-from megatron_sp.data.index_cache import cache_paths, description_hash, load_arrays, save_arrays
+from megatron_sp.data.index_cache import cache_paths, description_hash, file_fingerprint, load_or_build
 from megatron_sp.data.indexed import IndexedDataset
 from megatron_sp.errors import ConfigError, DataError
 
@@ -47,8 +44,7 @@ def check_split(cfg: Config) -> None:
 
 
 PACKINGS = ("eod", "position_ids")
-"""``data.packing``: samples cut from EOD-delimited documents (this module), or pre-packed samples whose
-documents start where ``position_ids`` resets (``packed.PackedDataset``)."""
+"""``data.packing``: EOD-delimited documents (this module), or pre-packed samples (``packed.PackedDataset``)."""
 
 
 @check
@@ -72,20 +68,22 @@ def check_packing(cfg: Config) -> None:
 
 
 def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:
-    """Megatron's split by ratio: ``[train, valid, test]`` contiguous document-id ranges (maybe empty).
-
-    As megatron-core: the boundaries are the cumulative normalised ratios times ``num_docs``,
-    rounded (``"98,2,0"`` over 1000 documents → 0..979, 980..999, none).
-    """
+    """Megatron's split by ratio: ``[train, valid, test]`` contiguous document-id ranges (maybe empty), cut at
+    the cumulative normalised ratios times ``num_docs``, rounded (``"98,2,0"`` over 1000: 0..979, 980..999)."""
     cumulative = np.cumsum([0.0, *parse_split(split)])
     bounds = [round(float(c) * num_docs) for c in cumulative]
     bounds[-1] = num_docs
     return [np.arange(bounds[k], bounds[k + 1], dtype=np.int64) for k in range(3)]
 
 
-def _file_fingerprint(path: Path) -> dict[str, Any]:
-    stat = path.stat()
-    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+def shuffled_epochs(documents: np.ndarray, epochs: int, rng: np.random.RandomState) -> np.ndarray:
+    """``epochs`` copies of ``documents`` back to back, each shuffled in turn by ``rng``."""
+    out = []
+    for _ in range(epochs):
+        epoch = documents.copy()
+        rng.shuffle(epoch)
+        out.append(epoch)
+    return np.concatenate(out)
 
 
 class GPTDataset:
@@ -94,18 +92,12 @@ class GPTDataset:
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int,
                  seed: int, cache_dir: Path | None, name: str) -> None:
-        if seq_length < 1:
-            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-        if num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         self.indexed = indexed
         self.documents = np.asarray(documents, dtype=np.int64)
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.seed = seed
         self.name = name
-        if self.documents.size and (self.documents.min() < 0 or self.documents.max() >= indexed.num_documents):
-            raise ValueError(f"document ids must lie in 0..{indexed.num_documents - 1}")
         self._document_sizes = np.asarray(indexed.document_sizes, dtype=np.int64)
         self.tokens_per_epoch = int(self._document_sizes[self.documents].sum())
         if self.tokens_per_epoch == 0:
@@ -114,8 +106,8 @@ class GPTDataset:
         self.description = {
             "format": CACHE_FORMAT,
             "class": type(self).__name__,
-            "idx": _file_fingerprint(indexed.idx_path),
-            "bin": _file_fingerprint(indexed.bin_path),
+            "idx": file_fingerprint(indexed.idx_path),
+            "bin": file_fingerprint(indexed.bin_path),
             "documents_sha256": hashlib.sha256(self.documents.tobytes()).hexdigest(),
             "num_documents": int(self.documents.size),
             "seq_length": seq_length,
@@ -124,15 +116,16 @@ class GPTDataset:
         }
         self.hash = description_hash(self.description)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self.loaded_from_cache = False
-        arrays = self._load_cache()
-        if arrays is None:
-            start = time.perf_counter()
-            arrays = self._build_indices()
+        start = time.perf_counter()
+        arrays, self.loaded_from_cache = load_or_build(
+            self.cache_paths() if self.cache_dir is not None else None, _ARRAYS, self.description, self._build_indices,
+            lambda a: a["sample_idx"].shape[0] == a["shuffle_idx"].shape[0] + 1, "index cache")
+        if self.loaded_from_cache:
+            log.info("loaded %s indices of %s from cache (%d samples)", name, indexed.prefix, len(arrays["shuffle_idx"]))
+        else:
             log.info("built %s indices for %s: %d samples, %d epochs of %d tokens in %.2f s", name,
                      indexed.prefix, len(arrays["shuffle_idx"]), self.num_epochs(), self.tokens_per_epoch,
                      time.perf_counter() - start)
-            self._save_cache(arrays)
         self.doc_idx: np.ndarray = arrays["doc_idx"]
         self.sample_idx: np.ndarray = arrays["sample_idx"]
         self.shuffle_idx: np.ndarray = arrays["shuffle_idx"]
@@ -144,12 +137,7 @@ class GPTDataset:
 
     def _build_indices(self) -> dict[str, np.ndarray]:
         rng = np.random.RandomState(self.seed)
-        epochs = []
-        for _ in range(self.num_epochs()):
-            epoch = self.documents.copy()
-            rng.shuffle(epoch)
-            epochs.append(epoch)
-        doc_idx = np.concatenate(epochs)
+        doc_idx = shuffled_epochs(self.documents, self.num_epochs(), rng)
 
         sizes = self._document_sizes[doc_idx]
         ends = np.cumsum(sizes)  # token position one past each doc_idx entry
@@ -168,24 +156,6 @@ class GPTDataset:
         """The cache file of each index array (and ``description``, the JSON of what was hashed)."""
         assert self.cache_dir is not None
         return cache_paths(self.cache_dir, f"{self.indexed.prefix.name}_{self.name}_{self.hash}", _ARRAYS)
-
-    def _load_cache(self) -> dict[str, np.ndarray] | None:
-        if self.cache_dir is None:
-            return None
-        arrays = load_arrays(self.cache_paths(), _ARRAYS)
-        if arrays is None:
-            return None
-        if arrays["sample_idx"].shape[0] != arrays["shuffle_idx"].shape[0] + 1:
-            log.warning("ignoring inconsistent index cache %s; rebuilding it", self.cache_paths()["doc_idx"])
-            return None
-        self.loaded_from_cache = True
-        log.info("loaded %s indices of %s from cache (%d samples)", self.name, self.indexed.prefix,
-                 arrays["shuffle_idx"].shape[0])
-        return arrays
-
-    def _save_cache(self, arrays: dict[str, np.ndarray]) -> None:
-        if self.cache_dir is not None:
-            save_arrays(self.cache_paths(), {key: arrays[key] for key in _ARRAYS}, self.description)
 
     def __len__(self) -> int:
         """The requested number of samples (the indices may hold a few more from the last epoch)."""

@@ -1,9 +1,7 @@
-"""On-disk cache of index arrays (``.npy``) named by a hash of everything they depend on, and the
-atomic writes (temporary name, then rename) every data file uses.
-
-A changed parameter changes the hash, so a stale cache is never found. The arrays are renamed into
-place last, so a cache is complete once its last array exists; concurrent ranks write identical bytes.
-"""
+"""On-disk cache of index arrays (``.npy``) named by a hash of everything they depend on (a stale cache is
+never found), and the atomic writes (temporary name, then rename) every data file uses. The arrays are
+renamed into place last, so a cache is complete once its last array exists; concurrent ranks write
+identical bytes."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +10,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -38,6 +36,12 @@ def atomic_file(path: Path) -> Iterator[IO[bytes]]:
         tmp.unlink(missing_ok=True)
 
 
+def file_fingerprint(path: Path) -> dict[str, Any]:
+    """What a cache depends on of a data file: its resolved path, size and modification time."""
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
 def description_hash(description: dict[str, Any]) -> str:
     """The sha256 hex digest of ``description`` as canonical JSON (sorted keys)."""
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
@@ -50,27 +54,31 @@ def cache_paths(cache_dir: Path, stem: str, keys: Sequence[str]) -> dict[str, Pa
     return paths
 
 
-def load_arrays(paths: dict[str, Path], keys: Sequence[str]) -> dict[str, np.ndarray] | None:
-    """The cached arrays (memory-mapped, read-only), or None when one is missing or unreadable."""
-    if not all(paths[key].is_file() for key in keys):
-        return None
-    try:
-        # plain ndarray views of the maps (indexing a np.memmap runs Python code on every access)
-        return {key: np.load(paths[key], mmap_mode="r", allow_pickle=False).view(np.ndarray) for key in keys}
-    except (OSError, ValueError) as e:
-        log.warning("ignoring unreadable index cache %s (%s); rebuilding it", paths[keys[0]], e)
-        return None
-
-
-def save_arrays(paths: dict[str, Path], arrays: dict[str, np.ndarray], description: dict[str, Any]) -> None:
-    """Write the description, then each array (atomically); an unwritable cache is logged and skipped."""
-    cache_dir = paths["description"].parent
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with atomic_file(paths["description"]) as f:
-            f.write(json.dumps(description, indent=1, sort_keys=True).encode())
-        for key, value in arrays.items():  # arrays last: they mark a complete cache
-            with atomic_file(paths[key]) as f:
-                np.save(f, value, allow_pickle=False)
-    except OSError as e:
-        log.warning("could not write the index cache in %s (%s); continuing without it", cache_dir, e)
+def load_or_build(paths: dict[str, Path] | None, keys: Sequence[str], description: dict[str, Any],
+                  build: Callable[[], dict[str, np.ndarray]], consistent: Callable[[dict[str, np.ndarray]], bool],
+                  what: str) -> tuple[dict[str, np.ndarray], bool]:
+    """``(arrays, loaded)``: the cached arrays at ``paths`` (memory-mapped, read-only) when readable and
+    ``consistent``, else ``build()``'s, then cached: the description first, the arrays last (they mark a
+    complete cache); an unwritable cache is logged and skipped. ``paths`` None: built in memory, never cached."""
+    if paths is not None and all(paths[key].is_file() for key in keys):
+        try:  # plain ndarray views of the maps (indexing a np.memmap runs Python code on every access)
+            arrays = {key: np.load(paths[key], mmap_mode="r", allow_pickle=False).view(np.ndarray) for key in keys}
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable index cache %s (%s); rebuilding it", paths[keys[0]], e)
+        else:
+            if consistent(arrays):
+                return arrays, True
+            log.warning("ignoring inconsistent %s %s; rebuilding it", what, paths[keys[0]])
+    arrays = build()
+    if paths is not None:
+        cache_dir = paths["description"].parent
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            with atomic_file(paths["description"]) as f:
+                f.write(json.dumps(description, indent=1, sort_keys=True).encode())
+            for key in keys:
+                with atomic_file(paths[key]) as f:
+                    np.save(f, arrays[key], allow_pickle=False)
+        except OSError as e:
+            log.warning("could not write the index cache in %s (%s); continuing without it", cache_dir, e)
+    return arrays, False

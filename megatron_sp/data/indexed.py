@@ -3,10 +3,12 @@ byte-compatible with megatron-core's. The byte layout of ``.idx``: docs/data.md.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
-from collections.abc import Iterable, Sequence
+import array
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -53,6 +55,36 @@ def data_file_paths(prefix: str | Path) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 
+def refuse_existing(prefixes: Iterable[str | Path]) -> None:
+    """``DataError`` when a ``.bin`` or ``.idx`` of ``prefixes`` exists (outputs without ``--overwrite``)."""
+    existing = [p for prefix in prefixes for p in data_file_paths(prefix) if p.exists()]
+    if existing:
+        raise DataError(f"output '{existing[0]}' already exists ({existing[0].stat().st_size} bytes"
+                        + (f"; {len(existing) - 1} more output file(s) too" if len(existing) > 1 else "")
+                        + "); pass --overwrite to replace it, or choose another --output-prefix")
+
+
+@contextlib.contextmanager
+def staged_outputs(prefixes: Sequence[str | Path], overwrite: bool) -> Iterator[list[str]]:
+    """Temporary prefixes to write ``prefixes`` under, all renamed into place (``.bin`` then ``.idx``) when
+    the block succeeds and deleted when it raises; unless ``overwrite``, existing outputs are refused before
+    and after. See docs/data.md, "Outputs are all-or-nothing"."""
+    if not overwrite:
+        refuse_existing(prefixes)
+    staged = [str(temp_path(Path(prefix))) for prefix in prefixes]
+    try:
+        yield staged
+        if not overwrite:
+            refuse_existing(prefixes)  # created meanwhile: still never replaced
+        for tmp_prefix, prefix in zip(staged, prefixes, strict=True):
+            for tmp, final in zip(data_file_paths(tmp_prefix), data_file_paths(prefix), strict=True):
+                os.replace(tmp, final)  # .bin first, .idx last (a reader checks the pair)
+    finally:
+        for tmp_prefix in staged:
+            for tmp in data_file_paths(tmp_prefix):
+                tmp.unlink(missing_ok=True)
+
+
 def _le(dtype: np.dtype) -> np.dtype:
     """The little-endian variant of a dtype (the on-disk byte order)."""
     return dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
@@ -61,11 +93,7 @@ def _le(dtype: np.dtype) -> np.dtype:
 class IndexedDatasetWriter:
     """Writes ``PREFIX.bin`` and ``PREFIX.idx`` under temporary names; ``finalize`` (or leaving the
     ``with`` block without error) renames them into place, ``.bin`` first, so no half-written pair is
-    ever visible. Sizes are kept as numpy chunks (12 bytes per sequence), so huge corpora fit in memory.
-    """
-
-    _FLUSH = 1 << 16
-    """Pending per-item sizes are moved into a numpy chunk every this many sequences."""
+    ever visible. Sizes and document indices are kept in typed arrays (12 bytes per sequence)."""
 
     def __init__(self, prefix: str | Path, dtype: np.dtype | type = np.int32) -> None:
         self.dtype = np.dtype(dtype)
@@ -76,26 +104,11 @@ class IndexedDatasetWriter:
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp_bin, self._tmp_idx = temp_path(self.bin_path), temp_path(self.idx_path)
         self._bin = open(self._tmp_bin, "wb")
-        self._size_chunks: list[np.ndarray] = []  # int32 sizes, in order
-        self._pending_sizes: list[int] = []  # sizes not yet in a chunk (after the chunks)
-        self._doc_chunks: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]  # document_indices, in order
-        self._pending_docs: list[int] = []
-        self._num_sequences = 0
-        self._num_documents = 0
-        self._last_document_end = 0
+        self._sizes = array.array("i")  # int32 tokens per sequence
+        self._documents = array.array("q", [0])  # document_indices: 0, then one past each document's last sequence
         self._closed = False
         info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self._bounds = (info.min, info.max) if info is not None else None
-
-    @property
-    def num_sequences(self) -> int:
-        """Sequences written so far."""
-        return self._num_sequences
-
-    @property
-    def num_documents(self) -> int:
-        """Documents ended so far."""
-        return self._num_documents
 
     def _check_open(self) -> None:
         if self._closed:
@@ -110,14 +123,6 @@ class IndexedDatasetWriter:
                                  f"{self._bounds[1]}); pick the dtype with best_dtype(vocab_size)")
         self._bin.write(memoryview(np.ascontiguousarray(array, dtype=_le(self.dtype))).cast("B"))
 
-    def _flush_pending(self) -> None:
-        if self._pending_sizes:
-            self._size_chunks.append(np.asarray(self._pending_sizes, dtype=np.int32))
-            self._pending_sizes = []
-        if self._pending_docs:
-            self._doc_chunks.append(np.asarray(self._pending_docs, dtype=np.int64))
-            self._pending_docs = []
-
     def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one sequence to the current document (end it with ``end_document``)."""
         self._check_open()
@@ -125,17 +130,12 @@ class IndexedDatasetWriter:
         if array.ndim != 1:
             raise ValueError(f"a sequence must be 1-D, got shape {array.shape}")
         self._write_tokens(array)
-        self._pending_sizes.append(int(array.size))
-        self._num_sequences += 1
-        if len(self._pending_sizes) >= self._FLUSH:
-            self._flush_pending()
+        self._sizes.append(int(array.size))
 
     def end_document(self) -> None:
         """Close the current document: the sequences added since the previous call form one document."""
         self._check_open()
-        self._pending_docs.append(self._num_sequences)
-        self._num_documents += 1
-        self._last_document_end = self._num_sequences
+        self._documents.append(len(self._sizes))
 
     def add_document(self, tokens: Sequence[int] | np.ndarray, lengths: Sequence[int] | None = None) -> None:
         """Append one document: a single sequence, or ``tokens`` cut into sequences of ``lengths``."""
@@ -160,7 +160,7 @@ class IndexedDatasetWriter:
         """Append whole documents in one write: ``tokens`` back to back, cut into sequences of
         ``sequence_lengths``, which group into documents of ``sequences_per_document`` sequences each."""
         self._check_open()
-        if self._last_document_end != self._num_sequences:
+        if self._documents[-1] != len(self._sizes):
             raise RuntimeError(f"add_packed on {self.bin_path} inside an open document; call end_document first")
         tokens = np.asarray(tokens)
         lengths = np.asarray(sequence_lengths, dtype=np.int64)
@@ -171,27 +171,22 @@ class IndexedDatasetWriter:
         if (lengths.size and lengths.min() < 0) or (per_doc.size and per_doc.min() < 0):
             raise ValueError("add_packed: negative sequence lengths or sequence counts")
         self._write_tokens(tokens)
-        self._flush_pending()
-        self._size_chunks.append(lengths.astype(np.int32))
-        self._doc_chunks.append(self._num_sequences + np.cumsum(per_doc))
-        self._num_sequences += int(lengths.size)
-        self._num_documents += int(per_doc.size)
-        self._last_document_end = self._num_sequences
+        self._documents.frombytes((len(self._sizes) + np.cumsum(per_doc)).astype(np.int64).tobytes())
+        self._sizes.frombytes(lengths.astype(np.int32).tobytes())
 
     def finalize(self) -> None:
         """Write the index and move both files to their final names. Ends an open document first."""
         if self._closed:
             return
-        if self._last_document_end != self._num_sequences:
+        if self._documents[-1] != len(self._sizes):
             self.end_document()
         try:
             self._bin.close()
-            self._flush_pending()
-            sizes = np.concatenate(self._size_chunks).astype("<i4") if self._size_chunks else np.zeros(0, "<i4")
+            sizes = np.frombuffer(self._sizes, dtype=np.int32).astype("<i4")
             pointers = np.zeros(len(sizes), dtype="<i8")
             if len(sizes) > 1:
                 np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-            document_indices = np.concatenate(self._doc_chunks).astype("<i8")
+            document_indices = np.frombuffer(self._documents, dtype=np.int64).astype("<i8")
             with open(self._tmp_idx, "wb") as f:
                 f.write(HEADER.pack(MAGIC, VERSION, _CODE_OF_DTYPE[self.dtype], len(sizes), len(document_indices)))
                 f.write(sizes.tobytes())

@@ -1,17 +1,15 @@
 """The training batch loader: one rank's share (``batch_indices``) of consecutive global batches from
-``start_sample`` on, optionally read ahead by ``DataLoader`` worker processes.
-
-A resumed run sees the very batches an uninterrupted one would; the worker count changes only when a
-batch is read. Workers and when they pay off: docs/data.md, "Batches".
-"""
+``start_sample`` on, optionally read ahead by ``DataLoader`` workers (the batches are the same either way).
+See docs/data.md, "Batches"."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -20,28 +18,17 @@ import torch
 from megatron_sp.data import batch_indices
 
 
-class _StepSampler:
-    """Yields, for each step from ``first_step`` on, the sample ids this rank reads (its block of the global batch)."""
+class _RankBatches(torch.utils.data.Dataset):
+    """Item ``step``: this rank's block of global batch ``step`` (``batch_indices``), read and collated in one
+    worker call."""
 
-    def __init__(self, first_step: int, num_steps: int, global_batch_size: int, dp_rank: int, dp_size: int) -> None:
-        self.first_step, self.num_steps = first_step, num_steps
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[np.ndarray]], dict[str, torch.Tensor]],
+                 global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        self.dataset, self.collate_fn = dataset, collate_fn
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
 
-    def __iter__(self) -> Iterator[list[int]]:
-        for step in range(self.first_step, self.first_step + self.num_steps):
-            yield list(batch_indices(step, self.global_batch_size, self.dp_rank, self.dp_size))
-
-    def __len__(self) -> int:
-        return self.num_steps
-
-
-class _RankBatches(torch.utils.data.Dataset):
-    """Adapter: the sampler hands out whole index lists, each read and collated in one worker call."""
-
-    def __init__(self, dataset: Any, collate_fn: Callable[[list[np.ndarray]], dict[str, torch.Tensor]]) -> None:
-        self.dataset, self.collate_fn = dataset, collate_fn
-
-    def __getitem__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:  # type: ignore[override]
+    def __getitem__(self, step: int) -> dict[str, torch.Tensor]:
+        indices = batch_indices(step, self.global_batch_size, self.dp_rank, self.dp_size)
         return self.collate_fn([self.dataset[i] for i in indices])
 
 
@@ -49,15 +36,11 @@ def _init_worker(parent_pid: int, worker_id: int) -> None:
     """Tie a loader worker's life to its rank's, and only to it: leave the rank's process group (torchrun's
     ``killpg`` SIGTERM must not kill it while the rank saves a preemption checkpoint), and on Linux get
     SIGKILLed when the rank dies (``PR_SET_PDEATHSIG``; DataLoader's own watchdog takes up to 5 s)."""
-    try:
+    with contextlib.suppress(OSError):  # a session leader cannot: it then stays in the rank's group
         os.setpgid(0, 0)
-    except OSError:  # a session leader cannot: it then stays in the rank's group
-        pass
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # no prctl: DataLoader's watchdog still ends the worker
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):  # no prctl: DataLoader's watchdog still ends the worker
-            pass
     if os.getppid() != parent_pid:  # the rank died before prctl took effect
         os._exit(0)
 
@@ -81,16 +64,14 @@ class BatchLoader:
         if start_sample < 0 or start_sample % global_batch_size:
             raise ValueError(f"start_sample {start_sample} must be a non-negative multiple of the global batch "
                              f"size {global_batch_size}")
-        if num_workers < 0 or prefetch_factor < 1:
-            raise ValueError(f"need num_workers >= 0 and prefetch_factor >= 1, got {num_workers}, {prefetch_factor}")
         first_step = start_sample // global_batch_size
         num_steps = max(0, len(dataset) // global_batch_size - first_step)
-        sampler = _StepSampler(first_step, num_steps, global_batch_size, dp_rank, dp_size)
         self.global_batch_size = global_batch_size
         self.next_sample = start_sample
         self.num_workers = num_workers
         self._loader = torch.utils.data.DataLoader(
-            _RankBatches(dataset, collate_fn), sampler=sampler, batch_size=None, collate_fn=_unwrap,
+            _RankBatches(dataset, collate_fn, global_batch_size, dp_rank, dp_size),
+            sampler=range(first_step, first_step + num_steps), batch_size=None, collate_fn=_unwrap,
             num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
             pin_memory=pin_memory, persistent_workers=False,
             worker_init_fn=functools.partial(_init_worker, os.getpid()) if num_workers else None)

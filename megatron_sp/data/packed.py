@@ -1,23 +1,13 @@
-"""Pre-packed samples as Hugging Face produces them: documents start where ``position_ids`` reset.
-
-What Axolotl's multipack and ``transformers.DataCollatorWithFlattening`` produce, saved with
-``datasets.Dataset.to_json``: one JSONL line per packed sample with ``input_ids``, ``position_ids``
-(0 at each document start) and optionally ``labels`` (-100 = not trained; not shifted: the model shifts).
-
-``convert_packed_jsonl`` (``tools/preprocess_data.py --packed-samples``) writes three indexed datasets
-with one sequence (and document) of ``seq_length + 1`` values per sample: ``PREFIX_packed`` (the
-tokens), ``PREFIX_packed_positions`` and ``PREFIX_packed_labels``. With ``data.packing=position_ids``,
-``PackedDataset`` serves those samples (shuffled, repeated over epochs) as ``[3, seq_length + 1]``
-arrays and ``collate_packed`` makes the batch: positions from the file, ``document_ids`` from the
-resets, labels shifted inside the sample with every label that crosses a document boundary masked.
-Format and semantics: docs/data.md, "Pre-packed samples".
+"""Pre-packed samples as Hugging Face produces them (documents start where ``position_ids`` reset):
+``convert_packed_jsonl`` writes ``PREFIX_packed`` (+ ``_positions``, ``_labels``), ``PackedDataset`` serves
+them as ``[3, seq_length + 1]`` arrays and ``collate_packed`` makes the batch. Format and semantics:
+docs/data.md, "Pre-packed samples".
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatron_sp.data.corpus import check_input_files, read_lines
-from megatron_sp.data.index_cache import description_hash, temp_path
-from megatron_sp.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, data_file_paths
+from megatron_sp.data.corpus import check_input_files, load_json_object, read_lines
+from megatron_sp.data.gpt_dataset import shuffled_epochs
+from megatron_sp.data.index_cache import description_hash, file_fingerprint
+from megatron_sp.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, data_file_paths, staged_outputs
 from megatron_sp.errors import DataError
 
 if TYPE_CHECKING:
@@ -51,11 +42,6 @@ def side_prefixes(prefix: str | Path) -> tuple[str, str]:
     return f"{prefix}_positions", f"{prefix}_labels"
 
 
-def is_packed(prefix: str | Path) -> bool:
-    """Whether ``prefix`` has the side datasets of a converted pre-packed dataset."""
-    return any(p.exists() for side in side_prefixes(prefix) for p in data_file_paths(side))
-
-
 # --------------------------------------------------------------------------------------------------- conversion
 
 def _int_list(record: dict, key: str, where: str) -> list[int]:
@@ -71,15 +57,7 @@ def parse_packed_line(raw: bytes, path: str | Path, line_no: int, sample_length:
     """One JSONL line → ``(input_ids, position_ids, labels)`` int64 arrays of its length (≤ ``sample_length``);
     labels default to ``input_ids``. ``DataError`` naming the file, the line and the fix otherwise."""
     where = f"{path}:{line_no}"
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON object "
-                        f"like {{\"input_ids\": [...], \"position_ids\": [...]}} (datasets.Dataset.to_json)") from None
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    record = load_json_object(raw, where, '{"input_ids": [...], "position_ids": [...]} (datasets.Dataset.to_json)')
     for key in ("input_ids", "position_ids"):
         if key not in record:
             raise DataError(f"{where}: key '{key}' missing (keys present: {sorted(record)}); a packed sample needs "
@@ -137,57 +115,36 @@ def convert_packed_jsonl(input_paths: Sequence[str | Path], output_prefix: str |
     ``seq_length + 1``-value sequence per sample; shorter samples are padded (``pad_sample``). All three
     appear together or not at all; existing outputs are refused unless ``overwrite``.
     Returns stats: ``samples``, ``padded`` (samples), ``pad_tokens``, ``tokens``, ``bytes``, ``seconds``, ``outputs``."""
-    from megatron_sp.data.preprocess import _refuse_existing
-
     if seq_length < 1:
         raise DataError(f"--seq-length must be >= 1 (the model.seq_length the samples are for), got {seq_length}")
     paths = [Path(p) for p in input_paths]
     check_input_files(paths, "input_ids")
     tokens_prefix = f"{output_prefix}{SUFFIX}"
     finals = [tokens_prefix, *side_prefixes(tokens_prefix)]
-    if not overwrite:
-        _refuse_existing(finals)
-    staged = [str(temp_path(Path(p))) for p in finals]
     sample_length = seq_length + 1
     dtypes = [best_dtype(vocab_size), best_dtype(sample_length), np.dtype(np.int32)]
     start = time.perf_counter()
     samples = padded = pad_tokens = read = 0
-    try:
-        writers = [IndexedDatasetWriter(p, d) for p, d in zip(staged, dtypes, strict=True)]
-        try:
-            for path in paths:
-                for line_no, raw in enumerate(read_lines(path), start=1):
-                    read += len(raw)
-                    if not raw.strip():
-                        continue
-                    arrays = parse_packed_line(raw, path, line_no, sample_length, vocab_size)
-                    if arrays[0].size < sample_length:
-                        padded += 1
-                        pad_tokens += sample_length - arrays[0].size
-                    for writer, array in zip(writers, pad_sample(*arrays, sample_length, pad), strict=True):
-                        writer.add_document(array)
-                    samples += 1
-                    if log_interval and samples % log_interval == 0:
-                        log.info("converted %d packed samples (%.1f samples/s)", samples,
-                                 samples / max(time.perf_counter() - start, 1e-9))
-            if samples == 0:
-                raise DataError(f"no samples in {', '.join(map(str, paths))} (every line is blank); nothing was "
-                                f"written: give a JSONL file with one packed sample per line")
-            for writer in writers:
-                writer.finalize()
-        except BaseException:
-            for writer in writers:
-                writer.discard()
-            raise
-        if not overwrite:
-            _refuse_existing(finals)  # created meanwhile: still never replaced
-        for tmp_prefix, final in zip(staged, finals, strict=True):
-            for tmp, dest in zip(data_file_paths(tmp_prefix), data_file_paths(final), strict=True):
-                os.replace(tmp, dest)  # .bin first, .idx last (a reader checks the pair)
-    finally:
-        for tmp_prefix in staged:
-            for tmp in data_file_paths(tmp_prefix):
-                tmp.unlink(missing_ok=True)
+    with staged_outputs(finals, overwrite) as staged, contextlib.ExitStack() as stack:
+        writers = [stack.enter_context(IndexedDatasetWriter(p, d)) for p, d in zip(staged, dtypes, strict=True)]
+        for path in paths:
+            for line_no, raw in enumerate(read_lines(path), start=1):
+                read += len(raw)
+                if not raw.strip():
+                    continue
+                arrays = parse_packed_line(raw, path, line_no, sample_length, vocab_size)
+                if arrays[0].size < sample_length:
+                    padded += 1
+                    pad_tokens += sample_length - arrays[0].size
+                for writer, array in zip(writers, pad_sample(*arrays, sample_length, pad), strict=True):
+                    writer.add_document(array)
+                samples += 1
+                if log_interval and samples % log_interval == 0:
+                    log.info("converted %d packed samples (%.1f samples/s)", samples,
+                             samples / max(time.perf_counter() - start, 1e-9))
+        if samples == 0:
+            raise DataError(f"no samples in {', '.join(map(str, paths))} (every line is blank); nothing was "
+                            f"written: give a JSONL file with one packed sample per line")
     seconds = time.perf_counter() - start
     if padded:
         log.info("padded %d of %d samples to %d tokens (%.1f %% of the tokens are padding)", padded, samples,
@@ -230,8 +187,6 @@ class PackedDataset:
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int,
                  seed: int, name: str) -> None:
-        if num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         self.indexed, self.positions, self.labels = open_packed(indexed.prefix, seq_length)
         self.documents = np.asarray(documents, dtype=np.int64)
         if self.documents.size == 0:
@@ -239,7 +194,7 @@ class PackedDataset:
         self.seq_length, self.num_samples, self.seed, self.name = seq_length, num_samples, seed, name
         self.description = {
             "class": type(self).__name__,
-            "files": [_fingerprint(p) for ds in (self.indexed, self.positions, self.labels)
+            "files": [file_fingerprint(p) for ds in (self.indexed, self.positions, self.labels)
                       for p in (ds.idx_path, ds.bin_path)],
             "documents_sha256": hashlib.sha256(self.documents.tobytes()).hexdigest(),
             "seq_length": seq_length,
@@ -247,13 +202,8 @@ class PackedDataset:
             "seed": seed,
         }
         self.hash = description_hash(self.description)
-        rng = np.random.RandomState(seed)
-        epochs = []
-        for _ in range(max(1, -(-num_samples // self.documents.size))):
-            epoch = self.documents.copy()
-            rng.shuffle(epoch)
-            epochs.append(epoch)
-        self.sample_ids: np.ndarray = np.concatenate(epochs)[:num_samples]
+        epochs = max(1, -(-num_samples // self.documents.size))
+        self.sample_ids: np.ndarray = shuffled_epochs(self.documents, epochs, np.random.RandomState(seed))[:num_samples]
 
     def __len__(self) -> int:
         return self.num_samples
@@ -269,18 +219,6 @@ class PackedDataset:
                 f"seq_length={self.seq_length}, packed_samples={self.documents.size}, seed={self.seed})")
 
 
-def _fingerprint(path: Path) -> dict[str, Any]:
-    stat = path.stat()
-    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def document_starts(positions: np.ndarray | torch.Tensor) -> Any:
-    """``[..., n]`` bool: a document starts where the position is 0 or lower than the one before it."""
-    starts = positions == 0
-    starts[..., 1:] |= positions[..., 1:] < positions[..., :-1]
-    return starts
-
-
 def collate_packed(samples: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
     """Stack ``[3, s + 1]`` samples (tokens, position_ids, labels) into ``[b, s]`` tensors: ``tokens``,
     ``position_ids`` (from the file), ``document_ids`` (documents counted from the position resets),
@@ -290,7 +228,9 @@ def collate_packed(samples: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
 
     batch = torch.from_numpy(np.stack([np.asarray(s, dtype=np.int64) for s in samples]))  # [b, 3, s+1]
     ids, positions, labels = batch[:, 0], batch[:, 1], batch[:, 2]  # [b, s+1] each
-    documents = document_starts(positions).to(torch.int64).cumsum(dim=1) - 1  # [b, s+1]
+    starts = positions == 0  # a document starts where the position is 0 or lower than the one before it
+    starts[:, 1:] |= positions[:, 1:] < positions[:, :-1]
+    documents = starts.to(torch.int64).cumsum(dim=1) - 1  # [b, s+1]
     target = labels[:, 1:]  # [b, s]
     trained = (target != IGNORE_INDEX) & (documents[:, 1:] == documents[:, :-1])
     return {"tokens": ids[:, :-1].contiguous(),
@@ -304,6 +244,6 @@ def check_dataset_kind(prefix: str | Path, packing: str, seq_length: int) -> Non
     """``DataError`` when the dataset at ``prefix`` is not of the kind ``data.packing`` reads."""
     if packing == "position_ids":
         open_packed(prefix, seq_length)
-    elif is_packed(prefix):
+    elif any(p.exists() for side in side_prefixes(prefix) for p in data_file_paths(side)):
         raise DataError(f"{prefix} is a pre-packed dataset (it has {side_prefixes(prefix)[0]}.bin/.idx) but "
                         f"data.packing=eod would cut it as EOD-delimited text; set data.packing=position_ids")

@@ -1,26 +1,22 @@
-"""JSONL → Megatron indexed dataset: ``{output_prefix}_{key}_{level}.bin/.idx`` per JSON key, as
-Megatron-LM's ``tools/preprocess_data.py``, with worker processes and all-or-nothing outputs.
-
-Semantics, chunking and atomic outputs: docs/data.md.
-"""
+"""JSONL → Megatron indexed dataset ``{output_prefix}_{key}_{level}.bin/.idx`` per JSON key, as Megatron-LM's
+``tools/preprocess_data.py``, with worker processes and all-or-nothing outputs (docs/data.md)."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import multiprocessing
-import os
 import re
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from megatron_sp.data.corpus import check_input_files, parse_jsonl_line, read_lines
-from megatron_sp.data.index_cache import temp_path
-from megatron_sp.data.indexed import IndexedDatasetWriter, best_dtype, data_file_paths
+from megatron_sp.data.indexed import IndexedDatasetWriter, best_dtype, staged_outputs
 from megatron_sp.data.tokenizer import Tokenizer
 from megatron_sp.errors import DataError
 
@@ -48,16 +44,15 @@ def split_sentences(text: str) -> list[str]:
     return sentences
 
 
+@dataclass
 class _Encoder:
     """Tokenizes one chunk of JSONL lines into one packed token array per key (runs in the workers)."""
 
-    def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool, dtype: np.dtype,
-                 split: bool = False) -> None:
-        self.tokenizer = tokenizer
-        self.json_keys = tuple(json_keys)
-        self.append_eod = append_eod
-        self.dtype = dtype
-        self.split = split
+    tokenizer: Tokenizer
+    json_keys: Sequence[str]
+    append_eod: bool
+    dtype: np.dtype
+    split: bool = False
 
     def __call__(self, chunk: _Chunk) -> _ChunkResult:
         path, first_line, lines = chunk
@@ -151,14 +146,6 @@ def preprocess_jsonl(input_paths: Sequence[str | Path], output_prefix: str | Pat
                              overwrite=overwrite)
 
 
-def _refuse_existing(prefixes: Iterable[str | Path]) -> None:
-    existing = [p for prefix in prefixes for p in data_file_paths(prefix) if p.exists()]
-    if existing:
-        raise DataError(f"output '{existing[0]}' already exists ({existing[0].stat().st_size} bytes"
-                        + (f"; {len(existing) - 1} more output file(s) too" if len(existing) > 1 else "")
-                        + "); pass --overwrite to replace it, or choose another --output-prefix")
-
-
 def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str | Path], tokenizer: Tokenizer,
                       *, append_eod: bool = True, workers: int = 1, split_sentences: bool = False,
                       chunk_bytes: int = 1 << 16, log_interval: int = 1000, overwrite: bool = True) -> dict[str, Any]:
@@ -169,37 +156,14 @@ def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str
         raise ValueError(f"workers must be >= 1, got {workers}")
     paths = [Path(p) for p in input_paths]
     check_input_files(paths, next(iter(prefixes)))  # fail before starting workers or creating outputs
-    if not overwrite:
-        _refuse_existing(prefixes.values())
-    staged = {key: str(temp_path(Path(prefix))) for key, prefix in prefixes.items()}  # renamed once all complete
-    try:
-        stats = _tokenize(paths, staged, tokenizer, append_eod, workers, split_sentences, chunk_bytes, log_interval)
-        if not overwrite:
-            _refuse_existing(prefixes.values())  # created meanwhile: still never replaced
-        for key, prefix in prefixes.items():
-            for tmp, final in zip(data_file_paths(staged[key]), data_file_paths(prefix), strict=True):
-                os.replace(tmp, final)  # .bin first, .idx last (a reader checks the pair)
-    finally:
-        for prefix in staged.values():
-            for tmp in data_file_paths(prefix):
-                tmp.unlink(missing_ok=True)
-    outputs = [str(p) for p in prefixes.values()]
-    log.info("tokenized %d documents, %d tokens (%.2f MB) into %s in %.1f s", stats["docs"], stats["tokens"],
-             stats["bytes"] / 1e6, ", ".join(outputs), stats["seconds"])
-    return {**stats, "outputs": outputs}
-
-
-def _tokenize(paths: list[Path], prefixes: dict[str, str], tokenizer: Tokenizer, append_eod: bool, workers: int,
-              split_sentences: bool, chunk_bytes: int, log_interval: int) -> dict[str, Any]:
-    """Write one complete dataset per ``prefixes`` entry; stats without ``outputs``."""
     dtype = best_dtype(tokenizer.vocab_size)
     encoder = _Encoder(tokenizer, list(prefixes), append_eod, dtype, split_sentences)
     chunks = read_chunks(paths, chunk_bytes)
     start = time.perf_counter()
     docs = tokens = read = 0
     next_log = log_interval
-    with contextlib.ExitStack() as stack:
-        writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype)) for prefix in prefixes.values()]
+    with staged_outputs(list(prefixes.values()), overwrite) as staged, contextlib.ExitStack() as stack:
+        writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype)) for prefix in staged]
         if workers == 1:
             results: Iterable[_ChunkResult] = map(encoder, chunks)
         else:
@@ -219,4 +183,8 @@ def _tokenize(paths: list[Path], prefixes: dict[str, str], tokenizer: Tokenizer,
         if docs == 0:
             raise DataError(f"no documents in {', '.join(map(str, paths))} (every line is blank); nothing was "
                             f"written: give a JSONL corpus with one JSON object per line")
-    return {"docs": docs, "tokens": tokens, "bytes": read, "seconds": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
+    outputs = [str(p) for p in prefixes.values()]
+    log.info("tokenized %d documents, %d tokens (%.2f MB) into %s in %.1f s", docs, tokens, read / 1e6,
+             ", ".join(outputs), seconds)
+    return {"docs": docs, "tokens": tokens, "bytes": read, "seconds": seconds, "outputs": outputs}

@@ -1,8 +1,5 @@
-"""Tokenizers: SentencePiece (the default; ``train_sentencepiece`` trains one for source code), a Hugging
-Face ``tokenizer.json``, and raw UTF-8 bytes, all behind the ``Tokenizer`` interface.
-
-Default special ids, round trips and the SentencePiece training options: docs/data.md.
-"""
+"""Tokenizers behind the ``Tokenizer`` interface: SentencePiece (``train_sentencepiece`` trains one for source
+code), a Hugging Face ``tokenizer.json``, and raw UTF-8 bytes. See docs/data.md, Tokenizers."""
 from __future__ import annotations
 
 import abc
@@ -17,6 +14,7 @@ from typing import Any
 
 import sentencepiece as spm
 
+from megatron_sp.config.loader import check_tokenizer_keys
 from megatron_sp.config.schema import TokenizerConfig
 from megatron_sp.data.corpus import iter_jsonl_texts
 from megatron_sp.data.index_cache import atomic_file
@@ -32,27 +30,14 @@ MAX_LINE_BYTES = 4192
 
 
 class Tokenizer(abc.ABC):
-    """The interface the data pipeline and the model rely on."""
+    """The interface the data pipeline and the model rely on: ``vocab_size`` ids (the embedding needs at least
+    this many rows), the end-of-document id ``eod`` (appended after each document by preprocessing) and ``pad``
+    (explicit tokenizer.eod_token / pad_token, or each tokenizer's defaults)."""
 
     name: str
-
-    @property
-    @abc.abstractmethod
-    def vocab_size(self) -> int:
-        """Number of token ids (the embedding needs at least this many rows)."""
-
-    _eod: int  # set by each tokenizer (explicit tokenizer.eod_token / pad_token, or its defaults)
-    _pad: int
-
-    @property
-    def eod(self) -> int:
-        """End-of-document id, appended after each document by preprocessing."""
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        """Padding id."""
-        return self._pad
+    vocab_size: int
+    eod: int
+    pad: int
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -74,13 +59,9 @@ class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255, EOD = 256, pad = 257: 258 ids, nothing to train."""
 
     name = "byte"
-
-    @property
-    def vocab_size(self) -> int:
-        return 258
-
-    _eod = 256
-    _pad = 257
+    vocab_size = 258
+    eod = 256
+    pad = 257
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -102,9 +83,10 @@ class SentencePieceTokenizer(Tokenizer):
         self.model_path = Path(model_path)
         self.eod_token, self.pad_token = eod_token, pad_token
         if not self.model_path.is_file():
+            prefix = self.model_path.with_suffix("") if self.model_path.suffix == ".model" else self.model_path
             raise DataError(f"tokenizer model {self.model_path} not found; create it with `python "
                             f"tools/train_tokenizer.py --input CORPUS.jsonl --model-prefix "
-                            f"{_strip_model_suffix(self.model_path)} --vocab-size 4096` (or set data.build_demo=true)")
+                            f"{prefix} --vocab-size 4096` (or set data.build_demo=true)")
         self._load(self.model_path.read_bytes())
 
     def _load(self, proto: bytes) -> None:
@@ -114,25 +96,22 @@ class SentencePieceTokenizer(Tokenizer):
         except RuntimeError as e:
             raise DataError(f"tokenizer model {self.model_path} is not a valid SentencePiece model ({e}); "
                             f"retrain it with tools/train_tokenizer.py") from None
-        self._eod = self._special(self.eod_token, "eod_token") if self.eod_token else int(self._sp.eos_id())
-        if self._eod < 0:
+        self.vocab_size = int(self._sp.get_piece_size())
+        self.eod = self._special(self.eod_token, "eod_token") if self.eod_token else int(self._sp.eos_id())
+        if self.eod < 0:
             raise DataError(f"tokenizer model {self.model_path} has no eos piece, which serves as end-of-document; "
                             f"set tokenizer.eod_token to one of its pieces or retrain it with tools/train_tokenizer.py")
         default_pad = int(self._sp.pad_id())
-        self._pad = (self._special(self.pad_token, "pad_token") if self.pad_token
-                     else default_pad if default_pad >= 0 else self._eod)
+        self.pad = (self._special(self.pad_token, "pad_token") if self.pad_token
+                    else default_pad if default_pad >= 0 else self.eod)
         self._space_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in SPACE_SYMBOL.encode("utf-8")]
         self._has_bytes = all(self._sp.id_to_piece(i) == f"<0x{b:02X}>"
                               for i, b in zip(self._space_bytes, SPACE_SYMBOL.encode("utf-8"), strict=True))
         self._newline_ids = self._newline_separable()
 
     def _newline_separable(self) -> list[int] | None:
-        """The ids of "\\n" if encoding line by line and joining with them equals encoding the whole text, else None.
-
-        Holds when the normalizer is identity (no dummy prefix, no whitespace collapsing), no piece spans
-        a newline and "\\n" encodes without ``<unk>``, as for ``train_sentencepiece`` models; BPE over
-        lines is then about 30 % faster. Read from the model proto (needs ``protobuf``).
-        """
+        """The ids of "\\n" if encoding line by line and joining with them equals encoding the whole text, else None
+        (docs/data.md, Tokenizers)."""
         try:
             from sentencepiece import sentencepiece_model_pb2
             model = sentencepiece_model_pb2.ModelProto.FromString(self._proto)
@@ -154,10 +133,6 @@ class SentencePieceTokenizer(Tokenizer):
                               f"pieces, e.g. '{self._sp.id_to_piece(max(self._sp.eos_id(), 0))}'")
         return i
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self._sp.get_piece_size())
-
     def encode(self, text: str) -> list[int]:
         if SPACE_SYMBOL not in text or not self._has_bytes:
             return self._sp.encode(text)
@@ -172,20 +147,16 @@ class SentencePieceTokenizer(Tokenizer):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``[encode(t) for t in texts]``, one native single-threaded call for texts without a literal "▁"."""
         texts = list(texts)
-        plain = [k for k, text in enumerate(texts) if SPACE_SYMBOL not in text or not self._has_bytes]
-        out: list[list[int]] = [[] for _ in texts]
-        newline = self._newline_ids or []  # None: whole texts, not split into lines
-        lines = [texts[k].split("\n") if self._newline_ids is not None else [texts[k]] for k in plain]
+        out: list[Any] = [self.encode(text) if SPACE_SYMBOL in text and self._has_bytes else None for text in texts]
+        plain = [k for k, ids in enumerate(out) if ids is None]
+        newline = self._newline_ids  # None: whole texts, not split into lines
+        lines = [texts[k].split("\n") if newline is not None else [texts[k]] for k in plain]
         encoded = iter(self._sp.encode([line for parts in lines for line in parts], num_threads=1) if plain else [])
         for k, parts in zip(plain, lines, strict=True):
-            ids = list(next(encoded))
+            out[k] = list(next(encoded))
             for _ in range(len(parts) - 1):
-                ids.extend(newline)
-                ids.extend(next(encoded))
-            out[k] = ids
-        if len(plain) != len(texts):
-            for k in set(range(len(texts))).difference(plain):
-                out[k] = self.encode(texts[k])
+                out[k].extend(newline)
+                out[k].extend(next(encoded))
         return out
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -241,9 +212,9 @@ class HFTokenizer(Tokenizer):
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"{self.path} is not a valid Hugging Face tokenizer.json ({first})") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        self._vocab_size = max(vocab.values()) + 1 if vocab else 0
-        self._eod = self._find(self.eod_token, EOD_TOKENS, "eod_token", vocab)
-        self._pad = self._find(self.pad_token, PAD_TOKENS, "pad_token", vocab, default=self._eod)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self.eod = self._find(self.eod_token, EOD_TOKENS, "eod_token", vocab)
+        self.pad = self._find(self.pad_token, PAD_TOKENS, "pad_token", vocab, default=self.eod)
 
     def _find(self, token: str | None, candidates: tuple[str, ...], key: str, vocab: dict[str, int],
               default: int | None = None) -> int:
@@ -259,10 +230,6 @@ class HFTokenizer(Tokenizer):
             raise ConfigError(f"tokenizer.eod_token: {self.path} has none of {', '.join(candidates)}; set "
                               f"tokenizer.eod_token (or --eod-token) to its end-of-document token")
         return default
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -282,29 +249,20 @@ class HFTokenizer(Tokenizer):
 TOKENIZER_TYPES = ("sentencepiece", "hf", "byte")
 """The values of ``tokenizer.type``."""
 
+_ALIASES = {"sentencepiecetokenizer": "sentencepiece", "huggingfacetokenizer": "hf", "bytetokenizer": "byte"}
+
 
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     """The tokenizer ``cfg`` describes: ``sentencepiece`` (loads ``cfg.model``), ``hf`` (a tokenizer.json) or ``byte``."""
-    kind = cfg.type.lower()
-    if kind in ("sentencepiece", "sentencepiecetokenizer"):
-        if not cfg.model:
-            raise ConfigError("tokenizer.model is not set; give the SentencePiece .model path, or set "
-                              "tokenizer.type=byte")
-        return SentencePieceTokenizer(cfg.model, cfg.eod_token, cfg.pad_token)
-    if kind in ("hf", "huggingfacetokenizer"):
-        if not cfg.model:
-            raise ConfigError("tokenizer.model is not set; give the path of the Hugging Face tokenizer.json")
-        return HFTokenizer(cfg.model, cfg.eod_token, cfg.pad_token)
-    if kind in ("byte", "bytetokenizer"):
-        if cfg.eod_token is not None or cfg.pad_token is not None:
-            raise ConfigError("tokenizer.eod_token / tokenizer.pad_token: the byte tokenizer's special ids are fixed "
-                              "(EOD 256, pad 257); drop these keys")
-        return ByteTokenizer()
-    raise ConfigError(f"tokenizer.type: unknown tokenizer '{cfg.type}'; choose one of {', '.join(TOKENIZER_TYPES)}")
-
-
-def _strip_model_suffix(path: Path) -> str:
-    return str(path.with_suffix("")) if path.suffix == ".model" else str(path)
+    kind = _ALIASES.get(cfg.type.lower(), cfg.type.lower())
+    if kind not in TOKENIZER_TYPES:
+        raise ConfigError(f"tokenizer.type: unknown tokenizer '{cfg.type}'; choose one of {', '.join(TOKENIZER_TYPES)}")
+    check_tokenizer_keys(cfg, kind)
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer(cfg.model, cfg.eod_token, cfg.pad_token)  # type: ignore[arg-type]
+    if kind == "hf":
+        return HFTokenizer(cfg.model, cfg.eod_token, cfg.pad_token)  # type: ignore[arg-type]
+    return ByteTokenizer()
 
 
 def training_lines(texts: Iterable[str], max_lines: int = 2_000_000, seed: int = 1234) -> tuple[list[str], int, int]:

@@ -21,7 +21,7 @@ from torch import nn
 
 from megatron_sp.model.attention.context_parallel import AttentionMeta
 from megatron_sp.mpu import comm
-from megatron_sp.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron_sp.mpu.layers import vocab_parallel_cross_entropy
 from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron_sp.mpu.mappings import gather_from_tp
 from megatron_sp.mpu.parallel_state import ParallelContext

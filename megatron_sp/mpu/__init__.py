@@ -1,10 +1,10 @@
 """Model-parallel utilities: the rank grid, process groups and ``ParallelContext`` (``parallel_state``), the collective
-wrappers (``comm``), the paired autograd communication functions (``mappings``), the TP/SP layers
-(``layers``), the vocab-parallel cross entropy and the gather buffer (``memory``)."""
+wrappers (``comm``), the paired autograd communication functions (``mappings``), the TP/SP layers and the
+vocab-parallel cross entropy (``layers``) and the gather buffer (``memory``)."""
 from . import comm
 from .comm import CommCounter
-from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tp_attributes, shard
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tp_attributes, shard,
+                     vocab_parallel_cross_entropy)
 from .mappings import (all_to_all, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp,
                        scatter_to_sp, scatter_to_tp)
 from .memory import GatherBuffer, default_gather_buffer

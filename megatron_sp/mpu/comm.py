@@ -1,10 +1,8 @@
-"""The one layer every collective, point-to-point transfer and barrier goes through (gloo and NCCL).
+"""The one layer every collective, point-to-point transfer and barrier goes through (``tests/unit/test_comm_rules.py``).
 
-No other module calls a ``torch.distributed`` collective (``tests/unit/test_comm_rules.py``). Every
-function takes its group explicitly (``None``: the default group) and is the identity for a group of one
-(``LOCAL``); outputs are fresh contiguous tensors (``all_reduce`` alone works in place). ``count()``
-records calls and bytes sent per op; ``observe(callback)`` sees one ``CommEvent`` per call.
-The function table and the byte formulas: docs/communication.md.
+Each function takes its group explicitly (``None``: the default group) and is the identity for a group of one;
+``count()`` records calls and bytes sent, ``observe(callback)`` sees each call. Table and byte formulas:
+docs/communication.md.
 """
 from __future__ import annotations
 
@@ -128,6 +126,11 @@ def _dim(t: torch.Tensor, dim: int) -> int:
     return dim % t.dim()
 
 
+def _ring_bytes(t: torch.Tensor, n: int, passes: float = 1.0) -> float:
+    """Bytes this rank sends in ``passes`` ring passes over ``t`` (docs/communication.md)."""
+    return passes * (n - 1) / n * t.numel() * t.element_size()
+
+
 def _check_divisible(t: torch.Tensor, dim: int, n: int, op: str) -> None:
     if t.shape[dim] % n:
         raise ValueError(f"{op}: dim {dim} of shape {tuple(t.shape)} is not divisible by the group size {n}")
@@ -156,16 +159,13 @@ class Pending:
         return self._result
 
 
-# --- all-reduce -----------------------------------------------------------------------------------
-
 def all_reduce(t: torch.Tensor, group: Any, op: Any = ReduceOp.SUM) -> torch.Tensor:
     """Reduce ``t`` over ``group`` in place (``op``: SUM, MAX, ...) and return it."""
     n = group_size(group)
     if n == 1:
         return t
-    nbytes = 2.0 * (n - 1) / n * t.numel() * t.element_size()
     buf = t if t.is_contiguous() else t.contiguous()
-    _issue("all_reduce", nbytes, group, t, lambda: dist.all_reduce(buf, op=op, group=group))
+    _issue("all_reduce", _ring_bytes(t, n, 2.0), group, t, lambda: dist.all_reduce(buf, op=op, group=group))
     return t if buf is t else t.copy_(buf)
 
 
@@ -176,13 +176,10 @@ def all_reduce_async(t: torch.Tensor, group: Any) -> Pending:
         return Pending(None, t)
     if not t.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
-    nbytes = 2.0 * (n - 1) / n * t.numel() * t.element_size()
-    work, event = _issue("all_reduce", nbytes, group, t,
+    work, event = _issue("all_reduce", _ring_bytes(t, n, 2.0), group, t,
                          lambda: dist.all_reduce(t, op=ReduceOp.SUM, group=group, async_op=True))
     return Pending(work, t, event)
 
-
-# --- all-gather -----------------------------------------------------------------------------------
 
 def _gather_dim0(t: torch.Tensor, group: Any, n: int, out: torch.Tensor | None,
                  async_op: bool) -> tuple[Any, torch.Tensor, CommEvent | None]:
@@ -192,8 +189,7 @@ def _gather_dim0(t: torch.Tensor, group: Any, n: int, out: torch.Tensor | None,
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
     elif tuple(out.shape) != shape or out.dtype != t.dtype or not out.is_contiguous():
         raise ValueError(f"all_gather: out buffer {tuple(out.shape)} {out.dtype} does not fit {shape} {t.dtype}")
-    nbytes = (n - 1) / n * out.numel() * out.element_size()
-    work, event = _issue("all_gather", nbytes, group, t,
+    work, event = _issue("all_gather", _ring_bytes(out, n), group, t,
                          lambda: dist.all_gather_single(out, t, group=group, async_op=async_op))
     return work, out, event
 
@@ -222,8 +218,6 @@ def all_gather_async(t: torch.Tensor, group: Any, out: torch.Tensor | None = Non
     return Pending(*_gather_dim0(t, group, n, out, async_op=True))
 
 
-# --- reduce-scatter -------------------------------------------------------------------------------
-
 def _chunks_to_dim0(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     """``t``'s ``n`` chunks along ``dim``, laid out one after another (contiguous; ``[n·chunk0, ..]`` for dim 0)."""
     if dim == 0:
@@ -240,8 +234,7 @@ def _reduce_scatter(t: torch.Tensor, group: Any, n: int, dim: int,
     shape = list(t.shape)
     shape[dim] //= n
     out = torch.empty(shape, dtype=t.dtype, device=t.device)
-    nbytes = (n - 1) / n * t.numel() * t.element_size()
-    work, event = _issue("reduce_scatter", nbytes, group, t,
+    work, event = _issue("reduce_scatter", _ring_bytes(t, n), group, t,
                          lambda: dist.reduce_scatter_single(out, inp, group=group, async_op=async_op))
     return work, out, event
 
@@ -266,12 +259,10 @@ def reduce_scatter_async(t: torch.Tensor, group: Any) -> Pending:
     _check_divisible(t, 0, n, "reduce_scatter")
     full = t.contiguous().clone()
     out = torch.empty((t.shape[0] // n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    work, event = _issue("reduce_scatter", (n - 1) / n * t.numel() * t.element_size(), group, t,
+    work, event = _issue("reduce_scatter", _ring_bytes(t, n), group, t,
                          lambda: dist.all_reduce(full, op=ReduceOp.SUM, group=group, async_op=True))
     return Pending(_ThenCopy(work, out, full.chunk(n)[group_rank(group)]), out, event)
 
-
-# --- split and all-to-all -------------------------------------------------------------------------
 
 def split(t: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     """This rank's ``1/n`` chunk of ``t`` along ``dim``, contiguous (no communication)."""
@@ -295,13 +286,10 @@ def all_to_all(t: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -
     chunk[scatter_dim] //= n
     inp = _chunks_to_dim0(t, scatter_dim, n)  # chunk j (for rank j) first
     out = torch.empty_like(inp)
-    _issue("all_to_all", (n - 1) / n * t.numel() * t.element_size(), group, t,
-           lambda: dist.all_to_all_single(out, inp, group=group))
+    _issue("all_to_all", _ring_bytes(t, n), group, t, lambda: dist.all_to_all_single(out, inp, group=group))
     moved = out.view(n, *chunk).movedim(0, gather_dim)  # out[j] came from rank j: [.., n, chunk[gather_dim], ..]
     return moved.reshape(*chunk[:gather_dim], n * chunk[gather_dim], *chunk[gather_dim + 1:]).contiguous()
 
-
-# --- broadcast, barrier and objects (start-up, checkpoints, agreement between ranks) --------------
 
 def broadcast(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
     """Overwrite ``t`` in place with global rank ``src``'s ``t`` (contiguous) and return it."""
@@ -310,8 +298,7 @@ def broadcast(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
         return t
     if not t.is_contiguous():
         raise ValueError("broadcast needs a contiguous tensor (it writes in place)")
-    _issue("broadcast", (n - 1) / n * t.numel() * t.element_size(), group, t,
-           lambda: dist.broadcast(t, src, group=group))
+    _issue("broadcast", _ring_bytes(t, n), group, t, lambda: dist.broadcast(t, src, group=group))
     return t
 
 
@@ -341,8 +328,6 @@ def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
     return box[0]
 
 
-# --- point-to-point (the pipeline's stage-to-stage transfers) -------------------------------------
-
 def isend(t: torch.Tensor, dst: int, group: Any) -> Pending:
     """Start sending the contiguous ``t`` to global rank ``dst`` over ``group`` (counted as ``send``). Keep ``t``
     unchanged until the ``Pending`` is completed (its ``wait()`` returns ``t``)."""
@@ -358,8 +343,6 @@ def irecv(buf: torch.Tensor, src: int, group: Any) -> Pending:
     work, event = _issue("recv", 0.0, group, buf, lambda: dist.irecv(buf, src, group=group), counted=False)
     return Pending(work, buf, event)
 
-
-# --- ring exchange (point-to-point) ---------------------------------------------------------------
 
 def ring_exchange_async(t: torch.Tensor, group: Any) -> Pending:
     """Send ``t`` to the next rank and receive the previous rank's tensor, posted together (``p2p``).

@@ -1,18 +1,16 @@
-"""Tensor- and sequence-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+"""Tensor- and sequence-parallel layers (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and
+the vocab-parallel cross entropy of their sharded logits.
 
-Activations are ``[s, b, h]``; ``t`` is the size of the TP group passed to each layer. Under
-sequence parallelism (SP) they are ``[s/t, b, h]`` between TP regions: a column-parallel layer
-all-gathers on the way in, a row-parallel layer reduce-scatters on the way out. Parameters have the
-LOCAL shape and are never initialised here: the model copies in its slice of the full tensor
-(``layer.shard_of(full, "weight")``). Every parameter carries ``tensor_model_parallel``,
-``partition_dim``, ``sequence_parallel`` and ``shared_embedding``.
-
-Theory and invariants (SP data flow, the per-parameter attribute table, the vocab-parallel
-embedding): docs/tensor_parallel.md.
+Activations are ``[s, b, h]`` (``[s/t, b, h]`` between TP regions under SP), ``t`` the size of each layer's TP
+group. Parameters have the LOCAL shape, are never initialised here (the model copies in
+``layer.shard_of(full, "weight")``) and carry ``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel``
+and ``shared_embedding``. Theory and invariants: docs/tensor_parallel.md.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -73,6 +71,18 @@ class _TPModule(nn.Module):
                              f"{tuple(out.shape)}, the parameter is {tuple(param.shape)}")
         return out
 
+    def _add_param(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None, device: torch.device | str | None,
+                   create: bool = True, sequence_parallel: bool = False) -> None:
+        """Register ``name`` as an uninitialised parameter of the local ``shape``, tagged from ``partition_dims``
+        (a negative dim: replicated), or as None when not ``create``."""
+        if not create:
+            self.register_parameter(name, None)
+            return
+        dim = self.partition_dims[name]
+        param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        set_tp_attributes(param, dim >= 0, dim, sequence_parallel=sequence_parallel)
+        self.register_parameter(name, param)
+
 
 def _grad_weight(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``grad_outᵀ @ x`` over all leading dims: ``[.., out]``, ``[.., in]`` → ``[out, in]``."""
@@ -89,17 +99,13 @@ def _autocast_cast(device_type: str, *tensors: torch.Tensor | None) -> tuple[tor
 
 
 class _GatherLinear(torch.autograd.Function):
-    """Sequence-parallel all-gather of the input fused with the column-parallel matmul.
+    """SP all-gather of the input (dim 0) fused with the column-parallel matmul; backward reduce-scatters grad_x,
+    overlapped with the weight-grad matmul. Over a group of one (``linear``) both are the identity. The weight
+    gradient can be deferred (``mpu.weight_grad``).
 
-    Forward: ``x_full = all_gather(x_shard, dim 0)``, ``out = x_full @ Wᵀ + b``.
-    Backward: ``grad_x = reduce_scatter(grad_out @ W, dim 0)``, ``grad_W = grad_outᵀ @ x_full``,
-    ``grad_b = Σ grad_out``.
-
-    ``recompute_allgather=True``: only ``x_shard`` is saved, ``x_full`` is gathered again in
-    backward (overlapped with ``grad_out @ W``), and both gathers go into the ``GatherBuffer`` (the
-    buffer is never saved: see its invariant). Saved activation bytes: ``1/t`` of ``x_full``.
-    ``False``: ``x_full`` itself (a fresh tensor) is saved: ``t×`` the memory, one all-gather fewer.
-    The reduce-scatter of ``grad_x`` overlaps the weight-grad matmul.
+    ``recompute_allgather=True``: only ``x_shard`` is saved (``1/t`` of ``x_full``) and gathered again in backward;
+    both gathers go into the ``GatherBuffer``, which is never saved (its invariant). ``False``: the fresh ``x_full``
+    is saved: ``t×`` the memory, one all-gather fewer.
     """
 
     @staticmethod
@@ -154,47 +160,16 @@ class _GatherLinear(torch.autograd.Function):
         return grad_w
 
 
-class _Linear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose weight gradient can be deferred (``mpu.weight_grad``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.weight_input = weight
-        x, weight, bias = _autocast_cast(x.device.type, x, weight, bias)
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
-        grad_out = grad_out.contiguous()
-
-        def grad_w() -> torch.Tensor:
-            return _grad_weight(grad_out, x)  # [out, in]
-        grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if need_x else None
-        weight_grad_now = grad_w() if need_w and not weight_grad.defer(grad_w, ctx.weight_input) else None
-        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if need_b and ctx.has_bias else None
-        return grad_x, weight_grad_now, grad_b
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with a deferrable weight gradient (see ``_Linear``)."""
-    return _Linear.apply(x, weight, bias)
+    """``F.linear`` with a deferrable weight gradient (``mpu.weight_grad``): ``_GatherLinear`` over a group of one."""
+    return _GatherLinear.apply(x, weight, bias, comm.LOCAL, False, default_gather_buffer())
 
 
 class ColumnParallelLinear(_TPModule):
     """``y = x Aᵀ + b`` with ``A`` split along its output dim: rank r holds rows ``[r·out/t, (r+1)·out/t)``.
 
-    Input: ``[s/t, b, in]`` under SP, else ``[s, b, in]`` (entering through ``copy_to_tp``, so the
-    input grad is all-reduced). Under SP the input all-gather and the matmul are one autograd
-    Function (``_GatherLinear``) whose backward reduce-scatters the input grad. Output:
-    ``[s, b, out/t]``, or ``[s, b, out]`` with ``gather_output``.
-
-    ``in_features``/``out_features`` are full sizes. ``recompute_allgather`` (SP): save only the input
-    shard and gather it again in backward (``t×`` less activation memory for one more all-gather,
+    ``in_features``/``out_features`` are full sizes. Without SP the input enters through ``copy_to_tp``; under SP
+    through ``_GatherLinear`` (``recompute_allgather``: ``t×`` less activation memory for one more all-gather,
     nanotron #203). ``skip_weight``: ``forward`` is given the weight (tied output layer).
     """
 
@@ -213,32 +188,17 @@ class ColumnParallelLinear(_TPModule):
         self.recompute_allgather = recompute_allgather
         self.skip_weight = skip_weight
         self.gather_buffer = gather_buffer if gather_buffer is not None else default_gather_buffer()
-        factory = {"dtype": dtype, "device": device}
-        if skip_weight:
-            self.register_parameter("weight", None)
-        else:
-            self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **factory))  # [out/t, in]
-            set_tp_attributes(self.weight, True, 0)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_per_rank, **factory))  # [out/t]
-            set_tp_attributes(self.bias, True, 0)
-        else:
-            self.register_parameter("bias", None)
+        self._add_param("weight", (self.out_per_rank, in_features), dtype, device, create=not skip_weight)
+        self._add_param("bias", (self.out_per_rank,), dtype, device, create=bias)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x ``[s/t, b, in]`` (SP) or ``[s, b, in]`` → ``[s, b, out/t]`` (``[s, b, out]`` with gather_output).
-
-        An external ``[rows, in]`` ``weight`` (and its ``bias``) replaces ``self.weight``: the tied
-        embedding, or SwiGLU's gate and up concatenated to share one input all-gather.
-        """
+        """x ``[s/t, b, in]`` (SP) or ``[s, b, in]`` → ``[s, b, out/t]`` (``[s, b, out]`` with gather_output). An external
+        ``[rows, in]`` ``weight`` (and ``bias``) replaces ``self.weight``: the tied embedding, or SwiGLU's gate and up."""
         if weight is None:
             weight = self.weight
             if weight is None:
                 raise ValueError("ColumnParallelLinear(skip_weight=True) needs forward(x, weight=...)")
-            if tuple(weight.shape) != (self.out_per_rank, self.in_features):
-                raise ValueError(f"ColumnParallelLinear: weight {tuple(weight.shape)} is not the local "
-                                 f"[{self.out_per_rank}, {self.in_features}]")
             bias = self.bias
         elif weight.dim() != 2 or weight.shape[1] != self.in_features:
             raise ValueError(f"ColumnParallelLinear: external weight {tuple(weight.shape)} must be [rows, {self.in_features}]")
@@ -261,11 +221,9 @@ class ColumnParallelLinear(_TPModule):
 class RowParallelLinear(_TPModule):
     """``y = x Aᵀ + b`` with ``A`` split along its input dim: rank r holds columns ``[r·in/t, (r+1)·in/t)``.
 
-    Input: ``[s, b, in/t]`` (``input_is_parallel``, the output of a column-parallel layer) or
-    ``[s, b, in]`` (split here). The partial products are summed over TP by a reduce-scatter along
-    dim 0 under SP (output ``[s/t, b, out]``) or an all-reduce (``[s, b, out]``); the bias
-    ``[out]`` is replicated and added after the reduction — under SP to each rank's sequence slice
-    only, so it is tagged ``sequence_parallel`` and its grad all-reduced over TP by the trainer.
+    The partial products are reduce-scattered along dim 0 (SP) or all-reduced; the replicated bias ``[out]`` is
+    added after the reduction, under SP to each rank's sequence slice only, so it is tagged ``sequence_parallel``
+    (its grad is all-reduced over TP by the optimizer).
     """
 
     partition_dims: ClassVar[dict[str, int]] = {"weight": 1, "bias": -1}
@@ -279,14 +237,8 @@ class RowParallelLinear(_TPModule):
         self.in_per_rank = _divide(in_features, self.tp_size, "RowParallelLinear in_features")
         self.sequence_parallel = sequence_parallel
         self.input_is_parallel = input_is_parallel
-        factory = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **factory))  # [out, in/t]
-        set_tp_attributes(self.weight, True, 1)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **factory))  # [out]
-            set_tp_attributes(self.bias, False, -1, sequence_parallel=sequence_parallel)
-        else:
-            self.register_parameter("bias", None)
+        self._add_param("weight", (out_features, self.in_per_rank), dtype, device)
+        self._add_param("bias", (out_features,), dtype, device, create=bias, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[s, b, in/t]`` (or ``[s, b, in]``) → ``[s/t, b, out]`` (SP) or ``[s, b, out]``."""
@@ -310,10 +262,8 @@ class RowParallelLinear(_TPModule):
 class VocabParallelEmbedding(_TPModule):
     """Embedding table split along the vocabulary: rank r holds rows ``[r·V/t, (r+1)·V/t)``.
 
-    Ids outside this rank's slice are looked up as row 0 and their vectors zeroed; the ranks'
-    partial results are then summed: all-reduce (output ``[s, b, h]``) or, under SP, a
-    reduce-scatter along ``s`` (output ``[s/t, b, h]``). ``num_embeddings`` must already be padded
-    to a multiple of ``t`` (the config's ``padded_vocab_size``).
+    Ids outside the slice give zero vectors; the partial results are all-reduced (reduce-scattered along ``s``
+    under SP). ``num_embeddings`` must already be padded to a multiple of ``t`` (``padded_vocab_size``).
     """
 
     partition_dims: ClassVar[dict[str, int]] = {"weight": 0}
@@ -330,8 +280,7 @@ class VocabParallelEmbedding(_TPModule):
         self.rows_per_rank = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.rows_per_rank
         self.vocab_end = self.vocab_start + self.rows_per_rank
-        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim, dtype=dtype, device=device))
-        set_tp_attributes(self.weight, True, 0)
+        self._add_param("weight", (self.rows_per_rank, embedding_dim), dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids ``[s, b]`` (sequence first) → ``[s, b, h]``, or ``[s/t, b, h]`` under SP."""
@@ -348,3 +297,147 @@ class VocabParallelEmbedding(_TPModule):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (local rows [{self.vocab_start}, {self.vocab_end})), {self.embedding_dim}, "
                 f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}")
+
+
+CHUNK_ELEMENTS = 2 ** 22
+"""Logits per cross-entropy chunk (16 MiB of fp32 temporary; docs/benchmarks.md). Change it with ``chunk_size``."""
+
+
+@contextmanager
+def chunk_size(elements: int) -> Iterator[None]:
+    """Process ``elements`` logits per chunk inside the block (the benchmark and tests try other sizes)."""
+    global CHUNK_ELEMENTS
+    if elements < 1:
+        raise ValueError(f"chunk size {elements} must be >= 1")
+    previous, CHUNK_ELEMENTS = CHUNK_ELEMENTS, int(elements)
+    try:
+        yield
+    finally:
+        CHUNK_ELEMENTS = previous
+
+
+def _chunk_rows(v_local: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, v_local))
+
+
+def _shifted_exp(x: torch.Tensor, row_max: torch.Tensor, padded_from: int, out: torch.Tensor) -> torch.Tensor:
+    """``out[:, :padded_from] = x − max`` in ``out``'s dtype (bf16 promoted exactly), padding −inf."""
+    if x.dtype == out.dtype:
+        torch.sub(x, row_max.unsqueeze(-1), out=out)
+    else:  # faster than a mixed-dtype sub, which converts into a temporary first
+        out.copy_(x).sub_(row_max.unsqueeze(-1))
+    if padded_from < out.shape[-1]:
+        out[:, padded_from:] = float("-inf")
+    return out
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy of vocab-sharded logits, ``CHUNK_ELEMENTS`` logits at a time; padded rows count as −inf.
+
+    Saves ``logits`` itself (no copy) and O(tokens) fp32 vectors. Backward writes a fresh gradient, never into the
+    saved logits (a soft-cap's tanh or a ``retain_graph`` second backward may still read them).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any,
+                label_smoothing: float, vocab_size: int | None, z_loss: float) -> torch.Tensor:
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        v_local = logits.shape[-1]
+        flat = logits.reshape(-1, v_local)  # [n, V/t], a view of the contiguous output-layer result
+        v_full = v_local * comm.group_size(group)
+        start = comm.group_rank(group) * v_local
+        padded_from = v_local  # local index where padding starts
+        if vocab_size is not None and vocab_size < v_full:
+            padded_from = min(v_local, max(0, vocab_size - start))
+            v_full = vocab_size
+
+        n = flat.shape[0]
+        if padded_from > 0:  # the max is exact in any dtype: no fp32 copy needed
+            logits_max = flat[:, :padded_from].amax(dim=-1).to(compute_dtype)  # [n]
+        else:
+            logits_max = torch.full((n,), float("-inf"), dtype=compute_dtype)
+        comm.all_reduce(logits_max, group, op=comm.ReduceOp.MAX)
+
+        target = target.reshape(-1)
+        ignored = target < 0  # [n]
+        local = (target >= start) & (target < start + v_local)  # [n]; False where ignored
+        local_target = torch.where(local, target - start, 0)  # [n], an index into this slice
+        # [2 or 3, n]: target logit, Σ exp (and Σ shifted logits), reduced in place by one all-reduce
+        per_token = torch.empty(3 if label_smoothing > 0 else 2, n, dtype=compute_dtype)
+        rows = _chunk_rows(v_local)
+        work = torch.empty(min(rows, n), v_local, dtype=compute_dtype)  # the one fp32 chunk temporary
+        for i in range(0, n, rows):
+            j = min(i + rows, n)
+            shifted = _shifted_exp(flat[i:j], logits_max[i:j], padded_from, work[:j - i])  # [k, V/t]
+            per_token[0, i:j] = shifted.gather(-1, local_target[i:j].unsqueeze(-1)).squeeze(-1)
+            if label_smoothing > 0:
+                per_token[2, i:j] = shifted[:, :padded_from].sum(dim=-1)
+            per_token[1, i:j] = shifted.exp_().sum(dim=-1)
+        del work
+        per_token[0].masked_fill_(~local, 0.0)
+        totals = comm.all_reduce(per_token, group)  # [2 or 3, n]
+        log_z = totals[1].log()  # [n]
+        loss = log_z - totals[0]  # [n]
+        if label_smoothing > 0:
+            # (1−ε)·(−log p_target) + ε·mean over the FULL vocab of (−log p_j)  (not V/t: Megatron #737)
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - totals[2] / v_full)
+        log_z_full = None
+        if z_loss > 0:
+            log_z_full = log_z + logits_max  # [n] logsumexp of the real (unpadded) logits
+            loss = loss + z_loss * log_z_full.square()
+        loss = loss.masked_fill_(ignored, 0.0)
+
+        sum_exp = totals[1].clone()  # [n]; not a view of totals, so the stacked buffer is freed
+        ctx.save_for_backward(logits, logits_max, sum_exp, local_target, local, ignored, log_z_full)
+        ctx.label_smoothing, ctx.v_full, ctx.z_loss, ctx.padded_from = label_smoothing, v_full, z_loss, padded_from
+        return loss.view(logits.shape[:-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+        logits, logits_max, sum_exp, local_target, local, ignored, log_z_full = ctx.saved_tensors
+        eps, padded_from = ctx.label_smoothing, ctx.padded_from
+        compute_dtype = sum_exp.dtype
+        flat = logits.reshape(-1, logits.shape[-1])  # [n, V/t]
+        g = grad_loss.reshape(-1).to(compute_dtype).masked_fill(ignored, 0.0)  # [n]
+        # d(z·log²Z)/d logit_j = 2z·log Z·softmax_j: it only rescales the softmax term
+        g_softmax = g if log_z_full is None else g * (1.0 + 2.0 * ctx.z_loss * log_z_full)  # [n]
+        scale = (g_softmax / sum_exp).unsqueeze(-1)  # [n, 1]: softmax_j·g = exp(x_j − max)·g/Σexp
+        on_target = ((1.0 - eps) * g).masked_fill_(~local, 0.0).neg_().unsqueeze(-1)  # [n, 1]
+        smooth = ((eps / ctx.v_full) * g).unsqueeze(-1) if eps > 0 else None  # [n, 1]
+
+        grad = torch.empty_like(flat)  # [n, V/t] in the logits' dtype (see the class docstring)
+        rows = _chunk_rows(flat.shape[-1])
+        same_dtype = grad.dtype == compute_dtype
+        work = None if same_dtype else torch.empty(min(rows, flat.shape[0]), flat.shape[-1], dtype=compute_dtype)
+        for i in range(0, flat.shape[0], rows):
+            j = min(i + rows, flat.shape[0])
+            out = grad[i:j] if same_dtype else work[:j - i]  # fp32/fp64: compute straight into the result
+            _shifted_exp(flat[i:j], logits_max[i:j], padded_from, out).exp_().mul_(scale[i:j])
+            out.scatter_add_(-1, local_target[i:j].unsqueeze(-1), on_target[i:j])
+            if smooth is not None:
+                out.sub_(smooth[i:j])
+                if padded_from < out.shape[-1]:
+                    out[:, padded_from:] = 0.0
+            if not same_dtype:
+                grad[i:j].copy_(out)
+        return grad.view(logits.shape), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any,
+                                 label_smoothing: float = 0.0, vocab_size: int | None = None,
+                                 z_loss: float = 0.0) -> torch.Tensor:
+    """Per-token cross entropy ``[..]`` of this rank's logits ``[.., V/t]`` (vocabulary rows ``[r·V/t, (r+1)·V/t)``
+    over the TP ``group``), without gathering them; computed in fp32 (fp64 logits stay fp64).
+
+    Equals ``F.cross_entropy(full_logits, target, reduction="none", label_smoothing=ε) + z·logsumexp(full_logits)²``
+    with ε spread over the full vocabulary, ids ``>= vocab_size`` (padding) excluded, and negative (ignored)
+    targets at loss 0 with zero grad.
+    """
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"target {tuple(target.shape)} does not match logits {tuple(logits.shape)} minus the vocab dim")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing = {label_smoothing} must be in [0, 1]")
+    if not (math.isfinite(z_loss) and z_loss >= 0.0):
+        raise ValueError(f"z_loss = {z_loss} must be a finite number >= 0")
+    return _VocabParallelCrossEntropy.apply(logits, target, group, float(label_smoothing), vocab_size, float(z_loss))

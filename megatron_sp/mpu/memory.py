@@ -8,11 +8,9 @@ import torch
 
 
 class GatherBuffer:
-    """One reusable storage per ``(dtype, device)`` to all-gather activations into, grown to the largest
-    shape asked for (``reuse=False``: a plain allocator, for debugging).
-
-    **Single-use invariant**: a tensor from ``get`` is valid only until the next ``get`` of the same dtype
-    and device; consume it at once and never keep it or save it for backward (docs/tensor_parallel.md).
+    """One reusable storage per ``(dtype, device)`` to all-gather activations into, grown to the largest shape asked
+    for (``reuse=False``: a plain allocator, for debugging). **Single-use invariant**: a tensor from ``get`` is valid
+    only until the next ``get`` of the same dtype and device; consume it at once, never keep or save it for backward.
     """
 
     def __init__(self, reuse: bool = True) -> None:

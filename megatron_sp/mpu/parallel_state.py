@@ -1,10 +1,7 @@
-"""The rank grid, every process group (built once), and the ``ParallelContext`` handed to the model.
-
-Rank order is ``tp-cp-dp-pp``, TP innermost (Megatron's RankGenerator), so a TP group is neighbouring
-ranks and PP is outermost. Groups: ``tp``, ``cp`` (USP adds ``cp_ulysses``, ``cp_ring``), ``dp``, ``pp``
-(plus one per directed link, ``p2p_groups``), ``dp_cp`` (gradient, loss and token-count reductions),
-``mp`` (tp × pp) and ``embedding`` (first + last stage). ``initialize(ParallelDims(...))`` builds a
-``ParallelState``; ``ParallelContext.from_state(state, cfg)`` is what the model takes.
+"""The rank grid (order ``tp-cp-dp-pp``, TP innermost as Megatron's RankGenerator), every process group (built once
+by ``initialize``) and the ``ParallelContext`` handed to the model. Groups: ``tp``, ``cp`` (USP adds ``cp_ulysses``,
+``cp_ring``), ``dp``, ``pp`` (plus ``p2p_groups``, one per directed link), ``dp_cp`` (gradient, loss and token-count
+reductions), ``mp`` (tp × pp) and ``embedding`` (first + last stage).
 """
 from __future__ import annotations
 
@@ -117,7 +114,6 @@ class ParallelState:
     def coords(self) -> dict[str, int]:
         return self.dims.coords(self.rank)
 
-    # sizes and ranks along each axis
     @property
     def tp_size(self) -> int: return self.dims.tp
     @property
@@ -139,13 +135,10 @@ class ParallelState:
     @property
     def dp_cp_rank(self) -> int: return self.group_ranks["dp_cp"].index(self.rank)
 
-    # groups
     @property
     def tp_group(self) -> Any: return self.groups["tp"]
     @property
     def cp_group(self) -> Any: return self.groups["cp"]
-    @property
-    def dp_group(self) -> Any: return self.groups["dp"]
     @property
     def pp_group(self) -> Any: return self.groups["pp"]
     @property
@@ -176,11 +169,9 @@ RECOMPUTE = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """What the model needs to know about its layout: TP/SP and CP settings, their groups, the RNG.
-    ``ParallelContext()`` is the plain model in one process (``comm.LOCAL``: no collective, even inside a multi-rank
-    job). Training builds it with ``from_state``; a bench or test may build one for a bare group, e.g.
-    ``ParallelContext(tp_group=g, sequence_parallel=True)``. ``tp_size``/``tp_rank`` are read from ``tp_group``, so
-    they cannot disagree with it."""
+    """What the model needs to know about its layout: TP/SP and CP settings, their groups, the RNG. ``ParallelContext()``
+    is the plain model in one process (``comm.LOCAL``: no collective, even inside a multi-rank job); training builds it
+    with ``from_state``. ``tp_size``/``tp_rank`` are read from ``tp_group``, so they cannot disagree with it."""
 
     tp_group: Any = comm.LOCAL
     sequence_parallel: bool = False  # activations between TP regions are [s/t, b, h] (at tp > 1: ``sp``)

@@ -1,9 +1,7 @@
 """Random-number streams for tensor parallelism, and activation checkpointing that replays them.
 
-The default stream is seeded the same on every TP rank; the ``TP_DIFFERENT`` stream of an ``RNGTracker``
-per TP rank. Rule: dropout on a tensor sharded over TP runs inside ``tracker.fork(TP_DIFFERENT)``, on a
-replicated one on the default stream. ``checkpoint(fn, *args, tracker=...)`` recomputes ``fn`` in backward
-replaying the RNG states bit for bit. Theory, seeds and restrictions: docs/tensor_parallel.md.
+Rule: dropout on a tensor sharded over TP runs inside ``tracker.fork(TP_DIFFERENT)`` (seeded per TP rank), on a
+replicated one on the default stream (TP-same). Theory, seeds and restrictions: docs/tensor_parallel.md.
 """
 from __future__ import annotations
 
@@ -57,8 +55,7 @@ class RNGTracker:
         return name in self._states
 
     def add(self, name: str, seed: int) -> None:
-        """Create stream ``name`` from ``seed``. Names and seeds must be new (two streams on one
-        seed would draw the same numbers)."""
+        """Create stream ``name`` from ``seed``; names and seeds must be new (one seed would draw the same numbers)."""
         if name in self._states:
             raise ValueError(f"RNG stream {name!r} exists already")
         if seed in self._seeds:
@@ -78,8 +75,7 @@ class RNGTracker:
         return {name: state.clone() for name, state in self._states.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Replace every stream's state by ``states`` (as ``get_states`` returned them); the
-        seeds registered by ``add`` are kept."""
+        """Replace every stream's state by ``states`` (as ``get_states`` returned them); ``add``'s seeds are kept."""
         bad = {name: state.dtype for name, state in states.items() if state.dtype != torch.uint8}
         if bad:
             raise TypeError(f"RNG states are uint8 tensors; got {bad}")
@@ -130,41 +126,37 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> tuple[int, int
 
 
 def init_rng(tracker: RNGTracker, seed: int, tp_rank: int, pp_rank: int) -> None:
-    """Seed this rank: the default generators (CPU and every CUDA device) get the TP-same seed,
-    ``tracker`` is reset to the single stream ``TP_DIFFERENT`` with the per-TP-rank seed
-    (``model_parallel_seed``). Call it after building the model if the model draws its
-    initial weights from the default generator, so layouts do not change the weights."""
+    """Seed this rank: the default generators (CPU and every CUDA device) get the TP-same seed, ``tracker`` is reset to
+    the single stream ``TP_DIFFERENT`` with the per-TP-rank seed (``model_parallel_seed``). Call it after building a
+    model that draws its initial weights from the default generator, so layouts do not change the weights."""
     default, tp_different = model_parallel_seed(seed, tp_rank, pp_rank)
     device_mod.manual_seed_all(default)
     tracker.reset()
     tracker.add(TP_DIFFERENT, tp_different)
 
 
-# ---------------------------------------------------------------------------------------------- checkpoint
+class _Scope(threading.local):
+    """Per thread: the trackers of the running checkpoints, innermost last."""
 
-_SCOPE = threading.local()
+    def __init__(self) -> None:
+        self.stack: list[RNGTracker] = []
 
 
-def _scope_stack() -> list[RNGTracker]:
-    stack = getattr(_SCOPE, "stack", None)
-    if stack is None:
-        stack = _SCOPE.stack = []
-    return stack
+_SCOPE = _Scope()
 
 
 @contextlib.contextmanager
 def _checkpoint_scope(tracker: RNGTracker) -> Iterator[None]:
     """Mark ``tracker`` as the one whose forks the innermost running checkpoint replays."""
-    stack = _scope_stack()
-    stack.append(tracker)
+    _SCOPE.stack.append(tracker)
     try:
         yield
     finally:
-        stack.pop()
+        _SCOPE.stack.pop()
 
 
 def _check_checkpoint_scope(tracker: RNGTracker, name: str) -> None:
-    stack = _scope_stack()
+    stack = _SCOPE.stack
     if stack and stack[-1] is not tracker:
         raise RuntimeError(f"fork({name!r}) of {tracker!r} inside checkpoint(..., tracker={stack[-1]!r}): its dropout "
                            "masks would not replay in the recomputation; pass this tracker to checkpoint()")

@@ -1,14 +1,6 @@
-"""Deferred weight gradients: the split backward of the zero-bubble pipeline schedule.
-
-Zero-bubble schedules split a micro-batch's backward into ``I`` (input gradient) and ``W`` (weight
-gradients, run later in the bubbles; Qi et al. 2023). Inside ``deferring(queue)`` the parallel
-linear layers compute only the input gradient and append a ``WeightGrad`` (closure computing
-``grad_W = grad_outᵀ · x``, and its weight) to ``queue``; ``run(queue)`` computes them all and hands
-them to autograd in one ``torch.autograd.backward`` call, so ``.grad`` and the optimizer's hooks
-fire as usual. Other parameters get their gradients during ``I``.
-
-Theory and invariants (why only linears are deferred, computed weights, memory cost):
-docs/tensor_parallel.md.
+"""Deferred weight gradients, the split backward of the zero-bubble schedule: inside ``deferring(queue)`` the linear
+layers compute only the input gradient and queue a ``WeightGrad``; ``run(queue)`` computes them and accumulates them
+through autograd (``.grad`` and the optimizer's hooks fire as usual). Theory: docs/tensor_parallel.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The AdamW side of ``DistributedOptimizer`` on this rank's owned shard: fp64 grad norm, clip, step.
-
-Theory (norm ownership, the update): docs/optimizer.md.
-"""
+"""The AdamW side of ``DistributedOptimizer`` on this rank's owned shard: fp64 grad norm, clip, step
+(docs/optimizer.md)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,7 +1,5 @@
-"""``DistributedOptimizer``: replaces torch DDP + torch AdamW (data-parallel reduction, ZeRO-1, mixed precision).
-
-It adds the fp64 norm, clip and AdamW of ``adamw`` and the optimizer state by name (checkpoints,
-parity dumps) to ``reducer.GradReducer``. Theory and invariants: docs/optimizer.md.
+"""``DistributedOptimizer``: ``reducer.GradReducer`` plus the fp64 norm, clip and AdamW of ``adamw`` and the optimizer
+state by name (checkpoints, parity dumps); replaces torch DDP + torch AdamW. Theory: docs/optimizer.md.
 """
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class DistributedOptimizer(GradReducer):
-    """Flat fp32 main grads reduced over dp_cp in overlapping buckets, AdamW on flat buffers, optional ZeRO-1.
-    Arguments as ``GradReducer``, plus ``cfg`` (AdamW betas, eps, weight decay, default ``clip_grad``); ZeRO-1 also
-    shards the Adam moments. Per step: ``zero_grad()``; for each micro-batch ``sync_grads = is_last`` (or
+    """``GradReducer`` plus AdamW on flat buffers (ZeRO-1 also shards the moments); ``cfg``: AdamW betas, eps, weight
+    decay, default ``clip_grad``. Per step: ``zero_grad()``; per micro-batch ``sync_grads = is_last`` (or
     ``no_sync()``) and backward; ``step(lr, clip)``."""
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], cfg: TrainConfig,
@@ -40,8 +37,7 @@ class DistributedOptimizer(GradReducer):
         self._avg_pieces = [self.exp_avg[lo:lo + c] for lo, c in pieces]
         self._avg_sq_pieces = [self.exp_avg_sq[lo:lo + c] for lo, c in pieces]
         self._decay_views = [self._master_view(a, b) for a, b in self._runs(lambda i: i.decay)]
-        self._norm_views = [self.grad_buffer[a:b] for a, b in self._runs(lambda i: i.in_norm)]
-        self._norm = NormBatches(self._norm_views, self.device)
+        self._norm = NormBatches([self.grad_buffer[a:b] for a, b in self._runs(lambda i: i.in_norm)], self.device)
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm (fp64 scalar) of the reduced gradients, each element counted once (collective)."""
@@ -93,7 +89,7 @@ class DistributedOptimizer(GradReducer):
     def state_dict_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         """{name: {"exp_avg", "exp_avg_sq", "step"[, "master_param"]}}: parameter-shaped fp32, same at any dp.
         ``master_param``: the fp32 master (16-bit params only). Collective over dp_cp under ZeRO."""
-        full = {"exp_avg": self._gather_global(self.exp_avg), "exp_avg_sq": self._gather_global(self.exp_avg_sq)}
+        full = {k: self._gather_global(getattr(self, k)) for k in STATE_KEYS}
         if self._master_local is not None:
             full["master_param"] = self._gather_global(self._master_local)
         step = torch.tensor(float(self.step_count))
@@ -111,24 +107,20 @@ class DistributedOptimizer(GradReducer):
         steps = {float(v["step"]) for v in saved.values() if "step" in v}
         if len(steps) > 1:
             raise DataError(f"optimizer state has different step counts {sorted(steps)}")
-        full = {k: torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-                for k in (*STATE_KEYS, "master_param")}
-        has_master = True
+        has_master = all(saved[i.name].get("master_param") is not None for i in self._params)
+        keys = (*STATE_KEYS, "master_param") if has_master else STATE_KEYS
+        full = {k: torch.zeros(self.numel, dtype=torch.float32, device=self.device) for k in keys}
         for info in self._params:
-            entry = saved[info.name]
-            for key in (*STATE_KEYS, "master_param"):
-                value = entry.get(key)
+            for key in keys:
+                value = saved[info.name].get(key)
                 if value is None:
-                    if key != "master_param":
-                        raise DataError(f"optimizer state of '{info.name}' has no '{key}'")
-                    has_master = False
-                    continue
+                    raise DataError(f"optimizer state of '{info.name}' has no '{key}'")
                 if tuple(value.shape) != tuple(info.param.shape):
                     raise DataError(f"optimizer state '{key}' of '{info.name}' has shape {tuple(value.shape)}, "
                                     f"the parameter {tuple(info.param.shape)}")
                 full[key][info.start:info.end].copy_(value.reshape(-1))
-        self.exp_avg.copy_(self._local_of(full["exp_avg"]))
-        self.exp_avg_sq.copy_(self._local_of(full["exp_avg_sq"]))
+        for key in STATE_KEYS:
+            getattr(self, key).copy_(self._local_of(full[key]))
         self.step_count = int(steps.pop()) if steps else 0
         if has_master and self._params:
             if self._master_local is not None:

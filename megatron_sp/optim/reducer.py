@@ -1,8 +1,5 @@
 """Gradient reduction and ZeRO-1 sharding on flat buffers: the ``GradReducer`` base of ``DistributedOptimizer``.
-
-Gradient hooks accumulate into flat bucketed fp32 buffers and launch each finished bucket's dp_cp
-reduction asynchronously; under ZeRO-1 dp rank r owns chunk r of every bucket. Buffer layout and the
-invariants of the asynchronous handles: docs/optimizer.md.
+Buffer layout and the invariants of the asynchronous handles: docs/optimizer.md.
 """
 from __future__ import annotations
 

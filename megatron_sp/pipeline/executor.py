@@ -1,9 +1,7 @@
 """Runs a schedule table (``schedules.checked_schedule``) on this rank: ``forward_backward``, ``forward_only``.
 
-Each rank walks its own action list: outputs go out by ``comm.isend`` at once, inputs arrive by a
-``comm.irecv`` posted ahead (one two-rank group per directed link, receives posted in the sender's
-order); activations have one shape and dtype per run, so no shape is exchanged. Invariants, errors
-and why not ``torch.distributed.pipelining``: docs/pipeline.md, "The executor".
+Outputs go out by ``comm.isend`` at once, inputs arrive by a ``comm.irecv`` posted ahead in the sender's order;
+activations have one shape and dtype per run. Invariants and errors: docs/pipeline.md, "The executor".
 """
 from __future__ import annotations
 
@@ -30,10 +28,9 @@ LossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 
 @dataclass
 class ScheduleStats:
-    """What one ``forward_backward`` did on this rank: ``events`` ``(kind, chunk, micro_batch)`` per action
-    and ``("sync",)`` at ``sync_grads_setter(True)``; ``intervals`` each action's compute ``(start, end)``
-    (receive waits excluded); ``peak_in_flight`` the most (chunk, micro-batch) activations alive at
-    once; ``deferred_weight_grads`` the weight gradients W actions computed (zero-bubble)."""
+    """What one ``forward_backward`` did on this rank: ``events`` ``(kind, chunk, micro_batch)`` per action and
+    ``("sync",)`` at ``sync_grads_setter(True)``; ``intervals`` each action's compute ``(start, end)`` (receive waits
+    excluded); ``peak_in_flight`` the most activations alive at once; ``deferred_weight_grads`` W's gradients."""
 
     events: list[tuple[Any, ...]] = field(default_factory=list)
     intervals: list[tuple[float, float]] = field(default_factory=list)
@@ -47,9 +44,8 @@ _STEP_OBSERVERS: list[StepObserver] = []
 
 @contextlib.contextmanager
 def observe(around: StepObserver) -> Iterator[None]:
-    """While the block runs, every ``forward_backward`` runs inside ``with around(stats):`` (``stats``
-    complete when the ``with`` exits): the supported way to measure around a step's schedule (the
-    planner's ``--verify``) without replacing any function."""
+    """While the block runs, every ``forward_backward`` runs inside ``with around(stats):`` (``stats`` complete when
+    the ``with`` exits): how to measure around a step's schedule without replacing any function."""
     _STEP_OBSERVERS.append(around)
     try:
         yield
@@ -58,9 +54,8 @@ def observe(around: StepObserver) -> Iterator[None]:
 
 
 def agree_costs(stats: ScheduleStats, state: ParallelState) -> dict[str, float]:
-    """Mean seconds per action kind (F, B, I, W) of this step over ALL ranks, bitwise identical on every rank
-    (TP/CP peers must build the same zero-bubble table); kinds that did not run get the unit-cost ratio to F.
-    Collective over the default group."""
+    """Mean seconds per action kind (F, B, I, W) of this step over ALL ranks, bitwise identical on every rank (TP/CP
+    peers must build the same zero-bubble table); kinds that did not run get the unit-cost ratio to F. Collective."""
     kinds = ("F", "B", "I", "W")
     sums = torch.zeros(2 * len(kinds), dtype=torch.float64)
     for event, (t0, t1) in zip((e for e in stats.events if e[0] in kinds), stats.intervals):
@@ -160,13 +155,9 @@ def forward_backward(stage: GPTModel, micro_batches: Sequence[MicroBatch], state
                      stats: ScheduleStats | None = None, costs: Mapping[str, float] | None = None) -> torch.Tensor:
     """Forward and backward of every micro-batch (the same list on every stage) through this rank's ``stage``;
     gradients accumulate in ``.grad``. Returns the fp64 sum of ``loss_fn`` values on the last stage, 0 elsewhere.
-
-    ``loss_fn`` normalises by the step's GLOBAL token count (gradients are summed over micro-batches);
-    ``schedule``: one of ``schedules.SCHEDULES`` (at pp == 1 all but ``zero_bubble`` are plain accumulation);
-    ``sync_grads_setter(False)`` first, ``(True)`` just before this rank's last gradient-producing action;
-    ``dtype``: of the activations sent (default: the parameters'); backward runs on ``loss · grad_scale``
-    (the sum returned is unscaled); ``forward_context`` is entered around each forward (e.g. autocast);
-    ``stats`` gets the event trace; ``costs``: the zero-bubble action costs (``agree_costs`` of the last step).
+    ``loss_fn`` normalises by the step's GLOBAL token count; ``sync_grads_setter(False)`` first, ``(True)`` before
+    this rank's last gradient-producing action; ``dtype``: of the activations sent (default: the parameters');
+    backward runs on ``loss · grad_scale`` (the sum returned is unscaled); ``costs``: ``agree_costs`` of the last step.
     """
     pp, m, v = state.pp_size, len(micro_batches), len(stage.layer_chunks)
     if m < 1:
@@ -185,11 +176,9 @@ def forward_backward(stage: GPTModel, micro_batches: Sequence[MicroBatch], state
 def _execute(stage: GPTModel, micro_batches: Sequence[MicroBatch], state: ParallelState,
              table: Sequence[Sequence[Action]], loss_fn: LossFn,
              sync_grads_setter: Callable[[bool], None] | None, *, dtype: torch.dtype | None, grad_scale: float,
-             forward_context: Callable[[], contextlib.AbstractContextManager],
-             stats: ScheduleStats | None) -> torch.Tensor:
+             forward_context: Callable[[], contextlib.AbstractContextManager], stats: ScheduleStats) -> torch.Tensor:
     pp, rank, v = state.pp_size, state.pp_rank, len(stage.layer_chunks)
     last_stage = pp * v - 1
-    stats = stats if stats is not None else ScheduleStats()
     set_sync = sync_grads_setter or (lambda on: None)
     param = next(stage.parameters())
     p2p = _P2P(state, _messages(table, pp, v), activation_shape(stage, micro_batches[0]), dtype or param.dtype,
@@ -268,4 +257,4 @@ def forward_only(stage: GPTModel, micro_batches: Sequence[MicroBatch], state: Pa
     pp, v = state.pp_size, len(stage.layer_chunks)
     table = [[Action("F", c, i) for i in range(len(micro_batches)) for c in range(v)] for _ in range(pp)]
     return _execute(stage, micro_batches, state, table, loss_fn, None, dtype=dtype, grad_scale=1.0,
-                    forward_context=forward_context, stats=None)
+                    forward_context=forward_context, stats=ScheduleStats())

@@ -1,8 +1,5 @@
-"""Which layers a pipeline stage holds, and building that stage.
-
-The layers are split into ``pp · v`` contiguous blocks (``parallel.pp_partition``); virtual stage ``s``
-lives on pipeline rank ``s % pp`` as its chunk ``s // pp``; parameter names stay global. Importing this
-module does not import torch (config checks use ``layer_split``). Theory: docs/pipeline.md.
+"""Which layers a pipeline stage holds (``pp · v`` contiguous blocks; virtual stage ``s`` is chunk ``s // pp`` of
+rank ``s % pp``), and building that stage. Imports no torch (config checks use it). Theory: docs/pipeline.md.
 """
 from __future__ import annotations
 
@@ -46,8 +43,6 @@ def layer_split(cfg_model: ModelConfig, pp: int, virtual_stages: int = 1, partit
 
 
 def _check_stage_count(n: int, pp: int, virtual_stages: int) -> None:
-    if pp < 1 or virtual_stages < 1:
-        raise PipelineConfigError(f"parallel.pp = {pp} and parallel.virtual_stages = {virtual_stages} must be >= 1")
     if n < pp * virtual_stages:
         raise PipelineConfigError(f"model.num_layers = {n} is fewer than parallel.pp·virtual_stages = {pp}·{virtual_stages}"
                                   " (every virtual stage needs at least one layer)")

@@ -1,9 +1,5 @@
-"""Pipeline schedule tables and their simulator: pure Python (no torch), usable by config checks and the planner.
-
-A table lists, for every pipeline rank, its ordered ``Action``s for one step: ``F`` forward, ``B``
-backward, or (zero-bubble) its ``I`` input-gradient and ``W`` weight-gradient halves; virtual stage
-``s = chunk · pp + rank``. ``simulate`` checks a table and times it on a cost model;
-``checked_schedule`` is the cached, simulated table the executor runs. Theory and bubbles: docs/pipeline.md.
+"""Pipeline schedule tables (per pipeline rank, its ordered ``Action``s for one step) and their simulator: pure
+Python (no torch), usable by config checks and the planner. Theory and bubbles: docs/pipeline.md.
 """
 from __future__ import annotations
 

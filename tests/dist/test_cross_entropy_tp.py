@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_sp.mpu import comm
-from megatron_sp.mpu import cross_entropy as ce
+from megatron_sp.mpu import layers as ce
 from megatron_sp.testing import run_distributed
 
 F64 = torch.float64

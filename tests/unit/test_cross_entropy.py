@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel
-from megatron_sp.mpu import cross_entropy as ce
+from megatron_sp.mpu import layers as ce
 from megatron_sp.mpu import vocab_parallel_cross_entropy
 from megatron_sp.pipeline.partition import build_stage
 

@@ -1,12 +1,8 @@
 """Activation memory per transformer layer per rank, against Table 2 of Korthikanti et al. 2022.
 
-Bytes autograd saves in one forward of one neox ``TransformerLayer`` (ffn = 4h), per storage,
-parameters excluded, for each tp × sequence parallel × recompute; tp > 1 on gloo ranks (rank 0
-reported). Each storage is attributed to a Table 2 term; method: docs/activation_memory.md,
-"The benchmark against Table 2". ``--verbose`` prints every saved storage.
-
-Run from the repo root:  python tools/bench/activation_memory.py [--dtype bf16] [--dropout 0.1] ...
-Prints a table, notes, then one JSON line with every number.
+Bytes autograd saves in one forward of one neox layer per tp × sequence parallel × recompute, each storage
+attributed to a Table 2 term. Method: docs/activation_memory.md, "The benchmark against Table 2".
+Run from the repo root:  python tools/bench/activation_memory.py [--dtype bf16] [--dropout 0.1] [--verbose] ...
 """
 from __future__ import annotations
 
@@ -19,14 +15,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import build_layer, gpt_config, graph_nodes, ints, parser, per_rank, print_json, rope, world_group
+from common import DTYPES, build_layer, gpt_config, graph_nodes, ints, parser, per_rank, print_json, rope, world_group
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES
 from megatron_sp.model.transformer import SelfAttention, TransformerLayer, head_dim
 from megatron_sp.mpu import ParallelContext
 from megatron_sp.mpu.random import checkpoint, get_tracker, init_rng
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RECOMPUTE = ("none", "selective", "full")
 GOAL = 1.02  # measured/formula above this gets an explanatory note
 
@@ -117,7 +112,7 @@ class SavedTensorRecorder:
         self._tags.setdefault(t.untyped_storage().data_ptr(), set()).add(name)
         self._keep.append(t)
 
-    def _leave(self, module: Any, args: Any, out: Any) -> None:
+    def _leave(self, module: Any, args: Any, out: Any) -> None:  # a forward hook: returns None, keeping the output
         self._modules.pop()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -312,11 +307,6 @@ def measure(args: argparse.Namespace, cfg: ModelConfig, parallel: ParallelContex
                          for r in storages]}
 
 
-def configurations(t: int) -> list[tuple[bool, str]]:
-    """(sequence_parallel, recompute) of every row for TP size ``t`` (SP needs t > 1)."""
-    return [(sp, rc) for sp in ((False, True) if t > 1 else (False,)) for rc in RECOMPUTE]
-
-
 def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every row for TP size ``world_size``, on this rank (the default group is the TP group)."""
     group = world_group(world_size)
@@ -324,10 +314,11 @@ def rank_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
     tracker = get_tracker()
     init_rng(tracker, args.seed, rank, 0)
     rows = []
-    for sp, recompute in configurations(world_size):
-        parallel = ParallelContext(tp_group=group, sequence_parallel=sp, recompute=recompute, tracker=tracker,
-                                   recompute_allgather=not args.no_recompute_allgather)
-        rows.append(measure(args, cfg, parallel))
+    for sp in (False, True) if world_size > 1 else (False,):  # SP needs t > 1
+        for recompute in RECOMPUTE:
+            parallel = ParallelContext(tp_group=group, sequence_parallel=sp, recompute=recompute, tracker=tracker,
+                                       recompute_allgather=not args.no_recompute_allgather)
+            rows.append(measure(args, cfg, parallel))
     return rows
 
 
@@ -404,9 +395,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for t in sizes:
         if args.heads % t or args.seq % t:
             raise SystemExit(f"--tp {t}: heads ({args.heads}) and seq ({args.seq}) must be divisible by it")
-    rows: list[dict[str, Any]] = []
-    for t in sizes:
-        rows += per_rank(rank_rows, t, args=args)[0]  # rank 0's numbers
+    rows = [row for t in sizes for row in per_rank(rank_rows, t, args=args)[0]]  # rank 0's numbers
     print_report(args, rows)
     return rows
 

@@ -1,12 +1,6 @@
 """Sharded checkpoint save/load at world 4 (tp2 · dp2, ZeRO-1): bytes per rank, blocked time, load time.
 
-Every rank builds the same TP-sharded model and a ZeRO-1 ``DistributedOptimizer`` with non-zero
-Adam moments, then times, ``--repeats`` times each: a synchronous save, an asynchronous save
-(blocked time, and time until ``poll()`` finalises it), the old gather-to-rank-0 baseline, a load
-at the same layout, and ``read_full`` in one process. Method: docs/benchmarks.md.
-
-Run from the repo root:  python tools/bench/checkpoint.py [--layers 4 --hidden 512 ...]
-Prints a table, then one JSON line with every number.
+Method: docs/benchmarks.md. Run from the repo root:  python tools/bench/checkpoint.py [--layers 4 --hidden 512 ...]
 """
 from __future__ import annotations
 
@@ -22,8 +16,8 @@ from typing import Any
 
 import torch
 
-from common import bench_config, parser
-from megatron_sp import checkpointing, config
+from common import gpt_config, parser
+from megatron_sp import checkpointing
 from megatron_sp.model import GPTModel
 from megatron_sp.mpu import ParallelContext, ParallelDims, comm, initialize
 from megatron_sp.mpu.sharding import gather_full
@@ -31,6 +25,7 @@ from megatron_sp.optim import DistributedOptimizer, named_trainable
 from megatron_sp.testing import run_distributed
 
 TP, DP = 2, 2
+TIMED = ("sync", "async", "until latest", "gather to rank 0", "load same layout")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,12 +33,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     return p.parse_args(argv)
-
-
-def build(args: argparse.Namespace, root: str) -> config.Config:
-    return bench_config(args.vocab, f"parallel.tp={TP}", f"parallel.dp={DP}", "parallel.zero=1",
-                        f"checkpoint.save={root}/ckpt", world_size=TP * DP, num_layers=args.layers,
-                        hidden_size=args.hidden, num_heads=args.heads)
 
 
 def _timed(fn: Any) -> float:
@@ -57,15 +46,15 @@ def _timed(fn: Any) -> float:
 def rank_run(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     state = initialize(ParallelDims(tp=TP, dp=DP))
-    cfg = build(args, root)
+    cfg = gpt_config(args, None, f"parallel.tp={TP}", f"parallel.dp={DP}", "parallel.zero=1", f"checkpoint.save={root}/ckpt",
+                     world_size=TP * DP)
     model = GPTModel(cfg.model, seed=1, parallel=ParallelContext.from_state(state))
     opt = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=1)
     gen = torch.Generator().manual_seed(rank)
     opt.exp_avg.copy_(torch.randn(opt.exp_avg.shape, generator=gen))
     opt.exp_avg_sq.copy_(torch.rand(opt.exp_avg_sq.shape, generator=gen))
     saver = checkpointing.Checkpointer(cfg, state, torch.device("cpu"))
-    out: dict[str, list[float]] = {k: [] for k in ("sync", "async", "until latest", "gather to rank 0",
-                                                   "load same layout")}
+    out: dict[str, list[float]] = {k: [] for k in TIMED}
     baseline = Path(root) / "baseline.pt"
     for i in range(args.repeats):
         out["sync"].append(_timed(lambda i=i: saver.save(10 + i, 0, model, opt, asynchronous=False)))
@@ -109,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         load_one = time.perf_counter() - t
     sizes = [r["file_bytes"] for r in results]
     r0 = results[0]
-    rows = [(k, max(r[k] for r in results)) for k in ("sync", "async", "until latest", "gather to rank 0",
-                                                      "load same layout")]
+    rows = [(k, max(r[k] for r in results)) for k in TIMED]
     rows.append(("load 1 rank (read_full)", load_one))
     print(f"model: {r0['params'] / 1e6:.2f}M parameters, layout tp{TP}·dp{DP} ZeRO-1, median of {args.repeats}, "
           "slowest rank")

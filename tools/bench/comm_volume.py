@@ -1,11 +1,7 @@
 """Bytes each rank sends per transformer layer (forward + backward), against the TP / TP+SP theory.
 
-One forward and backward of one fp32 ``TransformerLayer`` (neox, llama) on gloo ranks per tp ×
-sequence parallel × ``tp_recompute_allgather``, counted by ``comm.count()`` (rank 0 reported).
 Theory and what is not counted: docs/benchmarks.md.
-
 Run from the repo root:  python tools/bench/comm_volume.py [--tp 2,4] [--arch neox,llama] [--verbose]
-Prints a table, notes on rows off their theory, then one JSON line with every number.
 """
 from __future__ import annotations
 
@@ -156,10 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for t in sizes:
         if t < 2 or args.heads % t or args.seq % t:
             raise SystemExit(f"--tp {t}: needs t > 1 dividing heads ({args.heads}) and seq ({args.seq})")
-    rows: list[dict[str, Any]] = []
-    for t in sizes:
-        rows += run_distributed(rank_rows, t, args=args)[0]  # rank 0's numbers
-    rows = [finish_row(args, r) for r in rows]
+    rows = [finish_row(args, row) for t in sizes for row in run_distributed(rank_rows, t, args=args)[0]]  # rank 0's
     print_report(args, rows)
     return rows
 

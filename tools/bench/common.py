@@ -1,4 +1,4 @@
-"""What the tools/bench scripts share: the import path, the flags, a config, launching, one layer, output.
+"""What the tools/bench scripts share: the import path, the flags, a config, launching, one layer, timing, output.
 
 The scripts import it as a sibling (``import common``): ``python tools/bench/x.py`` puts
 tools/bench first on ``sys.path``, and the tests (and their ``run_distributed`` children) add it.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tools/: the plan
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_sp import config
 from megatron_sp.config import Config
@@ -30,6 +34,8 @@ from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.transformer import RotaryEmbedding, TransformerLayer, rotary_dim
 from megatron_sp.mpu import ParallelContext
 from megatron_sp.testing import run_distributed
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 MODEL_FLAGS: dict[str, tuple[type, str]] = {
     "layers": (int, "transformer layers"),
@@ -63,16 +69,6 @@ def parser(doc: str, **defaults: Any) -> argparse.ArgumentParser:
     return p
 
 
-def bench_config(vocab: int, *overrides: str, world_size: int | None = None, **model: Any) -> Config:
-    """A finalized Config with the byte tokenizer and no data: ``model.<key>=value`` for every ``model``
-    item that is not None, then the dotted ``overrides``; the vocabulary set to ``vocab``."""
-    items = ["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte",
-             *(f"model.{k}={v}" for k, v in model.items() if v is not None), *overrides]
-    cfg = config.load(overrides=items, world_size=world_size)
-    config.set_vocab(cfg, vocab)
-    return cfg
-
-
 CONFIG_KEYS = {"arch": "arch", "layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
                "kv_heads": "num_kv_heads", "seq": "seq_length"}
 """The model flags a bench may have: ``flag: model config key``."""
@@ -80,10 +76,15 @@ CONFIG_KEYS = {"arch": "arch", "layers": "num_layers", "hidden": "hidden_size", 
 
 def gpt_config(args: argparse.Namespace, vocab: int | None = None, *overrides: str, world_size: int | None = None,
                **model: Any) -> Config:
-    """``bench_config`` of the ``CONFIG_KEYS`` flags ``args`` has, ``model`` items over them; the vocabulary
-    ``vocab`` (default ``--vocab``)."""
+    """A finalized Config with the byte tokenizer and no data: ``model.<key>=value`` of the ``CONFIG_KEYS`` flags
+    ``args`` has and the ``model`` items over them (None values left out), then the dotted ``overrides``; the
+    vocabulary ``vocab`` (default ``--vocab``)."""
     flags = {key: getattr(args, flag) for flag, key in CONFIG_KEYS.items() if hasattr(args, flag)}
-    return bench_config(vocab or args.vocab, *overrides, world_size=world_size, **{**flags, **model})
+    items = ["data.paths=[unused-by-the-benchmark]", "tokenizer.type=byte",
+             *(f"model.{k}={v}" for k, v in {**flags, **model}.items() if v is not None), *overrides]
+    cfg = config.load(overrides=items, world_size=world_size)
+    config.set_vocab(cfg, vocab or args.vocab)
+    return cfg
 
 
 def ints(text: str) -> list[int]:
@@ -132,6 +133,56 @@ def graph_nodes(out: torch.Tensor) -> Iterator[Any]:
         seen.add(node)
         yield node
         stack.extend(nxt for nxt, _ in node.next_functions)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Storages that ops return while active, except those in ``exclude``, counted from their first appearance
+    until freed: ``peak`` is the most bytes alive at once. Storages that existed before (parameters, inputs)
+    count only if an op returns them (an in-place op); their ``.grad`` allocations do. ``sdpa``: SDPA ops seen."""
+
+    def __init__(self, exclude: frozenset[int] | set[int] = frozenset()) -> None:
+        super().__init__()
+        self.exclude = exclude
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+        self.sdpa: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if "scaled_dot_product" in func.__name__:
+            self.sdpa[func.__name__] = self.sdpa.get(func.__name__, 0) + 1
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes and key not in self.live and key not in self.exclude:
+                    self.live[key] = nbytes
+                    self.now += nbytes
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+
+def wall_cpu(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall and process-CPU seconds (all threads: less sensitive to waiting for a shared core) of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def alternating(steps: dict[str, Callable[[], Any]], warmup: int, reps: int) -> dict[str, list[Any]]:
+    """What each ``steps[name]()`` returned in the ``reps`` timed rounds after ``warmup`` untimed ones; the
+    order is reversed every other round (ABBA), so that drifting load hits every step alike."""
+    out: dict[str, list[Any]] = {name: [] for name in steps}
+    for rep in range(warmup + reps):
+        for name in list(steps) if rep % 2 == 0 else list(steps)[::-1]:
+            result = steps[name]()
+            if rep >= warmup:
+                out[name].append(result)
+    return out
 
 
 def opt(x: float | None, spec: str = ".3f") -> str:

@@ -1,13 +1,8 @@
 """Context-parallel attention at a fixed total sequence: memory, work balance, bytes and time per layer per rank.
 
-Per ``parallel.cp_algo`` and cp size N, one fp32 transformer layer on N gloo ranks (cp = 1, the
-plain causal kernel, is the baseline): activation bytes saved for backward, attention work per
-rank, bytes sent per layer beside our closed forms and docs/attention.md's table, forward +
-backward time; then the longest sequence that fits a per-rank activation budget per
-``--long-cp`` size. Method, goals and the expected bytes: docs/benchmarks.md.
-
+Per ``parallel.cp_algo`` and cp size, one layer on gloo ranks against cp = 1; then the longest sequence that
+fits a per-rank activation budget. Method, goals and the expected bytes: docs/benchmarks.md.
 Run from the repo root:  python tools/bench/context_parallel.py [--seq 2048] [--cp 1,2,4] [--algos ring,zigzag]
-Prints tables and notes, then one JSON line with every number.
 """
 from __future__ import annotations
 
@@ -21,7 +16,7 @@ from typing import Any
 
 import torch
 
-from common import check_attention_args, cp_skip_reason, ints, mib, names, opt, parser, print_json
+from common import alternating, check_attention_args, cp_skip_reason, ints, mib, names, opt, parser, print_json
 from common import gpt_config, graph_nodes, world_group
 from planner.measure import SavedBytes
 from megatron_sp.model.attention import kernels
@@ -92,17 +87,13 @@ def ctx_held_bytes(out: torch.Tensor, counted: set[int]) -> int:
     """Bytes of tensors that autograd Functions of ``out``'s graph keep as plain ``ctx`` attributes (not
     through ``save_for_backward``, so invisible to the saved-tensor hooks), storages in ``counted`` skipped."""
     found: dict[int, int] = {}
-
-    def add(t: Any) -> None:
-        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in counted:
-            found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-
     for node in graph_nodes(out):
         for value in getattr(node, "__dict__", {}).values():
             if isinstance(value, AttentionMeta):
                 value = value.positions + (value.documents or [])
             for t in value if isinstance(value, (list, tuple)) else [value]:
-                add(t)
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in counted:
+                    found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(found.values())
 
 
@@ -158,8 +149,8 @@ def measure(args: argparse.Namespace, algo: str, rank: int, n: int, group: Any) 
         with comm.count() as bwd:
             run.backward(y)
     forward = _minus(fwd.summary(), meta_bytes)
-    times: dict[str, list[float]] = {"fwd_wall": [], "bwd_wall": [], "wall": [], "thread": []}
-    for rep in range(args.warmup + args.reps):
+
+    def step() -> dict[str, float]:
         if n > 1:
             comm.barrier()
         w0, t0 = time.perf_counter(), time.thread_time()
@@ -167,12 +158,12 @@ def measure(args: argparse.Namespace, algo: str, rank: int, n: int, group: Any) 
         w1 = time.perf_counter()
         run.backward(y)
         w2, t2 = time.perf_counter(), time.thread_time()
-        if rep >= args.warmup:
-            for key, value in (("fwd_wall", w1 - w0), ("bwd_wall", w2 - w1), ("wall", w2 - w0), ("thread", t2 - t0)):
-                times[key].append(value)
+        return {"fwd_wall": w1 - w0, "bwd_wall": w2 - w1, "wall": w2 - w0, "thread": t2 - t0}
+
+    reps = alternating({"layer": step}, args.warmup, args.reps)["layer"]
     return {"rank": rank, "memory": memory, "calls": counter.calls, "work": counter.work, "meta_comm": meta_bytes,
             "comm": {"forward": forward, "backward": bwd.summary()},
-            "time_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}}
+            "time_ms": {k: 1e3 * statistics.median(r[k] for r in reps) for k in reps[0]}}
 
 
 def _minus(summary: dict[str, dict[str, float]], other: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -239,16 +230,6 @@ def table_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[str
     return {"forward": ulysses, "backward": ulysses}
 
 
-def meta_bytes_expected(args: argparse.Namespace, n: int, s: int) -> int:
-    """The ``AttentionMeta.build`` all-gather of the int64 token indices, once per micro-batch: ``(N−1)/N·b·s·8``."""
-    return (n - 1) * args.batch * s * INDEX_BYTES // n if n > 1 else 0
-
-
-def causal_work(args: argparse.Namespace, s: int) -> int:
-    """``b · n · s(s+1)/2``: the (query, key) pairs of causal attention over all heads."""
-    return args.batch * args.heads * s * (s + 1) // 2
-
-
 def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """One table row from the per-rank results of (algorithm, cp = n)."""
     s = args.seq
@@ -256,7 +237,7 @@ def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str
     row: dict[str, Any] = {"cp": n, "algo": algo, "act_bytes": max(mem), "act_bytes_min": min(mem),
                            "act_saved": max(r["memory"]["saved"] for r in ranks),
                            "act_ctx": max(r["memory"]["ctx"] for r in ranks)}
-    total = causal_work(args, s)
+    total = args.batch * args.heads * s * (s + 1) // 2  # the (query, key) pairs of causal attention, all heads
     if n == 1:
         work = [total]
         row["fwd_calls"] = [1]
@@ -276,7 +257,7 @@ def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str
     row["matches_expected"] = row["comm_same_on_all_ranks"] and _rounded(comms[0]) == row["expected"]
     row["table"] = table_bytes(args, algo, n, s)
     row["meta_bytes"] = round(sum(v["bytes"] for v in ranks[0]["meta_comm"].values()))
-    row["meta_bytes_expected"] = meta_bytes_expected(args, n, s)
+    row["meta_bytes_expected"] = (n - 1) * args.batch * s * INDEX_BYTES // n  # AttentionMeta's token-index all-gather
     for phase in ("forward", "backward"):
         row[f"{phase}_vs_table"] = row[f"{phase}_bytes"] / row["table"][phase] if row["table"][phase] else None
     table_total = row["table"]["forward"] + row["table"]["backward"]

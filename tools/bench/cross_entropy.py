@@ -1,47 +1,30 @@
 """The chunked vocab-parallel cross entropy against PyTorch's: bytes saved for backward, peak memory, time.
 
-One rank's share of the output-layer logits, ``[s, b, V/t]`` (default: a short run; the 410M model
-at tp 2, micro-batch 4 is ``--seq 2048 --batch 4 --vocab-local 25216``), in fp32 and bf16. Two
-variants, forward + backward of the per-token loss: ``ours``, ``vocab_parallel_cross_entropy``
-(one rank, the vocabulary slice is the whole vocabulary) at each ``--chunks`` size, and ``torch``,
-``F.cross_entropy(logits.float(), target, reduction="none")``. Per variant: ``saved``, the storages
-autograd saves (saved-tensor hooks, each storage once, the logits included); ``peak``, the most bytes
-alive at once of storages that ops allocate during forward + backward (a TorchDispatchMode; the
-gradient included, the input logits not); and the median wall and process-CPU time of ``--reps``
-steps after ``--warmup``, the variants alternating.
-
+One rank's logits ``[s, b, V/t]``, fp32 and bf16, forward + backward of the per-token loss. Method: docs/benchmarks.md.
 Run from the repo root:  python tools/bench/cross_entropy.py [--seq 2048 --batch 4 --vocab-local 25216]
-Prints a table, then one JSON line with every number.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import ints, mib, names, parser, print_json
-from megatron_sp.mpu import cross_entropy as ce
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from common import DTYPES, LiveBytes, alternating, ints, mib, names, parser, print_json, wall_cpu
+from planner.measure import SavedBytes
+from megatron_sp.mpu import layers as ce
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, seq=512, batch=2, seed=1234)
+    p = parser(__doc__, seq=512, batch=2, seed=1234, reps=3, warmup=1)
     p.add_argument("--vocab-local", type=int, default=25216, help="V/t, this rank's vocabulary slice")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {','.join(DTYPES)}")
     p.add_argument("--chunks", default=str(ce.CHUNK_ELEMENTS),
                    help="comma-separated CHUNK_ELEMENTS values to measure (logits per chunk)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     args = p.parse_args(argv)
     if any(d not in DTYPES for d in names(args.dtypes)):
         raise SystemExit(f"--dtypes: choose from {', '.join(DTYPES)}")
@@ -50,56 +33,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class LiveBytes(TorchDispatchMode):
-    """Storages ops return while active, from their first appearance until freed, except those in
-    ``exclude`` (the inputs): ``peak`` is the most bytes alive at once."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        super().__init__()
-        self.exclude, self.live, self.now, self.peak = exclude, {}, 0, 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and key not in self.live and key not in self.exclude:
-                    self.live[key] = nbytes
-                    self.now += nbytes
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, key)
-        return out
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
-
-
 def memory(loss_fn: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor) -> dict[str, int]:
     """Saved-for-backward bytes and the live-bytes peak of one forward + backward."""
     x = logits.detach().requires_grad_(True)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    live = LiveBytes({x.untyped_storage().data_ptr()})
+    saved, live = SavedBytes(set()), LiveBytes({x.untyped_storage().data_ptr()})
     with live:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved.record():
             loss = loss_fn(x)
         loss.sum().backward()
-    logits_saved = x.untyped_storage().data_ptr() in saved
-    return {"saved": sum(saved.values()), "saved_beyond_logits": sum(saved.values()) - logits_saved * x.nbytes,
-            "peak": live.peak}
+    logits_saved = x.untyped_storage().data_ptr() in saved.storages
+    return {"saved": saved.nbytes, "saved_beyond_logits": saved.nbytes - logits_saved * x.nbytes, "peak": live.peak}
 
 
 def step(loss_fn: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor) -> tuple[float, float]:
     """Wall and process-CPU seconds of one forward + backward."""
     x = logits.detach().requires_grad_(True)
-    wall, cpu = time.perf_counter(), time.process_time()
-    loss_fn(x).sum().backward()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return wall_cpu(lambda: loss_fn(x).sum().backward())
 
 
 def measure(args: argparse.Namespace, dtype_name: str, chunk: int) -> dict[str, Any]:
@@ -114,17 +63,12 @@ def measure(args: argparse.Namespace, dtype_name: str, chunk: int) -> dict[str, 
         diff = (variants["ours"](logits) - variants["torch"](logits).view(args.seq, args.batch)).abs().max().item()
     row: dict[str, Any] = {"dtype": dtype_name, "tokens": args.seq * args.batch, "v_local": args.vocab_local,
                            "chunk_elements": chunk, "logits_bytes": logits.nbytes, "loss_max_abs_diff": diff}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     with ce.chunk_size(chunk):
         for name, fn in variants.items():
             for key, value in memory(fn, logits).items():
                 row[f"{name}_{key}_bytes"] = value
-        for rep in range(args.warmup + args.reps):
-            order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
-            for name in order:
-                t = step(variants[name], logits)
-                if rep >= args.warmup:
-                    times[name].append(t)
+        times = alternating({name: lambda fn=fn: step(fn, logits) for name, fn in variants.items()},
+                            args.warmup, args.reps)
     for name in variants:
         row[f"{name}_s"] = statistics.median(w for w, _ in times[name])
         row[f"{name}_cpu_s"] = statistics.median(c for _, c in times[name])

@@ -1,14 +1,7 @@
 """Data pipeline at scale: preprocessing throughput against megatron-core, random sample access, loader overhead.
 
-1. Preprocess the demo corpus (SentencePiece) into ``.bin/.idx``, ours against Megatron-LM's loop
-   (same tokenizer, same bytes, checked); and the writers alone.
-2. Random access: random ``GPTDataset`` samples and whole documents, ours and megatron-core's.
-3. Loader overhead: the time a demo-sized step waits for its batch at 0 and 1 workers (goal < 2 %).
-
-Details: docs/benchmarks.md. megatron-core is optional (``.[compat]``); without it the megatron
-columns are empty.
+Method: docs/benchmarks.md; megatron-core is optional (``.[compat]``), without it its columns are empty.
 Run from the repo root:  python tools/bench/data.py [--workers 1,2] [--max-bytes 4000000] ...
-Prints a table, then one JSON line with every number.
 """
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from common import bench_config, ints, parser
+from common import gpt_config, ints, parser
 from megatron_sp.config.schema import TokenizerConfig
 from megatron_sp.data.corpus import make_demo_corpus
 from megatron_sp.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, data_file_paths
@@ -192,7 +185,7 @@ def bench_loader(args: argparse.Namespace, prefix: Path, tokenizer: Tokenizer) -
     from megatron_sp.model import GPTModel
 
     torch.set_num_threads(os.cpu_count() or 1)
-    cfg = bench_config(tokenizer.vocab_size, arch="neox", num_layers=4, hidden_size=256, num_heads=4, seq_length=args.seq)
+    cfg = gpt_config(args, tokenizer.vocab_size, arch="neox", num_layers=4, hidden_size=256, num_heads=4)
     model = GPTModel(cfg.model, seed=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gbs, dp, micro = 16, 2, 4  # configs/demo.yml: this rank's 8 samples in 2 micro-batches

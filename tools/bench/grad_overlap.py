@@ -1,13 +1,7 @@
 """How much of the data-parallel gradient reduction the DistributedOptimizer hides behind backward.
 
-Two gloo ranks (dp = 2) train a small GPT with four optimizers in turn: ZeRO-1 off/on × small
-buckets (``--bucket-bytes``) / one bucket (the no-overlap baseline). Every asynchronous collective
-is observed through ``comm.observe``; the share of its in-flight time before backward ends is
-"hidden". Method, the reduce-scatter replica check and the limits: docs/benchmarks.md.
-
+dp = 2 on gloo, ZeRO-1 off/on × small buckets / one bucket. Method and limits: docs/benchmarks.md.
 Run from the repo root:  python tools/bench/grad_overlap.py [--bucket-bytes 1048576] [--steps 10] [--verbose]
-Prints a table, notes (--verbose: rank 0's per-collective timeline of the last step), then one
-JSON line with every number.
 """
 from __future__ import annotations
 
@@ -60,18 +54,9 @@ class Op:
     done: float | None = None  # the work's future completed (callback)
 
     @property
-    def wait_start(self) -> float | None:
-        return self.event.wait_start
-
-    @property
-    def wait_end(self) -> float | None:
-        return self.event.wait_end
-
-    @property
     def end(self) -> float:
         """Completion: the callback stamp, else (no callback ran) when ``wait()`` returned."""
-        stamps = [t for t in (self.done, self.wait_end) if t is not None]
-        return min(stamps)
+        return min(t for t in (self.done, self.event.wait_end) if t is not None)
 
 
 @dataclass
@@ -139,8 +124,7 @@ def make_setups(args: argparse.Namespace, cfg: Config, state: ParallelState) -> 
 
 
 def train_step(s: Setup, tokens: torch.Tensor, labels: torch.Tensor, bf16: bool) -> dict[str, Any]:
-    """One traced step of ``s``; returns its phase times and the ops it issued (times from step start)."""
-    first = len(TRACER.ops)
+    """One traced step of ``s`` (``TRACER.ops`` empty at the start); returns its phase times and the ops it issued."""
     t0 = time.perf_counter()
     TRACER.phase = "zero_grad"
     s.opt.zero_grad()
@@ -159,9 +143,8 @@ def train_step(s: Setup, tokens: torch.Tensor, labels: torch.Tensor, bf16: bool)
     s.opt.step(lr=1e-4, clip=1.0)
     t_end = time.perf_counter()
     TRACER.phase = "idle"
-    ops = TRACER.ops[first:]
     return {"t0": t0, "forward": t_fwd - t0, "backward": t_bwd - t_fwd, "finish": t_sync - t_bwd,
-            "optimizer_step": t_end - t_sync, "step": t_end - t0, "backward_end": t_bwd, "ops": ops}
+            "optimizer_step": t_end - t_sync, "step": t_end - t0, "backward_end": t_bwd, "ops": list(TRACER.ops)}
 
 
 def union_length(spans: list[tuple[float, float]], cut: float) -> tuple[float, float]:
@@ -190,7 +173,8 @@ def summarize_step(rec: dict[str, Any]) -> dict[str, Any]:
     grad_spans, gather_spans = [], []
     for op in rec["ops"]:
         end = op.end
-        stamps = {k: getattr(op, k) for k in ("launch", "launched", "done", "wait_start", "wait_end")}
+        stamps = {"launch": op.launch, "launched": op.launched, "done": op.done, "wait_start": op.event.wait_start,
+                  "wait_end": op.event.wait_end}
         timeline.append({"kind": op.kind, "phase": op.phase, "nbytes": op.nbytes,
                          **{k: None if t is None else t - t0 for k, t in stamps.items()}, "backward_end": bwd_end - t0})
         if op.phase not in GRAD_PHASES:

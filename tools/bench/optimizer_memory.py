@@ -1,12 +1,7 @@
 """Per-rank bytes of parameters, gradients and optimizer state under ZeRO-1, against the theory.
 
-Per precision × data-parallel size d × ZeRO-1 off/on, the bytes are read off the tensors a
-``DistributedOptimizer`` holds (each storage once); d > 1 on gloo ranks, rank 0 shown. Theory:
-bytes/param = P + 4 + (M + 8) / d_z: bf16 18 | 6 + 12/d, fp32 16 | 8 + 8/d; measured/theory − 1
-is the bucket padding. Categories and what is not counted: docs/benchmarks.md.
-
+Theory, categories and what is not counted: docs/benchmarks.md.
 Run from the repo root:  python tools/bench/optimizer_memory.py [--dp 1,2,4] [--precision bf16,fp32] ...
-Prints a table, notes, then one JSON line with every number.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Packed documents vs one unpacked sequence: the cost of a training step (forward + backward) on the same tokens.
 
-Byte-token documents of exponential lengths (mean ``--mean-doc``) are collated packed (positions
-and attention reset per document) and unpacked; the whole fp32 GPTModel runs forward + backward on
-1 rank and at each cp size under every ``--algos`` algorithm: time per step, activation bytes (as
-context_parallel.py) and the live-bytes peak. On 1 rank also transformers' packed path on the same
-tokens. Method and goals: docs/benchmarks.md.
-
+The whole GPTModel on 1 rank and at each cp size under every ``--algos`` algorithm (and transformers' packed
+path on 1 rank): time per step, activation bytes, live-bytes peak. Method and goals: docs/benchmarks.md.
 Run from the repo root:  python tools/bench/packed.py [--seqs 2048,4096,8192] [--cp 1,2,4] [--algos zigzag,llama3]
-Prints tables and notes, then one JSON line with every number.
 """
 from __future__ import annotations
 
@@ -15,18 +10,14 @@ import argparse
 import math
 import os
 import statistics
-import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import check_attention_args, gpt_config, cp_skip_reason, ints, mib, names, opt, parser, print_json
-from common import ulysses_degree
+from common import LiveBytes, alternating, check_attention_args, gpt_config, cp_skip_reason, ints, mib, names, opt
+from common import parser, print_json, ulysses_degree, wall_cpu
 from context_parallel import SavedBytes, ctx_held_bytes
 from megatron_sp.config.schema import Config
 from megatron_sp.data import collate
@@ -34,6 +25,7 @@ from megatron_sp.data.tokenizer import ByteTokenizer
 from megatron_sp.model.attention.context_parallel import ALGORITHMS
 from megatron_sp.model.attention.layout import sequence_layout, shard_batch
 from megatron_sp.model.gpt import GPTModel
+from megatron_sp.model.hf_names import hf_config_dict
 from megatron_sp.mpu import ParallelContext, comm
 from megatron_sp.mpu.parallel_state import ParallelDims, initialize
 from megatron_sp.mpu.random import get_tracker, init_rng
@@ -89,42 +81,6 @@ def batches(samples: list[np.ndarray], eod: int) -> dict[str, dict[str, torch.Te
             "unpacked": collate(samples, eod, eod_mask_loss=False)}
 
 
-class LiveBytes(TorchDispatchMode):
-    """Storages that ops return while active, counted from their first appearance until freed: ``peak`` is
-    the most bytes alive at once. Storages that existed before (parameters, inputs) count only if an op
-    returns them (an in-place op); their ``.grad`` allocations do count. Also counts the SDPA ops seen."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = 0
-        self.peak = 0
-        self.sdpa: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__
-        if "scaled_dot_product" in name:
-            self.sdpa[name] = self.sdpa.get(name, 0) + 1
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or key in self.live:
-            return
-        self.live[key] = nbytes
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
-
-
 def step_memory(forward: Callable[[], torch.Tensor], zero: Callable[[], None], params: set[int]) -> dict[str, Any]:
     """Activation bytes (saved + ctx, as context_parallel.py) and the live-bytes peak of one forward + backward."""
     live = LiveBytes()
@@ -150,8 +106,7 @@ class Step:
     def __init__(self, args: argparse.Namespace, seq: int, algo: str, rank: int, n: int,
                  full: dict[str, dict[str, torch.Tensor]]) -> None:
         cfg = model_config(args, seq, n, algo)
-        p = cfg.parallel
-        state = initialize(ParallelDims(cp=n, world_size=n, cp_ulysses=p.cp_ulysses))
+        state = initialize(ParallelDims(cp=n, world_size=n, cp_ulysses=cfg.parallel.cp_ulysses))
         init_rng(get_tracker(), args.seed, state.tp_rank, state.pp_rank)
         self.model = GPTModel(cfg.model, args.seed, parallel=ParallelContext.from_state(state, cfg)).train()
         self.params = {q.untyped_storage().data_ptr() for q in self.model.parameters()}
@@ -171,20 +126,19 @@ class Step:
 
 def time_steps(args: argparse.Namespace, forward: Callable[[str], torch.Tensor], zero: Callable[[], None],
                n: int) -> dict[str, dict[str, list[float]]]:
-    """``{"wall"|"cpu": {variant: seconds of each timed step}}``, packed and unpacked alternating (ABBA) after the
-    warm-up; cpu = this process's CPU time (all its threads): less sensitive to waiting for a shared core."""
-    times: dict[str, dict[str, list[float]]] = {"wall": {v: [] for v in VARIANTS}, "cpu": {v: [] for v in VARIANTS}}
-    for rep in range(args.warmup + args.reps):
-        for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
-            if n > 1:
-                comm.barrier()
-            w0, c0 = time.perf_counter(), time.process_time()
-            forward(variant).backward()
-            zero()
-            if rep >= args.warmup:
-                times["wall"][variant].append(time.perf_counter() - w0)
-                times["cpu"][variant].append(time.process_time() - c0)
-    return times
+    """``{"wall"|"cpu": {variant: seconds of each timed step}}``, packed and unpacked alternating (ABBA)."""
+
+    def run(variant: str) -> None:
+        forward(variant).backward()
+        zero()
+
+    def step(variant: str) -> tuple[float, float]:
+        if n > 1:
+            comm.barrier()
+        return wall_cpu(lambda: run(variant))
+
+    times = alternating({v: lambda v=v: step(v) for v in VARIANTS}, args.warmup, args.reps)
+    return {kind: {v: [t[i] for t in times[v]] for v in VARIANTS} for i, kind in enumerate(("wall", "cpu"))}
 
 
 def measure(args: argparse.Namespace, seq: int, algo: str, rank: int, n: int,
@@ -195,22 +149,15 @@ def measure(args: argparse.Namespace, seq: int, algo: str, rank: int, n: int,
 
 
 def hf_model(args: argparse.Namespace, seq: int) -> torch.nn.Module:
-    """A transformers causal LM of our sizes (same vocab rows, MLP width, rotary, norm), SDPA attention."""
+    """A transformers causal LM of our config (``hf_names.hf_config_dict``), randomly initialised, SDPA attention."""
     import transformers
 
     m = model_config(args, seq, 1, "ring").model
-    common = {"vocab_size": m.padded_vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
-              "num_attention_heads": m.num_heads, "intermediate_size": m.ffn_hidden_size,
-              "max_position_embeddings": seq, "tie_word_embeddings": m.tie_embeddings, "rope_theta": m.rotary_base}
-    if args.arch == "llama":
-        config: Any = transformers.LlamaConfig(num_key_value_heads=m.num_kv_heads, rms_norm_eps=m.norm_eps, **common)
-        cls: Any = transformers.LlamaForCausalLM
-    else:
-        config = transformers.GPTNeoXConfig(rotary_pct=m.rotary_pct, layer_norm_eps=m.norm_eps,
-                                            use_parallel_residual=True, **common)
-        cls = transformers.GPTNeoXForCausalLM
+    kwargs = {k: v for k, v in hf_config_dict(m).items() if k not in ("architectures", "model_type")}
+    config_cls, cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if m.arch == "llama"
+                       else (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM))
     torch.manual_seed(args.seed)
-    return cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+    return cls._from_config(config_cls(**kwargs), attn_implementation="sdpa", dtype=torch.float32).train()
 
 
 def hf_mask_path(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -286,16 +233,22 @@ def _median_of_max(per_rank: list[list[float]]) -> float:
     return statistics.median(max(rep) for rep in zip(*per_rank))
 
 
-def finish_row(n: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One JSON record from the per-rank results of one (sequence, cp, algorithm)."""
-    first = ranks[0]
-    row: dict[str, Any] = {"seq": first["seq"], "cp": n, "algo": first["algo"]}
+def variant_columns(row: dict[str, Any], ranks: list[dict[str, Any]], sdpa: bool = False) -> dict[str, Any]:
+    """``row`` with each variant's median step time (slowest rank), activation and peak bytes (largest rank)."""
     for v in VARIANTS:
         row[f"{v}_s"] = _median_of_max([r["times"]["wall"][v] for r in ranks])
         row[f"{v}_cpu_s"] = _median_of_max([r["times"]["cpu"][v] for r in ranks])
         row[f"{v}_bytes"] = max(r["memory"][v]["act"] for r in ranks)
         row[f"{v}_peak_bytes"] = max(r["memory"][v]["peak"] for r in ranks)
+        if sdpa:
+            row[f"{v}_sdpa_ops"] = ranks[0]["memory"][v]["sdpa_ops"]
     row["time_ratio"] = row["packed_s"] / row["unpacked_s"]
+    return row
+
+
+def finish_row(n: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One JSON record from the per-rank results of one (sequence, cp, algorithm)."""
+    row = variant_columns({"seq": ranks[0]["seq"], "cp": n, "algo": ranks[0]["algo"]}, ranks)
     row["cpu_ratio"] = row["packed_cpu_s"] / row["unpacked_cpu_s"]
     row["mem_ratio"] = row["packed_bytes"] / row["unpacked_bytes"]
     row["peak_ratio"] = row["packed_peak_bytes"] / row["unpacked_peak_bytes"]
@@ -306,14 +259,7 @@ def finish_row(n: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def finish_hf(result: dict[str, Any], ours: dict[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"seq": result["seq"], "path": result["path"]}
-    for v in VARIANTS:
-        out[f"{v}_s"] = statistics.median(result["times"]["wall"][v])
-        out[f"{v}_cpu_s"] = statistics.median(result["times"]["cpu"][v])
-        out[f"{v}_bytes"] = result["memory"][v]["act"]
-        out[f"{v}_peak_bytes"] = result["memory"][v]["peak"]
-        out[f"{v}_sdpa_ops"] = result["memory"][v]["sdpa_ops"]
-    out["time_ratio"] = out["packed_s"] / out["unpacked_s"]
+    out = variant_columns({"seq": result["seq"], "path": result["path"]}, [result], sdpa=True)
     out["ours_packed_s"] = ours["packed_s"] if ours else None
     out["ours_over_hf"] = ours["packed_s"] / out["packed_s"] if ours else None
     out["ours_over_hf_cpu"] = ours["packed_cpu_s"] / out["packed_cpu_s"] if ours else None

@@ -1,14 +1,7 @@
 """Measured idle fraction of each pipeline stage under every pipeline schedule, against the theory.
 
-For each pp = p (p gloo ranks), micro-batch count m and schedule, every rank runs full steps of
-``forward_backward`` on its stage of one GPT; a stage's idle fraction is ``1 − busy / window`` of
-its ``ScheduleStats.intervals`` (median over ``--steps``), beside the textbook bubble, "sim" (the
-same table simulated with the measured F/B/I/W costs) and ``cpu/wall``. Method: docs/benchmarks.md.
-
-Run from the repo root:
+Method: docs/benchmarks.md. Run from the repo root:
   python tools/bench/pipeline_bubble.py [--pp 2,4] [--micro 4,8,16] [--schedules 1f1b,interleaved,zero_bubble]
-Prints a table, the step-time gain of each schedule over 1F1B and notes, then one JSON line with
-every number.
 """
 from __future__ import annotations
 
@@ -74,11 +67,8 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace,
     state = initialize(ParallelDims(pp=world_size))
     cfg = gpt_config(args, VOCAB).model
     parallel = ParallelContext.from_state(state)
-    stages: dict[int, Any] = {}
-    for schedule, _ in cases:
-        v = chunks_for(schedule, args)
-        if v not in stages:
-            stages[v] = build_stage(cfg, args.seed, state, parallel, virtual_stages=v, partition="uniform").train()
+    stages = {v: build_stage(cfg, args.seed, state, parallel, virtual_stages=v, partition="uniform").train()
+              for v in dict.fromkeys(chunks_for(s, args) for s, _ in cases)}
     results = {case: {"schedule": case[0], "m": case[1], "v": chunks_for(case[0], args), "steps": []} for case in cases}
     measured: dict[tuple[str, int], dict[str, float]] = {}
     for m in dict.fromkeys(m for _, m in cases):
@@ -106,13 +96,11 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace,
 
 def analyse(schedule: str, p: int, m: int, v: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-stage idle fractions (median over steps), the measured action costs and the simulated idle."""
-    n_steps = len(per_rank[0]["steps"])
     idle: list[list[float]] = [[] for _ in range(p)]
     walls: list[float] = []
     cpu, busy_wall = 0.0, 0.0
     durations: dict[str, list[float]] = {k: [] for k in KINDS}
-    for k in range(n_steps):
-        steps = [per_rank[r]["steps"][k] for r in range(p)]
+    for steps in zip(*(r["steps"] for r in per_rank)):  # step k of every rank
         window = max(s["t1"] for s in steps) - min(s["t0"] for s in steps)
         walls.append(window)
         for r, s in enumerate(steps):

@@ -1,39 +1,22 @@
 """Single-process training throughput of our GPTModel against Hugging Face transformers.
 
-For each architecture (``neox`` vs ``GPTNeoXForCausalLM``, ``llama`` vs ``LlamaForCausalLM``) and
-precision (fp32; bf16 = torch.autocast with fp32 parameters), both models are built with the same
-config and the same weights (ours exported with ``hf_names.to_hf_state_dict``), and trained on the
-same random batch: forward, loss, backward, AdamW step. Warm-up steps are followed by
-``rounds · steps`` timed steps that alternate between the two models step by step; tokens/s is
-from each model's fastest step (the JSON line also has the median), which is robust to other
-processes sharing the cores.
-
-MFU = flops_per_token(cfg) · tokens/s / the host's best peak for the dtype (device.record_peak_flops).
-
-With ``--compile`` the alternation also holds our model with its pointwise regions compiled
-(``train.compile``: ``GPTModel.compile_regions``) and the HF model under ``model.compile()``; their
-compile seconds are the first step's time minus the fastest step's.
-
+Same config, weights and batch, steps alternating between the models; method and MFU: docs/benchmarks.md.
 Run from the repo root:  python tools/bench/throughput.py [--arch neox] [--dtype bf16] [--compile] ...
-Prints a table, then one JSON line with every number.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-from common import bench_config, parser, print_json
+from common import DTYPES, gpt_config, parser, print_json, wall_cpu
 from megatron_sp import device
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel, flops_per_token
 from megatron_sp.model.hf_names import build_hf_model
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,14 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace, arch: str) -> ModelConfig:
     """A finalized ModelConfig for ``arch`` from the flags (derived sizes from the config loader)."""
-    return bench_config(args.vocab, arch=arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                        num_kv_heads=args.kv_heads if arch == "llama" else None, ffn_hidden_size=args.ffn,
-                        seq_length=args.seq).model
-
-
-def build_hf(cfg: ModelConfig, ours: GPTModel) -> torch.nn.Module:
-    """The HF model of ``cfg.arch`` with our weights (train mode, as the benchmark times it)."""
-    return build_hf_model(cfg, ours.state_dict()).train()
+    return gpt_config(args, arch=arch, num_kv_heads=args.kv_heads if arch == "llama" else None,
+                      ffn_hidden_size=args.ffn).model
 
 
 def make_step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], float]:
@@ -76,13 +53,6 @@ def make_step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], dtype
         return float(loss.detach())
 
     return step
-
-
-def time_step(step: Callable[[], float]) -> float:
-    """Seconds for one step."""
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
 
 
 def best_peak_flops(dtype: torch.dtype, tries: int = 5) -> float:
@@ -105,20 +75,20 @@ def bench_one(args: argparse.Namespace, arch: str, dtype_name: str) -> dict:
         models["ours_compiled"] = GPTModel(cfg, seed=args.seed)
         models["ours_compiled"].compile_regions()
     if not args.no_hf:
-        models["hf"] = build_hf(cfg, ours)
+        models["hf"] = build_hf_model(cfg, ours.state_dict())
         if args.compile:
-            models["hf_compiled"] = build_hf(cfg, ours)
+            models["hf_compiled"] = build_hf_model(cfg, ours.state_dict())
             models["hf_compiled"].compile()
     steps = {name: make_step(model, loss_closure(model, tokens, labels), dtype) for name, model in models.items()}
     first: dict[str, float] = {}
     for name, step in steps.items():
-        first[name] = time_step(step)  # compiled models compile here
+        first[name] = wall_cpu(step)[0]  # compiled models compile here
         for _ in range(args.warmup - 1):
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds * args.steps):  # models alternate step by step: noise hits both alike
         for name, step in steps.items():
-            times[name].append(time_step(step))
+            times[name].append(wall_cpu(step)[0])
     tokens_per_step = args.batch * args.seq
     result = {"arch": arch, "dtype": dtype_name, "tokens_per_step": tokens_per_step,
               "params": ours.num_parameters(), "flops_per_token": flops_per_token(cfg)}

@@ -1,18 +1,16 @@
 """The layout planner behind ``tools/plan.py``: per-rank memory and communication of a training layout, and
 the (tp, pp, cp, dp) layouts that fit. Theory, formulas and what ``--verify`` measures: docs/planner.md.
 """
-from .activations import attention_kernel, attention_terms, chunk_activations, layer_terms, megatron_in_flight
-from .activations import schedule_peak, table2_layer_bytes
-from .dims import DEFAULT_BANDWIDTH_GBS, DEFAULT_BUCKET_BYTES, DEFAULT_PEAK_TFLOPS, PlanDims, dims_of, stage_layers
-from .layouts import Candidate, LayoutPlan, RankPlan, estimate_step_time, factorizations, format_bytes
-from .layouts import layout_overrides, parse_memory, plan_layout, search, stage_flops
-from .measure import SavedBytes, measure_state, parameter_exclusions, run_verify, verify_rank
-from .state import StateBytes, stage_parameters, state_bytes
+from .activations import attention_kernel, chunk_activations, layer_terms, megatron_in_flight, table2_layer_bytes
+from .dims import DEFAULT_BANDWIDTH_GBS, DEFAULT_BUCKET_BYTES, DEFAULT_PEAK_TFLOPS, dims_of, stage_layers
+from .layouts import Candidate, LayoutPlan, estimate_step_time, factorizations, format_bytes, layout_overrides
+from .layouts import parse_memory, plan_layout, search, stage_flops
+from .measure import SavedBytes, measure_state, parameter_exclusions, run_verify
+from .state import stage_parameters, state_bytes
 from .traffic import comm_per_step
 
-__all__ = ["DEFAULT_BANDWIDTH_GBS", "DEFAULT_BUCKET_BYTES", "DEFAULT_PEAK_TFLOPS", "Candidate", "LayoutPlan", "PlanDims",
-           "RankPlan", "SavedBytes", "StateBytes", "attention_kernel", "attention_terms", "chunk_activations",
-           "comm_per_step", "dims_of", "estimate_step_time", "factorizations", "format_bytes", "layer_terms",
-           "layout_overrides", "measure_state", "megatron_in_flight", "parameter_exclusions", "parse_memory",
-           "plan_layout", "run_verify", "schedule_peak", "search", "stage_flops", "stage_layers", "stage_parameters",
-           "state_bytes", "table2_layer_bytes", "verify_rank"]
+__all__ = ["DEFAULT_BANDWIDTH_GBS", "DEFAULT_BUCKET_BYTES", "DEFAULT_PEAK_TFLOPS", "Candidate", "LayoutPlan", "SavedBytes",
+           "attention_kernel", "chunk_activations", "comm_per_step", "dims_of", "estimate_step_time", "factorizations",
+           "format_bytes", "layer_terms", "layout_overrides", "measure_state", "megatron_in_flight", "parameter_exclusions",
+           "parse_memory", "plan_layout", "run_verify", "search", "stage_flops", "stage_layers", "stage_parameters",
+           "state_bytes", "table2_layer_bytes"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from megatron_sp.config.schema import Config
 from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES
 from megatron_sp.model.transformer import arch_spec
-from megatron_sp.mpu.cross_entropy import CHUNK_ELEMENTS
+from megatron_sp.mpu.layers import CHUNK_ELEMENTS
 from megatron_sp.pipeline.schedules import build_schedule
 
 from .dims import PlanDims, dims_of, stage_layers

@@ -31,15 +31,9 @@ class _NoInitDraws(TorchFunctionMode):
 
 
 def stage_parameters(cfg: Config, pp_rank: int = 0) -> list[tuple[str, nn.Parameter]]:
-    """Stage ``pp_rank``'s trainable parameters as one TP rank holds them: meta tensors of the local shape
-    with the model's attributes (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel``,
-    ``shared_embedding``), built by ``pipeline.build_stage``.
-
-    A layer takes its TP size from its process group, and the planner has none: a layer built at a
-    size other than ``tp`` gets the rules the layers apply at ``tp`` — a ``tensor_model_parallel``
-    tensor keeps ``1/tp`` along ``partition_dim``, a QKV with fewer kv heads than ``tp`` stays whole
-    with its grad summed over TP (``ReplicatedGroupQKV``), under SP so do the norms' (``make_norm``).
-    """
+    """Stage ``pp_rank``'s trainable parameters as one TP rank holds them: meta tensors of the local shape and
+    the model's TP/SP attributes, built by ``pipeline.build_stage`` at TP size 1 and then given the rules the
+    layers apply at ``tp`` (docs/planner.md, "Parameters, gradients, optimizer state")."""
     D, p = dims_of(cfg), cfg.parallel
     key = _stage_key(cfg, pp_rank)
     if key in _STAGES:  # a search asks for each stage many times
