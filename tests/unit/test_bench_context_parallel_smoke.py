@@ -40,12 +40,12 @@ def _bytes(algo: str, n: int, g: int) -> tuple[int, int]:
 
 
 def test_context_parallel_tiny(capsys: pytest.CaptureFixture[str]) -> None:
-    result = context_parallel.main([*TINY, "--cp", "1,2", "--algos", "ring,zigzag,llama3,ulysses", "--long-cp", "1,2"])
+    result = context_parallel.main([*TINY, "--cp", "1,2", "--algos", "ring,zigzag,llama3,ulysses,usp", "--long-cp", "1,2"])
     report = _report(capsys.readouterr().out)
     assert report["bench"] == "context_parallel" and report["skipped"] == []
     rows = {(r["cp"], r["algo"]): r for r in report["rows"]}
-    assert list(rows) == [(1, "-"), (2, "ring"), (2, "zigzag"), (2, "llama3"), (2, "ulysses")]
-    assert len(result["rows"]) == 5
+    assert list(rows) == [(1, "-"), (2, "ring"), (2, "zigzag"), (2, "llama3"), (2, "ulysses"), (2, "usp")]
+    assert len(result["rows"]) == 6
     causal = HEADS * S * (S + 1) // 2
     for (n, algo), r in rows.items():
         assert r["work_total"] == r["work_causal"] == causal, r["work"]

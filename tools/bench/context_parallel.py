@@ -17,13 +17,14 @@ from typing import Any
 import torch
 
 from common import alternating, check_attention_args, cp_skip_reason, ints, mib, names, opt, parser, print_json
-from common import gpt_config, graph_nodes, world_group
+from common import gpt_config, graph_nodes, ulysses_degree, world_group
 from planner.measure import SavedBytes
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import ALGORITHMS, AttentionMeta
 from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard, shard_indices
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.mpu import ParallelContext, comm
+from megatron_sp.mpu.parallel_state import ParallelDims, initialize
 from megatron_sp.mpu.random import get_tracker, init_rng
 from megatron_sp.testing import run_distributed
 
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", default="1,2,4", help="comma-separated cp sizes (1 = the baseline)")
     p.add_argument("--algos", default=",".join(ALGORITHMS), help=f"comma-separated, of {','.join(ALGORITHMS)}")
     p.add_argument("--heads-k-stride", type=int, default=1, help="llama3: kv heads per all-gather")
+    p.add_argument("--cp-ulysses", type=int, default=2, help="usp: the Ulysses degree inside the cp group")
     p.add_argument("--long-algo", default="zigzag", help="algorithm of the longest-sequence search ('' to skip it)")
     p.add_argument("--long-cp", default="1,4", help="cp sizes of the longest-sequence search; the first sets the budget")
     p.add_argument("--budget-mib", type=float, default=None,
@@ -103,7 +105,12 @@ class LayerRun:
     def __init__(self, args: argparse.Namespace, algo: str, seq: int, rank: int, n: int, group: Any) -> None:
         tracker = get_tracker()
         init_rng(tracker, args.seed, 0, 0)  # dropout is 0: the streams only have to exist
-        parallel = ParallelContext(cp_group=group, cp_algo=algo, cp_heads_k_stride=args.heads_k_stride, tracker=tracker)
+        groups = {}
+        if n > 1:  # usp needs its Ulysses and ring sub-groups
+            state = initialize(ParallelDims(cp=n, world_size=n, cp_ulysses=ulysses_degree(args, algo, n)))
+            groups = {"cp_ulysses_group": state.groups.get("cp_ulysses"), "cp_ring_group": state.groups.get("cp_ring")}
+        parallel = ParallelContext(cp_group=group, cp_algo=algo, cp_heads_k_stride=args.heads_k_stride, tracker=tracker,
+                                   **groups)
         self.stage = GPTModel(gpt_config(args, 256, seq_length=seq).model, args.seed, layer_range=range(1), pre_process=False,
                               post_process=False, parallel=parallel).train()
         self.layout = sequence_layout(algo) if n > 1 else "contiguous"
@@ -202,11 +209,17 @@ def expected_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[
     elif algo == "llama3":
         out = {"forward": {"all_gather": share * kv * e},
                "backward": {"all_gather": share * kv * e, "reduce_scatter": share * kv * a}}
-    elif algo == "ulysses":
-        g_sent = g if g % n == 0 else n  # kv heads repeated up to n when n % g == 0
-        each_way = Fraction(n - 1, n * n) * (2 * s * b * heads * d + 2 * s * b * g_sent * d) * e
-        output_back = Fraction(n - 1, n * n) * s * b * heads * d * e  # backward moves the saved output back
+    elif algo in ("ulysses", "usp"):  # usp: Ulysses of degree u over s·u/n tokens, a ring of n/u inside
+        u = n if algo == "ulysses" else ulysses_degree(args, algo, n)
+        g_sent = g if g % u == 0 else u  # kv heads repeated up to u when u % g == 0
+        tokens = Fraction(s * u, n)  # the Ulysses group's tokens
+        each_way = Fraction(u - 1, u * u) * (2 * tokens * b * heads * d + 2 * tokens * b * g_sent * d) * e
+        output_back = Fraction(u - 1, u * u) * tokens * b * heads * d * e  # backward moves the saved output back
         out = {"forward": {"all_to_all": each_way}, "backward": {"all_to_all": each_way + output_back}}
+        if u < n:
+            r, ring_kv = n // u, 2 * s * b * Fraction(g_sent, u) * d
+            out["forward"]["p2p"] = Fraction(r - 1, r) * ring_kv * e
+            out["backward"]["p2p"] = Fraction(r - 1, r) * ring_kv * e + ring_kv * a
     else:
         raise ValueError(algo)
     for ops in out.values():
@@ -226,8 +239,10 @@ def table_bytes(args: argparse.Namespace, algo: str, n: int, s: int) -> dict[str
     ring = 2 * s * b * h_kv * (n - 1) / n * e
     if algo in ("ring", "zigzag", "llama3"):
         return {"forward": ring, "backward": 2 * ring}  # ring/zigzag: "same + dK,dV"
-    ulysses = (2 * s * b * h + 2 * s * b * h_kv) * (n - 1) / n ** 2 * e
-    return {"forward": ulysses, "backward": ulysses}
+    u = n if algo == "ulysses" else ulysses_degree(args, algo, n)
+    ulysses = (2 * s * b * h + 2 * s * b * h_kv) * (u - 1) / (u * n) * e  # over the Ulysses group's s·u/N tokens
+    inner = 2 * s * b * h_kv / u * (n // u - 1) / (n // u) * e  # usp: the ring of N/u on h_kv/u
+    return {"forward": ulysses + inner, "backward": ulysses + 2 * inner}
 
 
 def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -398,8 +413,8 @@ def print_notes(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: l
           "(KV·4, not (N-1)/N·KV·e): backward/table = (1 + N/(N-1)·4/e)/2 = 1.5 at N=2, 1.167 at N=4 in fp32.")
     print("  llama3 backward: the dK,dV reduce-scatter is fp32 (4 B/element); equal to the table in fp32, "
           "(2 + 4)/(2·2) = 1.5x of it under bf16 inputs.")
-    print("  ulysses forward: also all-to-alls the fp32 lse [b, n, s/N] (attention_with_lse always does; "
-          "context_parallel_attention then drops it): + (N-1)/N²·b·n·s·4 B" +
+    print("  ulysses/usp: the lse is not sent (context_parallel_attention needs only out); usp = Ulysses of degree "
+          f"--cp-ulysses {args.cp_ulysses} over its group's tokens + a ring of N/u on heads/u" +
           ("" if all(g % n == 0 for n in {r["cp"] for r in rows if r["algo"] == "ulysses"})
            else "; kv heads repeated to N before the all-to-all where g % N != 0"))
     print("  per micro-batch, not per layer: AttentionMeta.build all-gathers the int64 token indices, (N-1)/N·b·s·8 B: "

@@ -81,7 +81,6 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
             ulysses(u)  # + the saved output moved back in backward, as for Ulysses
             per_layer["all_to_all"] += (u - 1) / u * tok * D.local_heads * d * e
             ring(N // u, 2 * tok * ulysses_kv(D, u) * d)
-            per_layer["all_to_all"] += (u - 1) / u * D.micro_batch * D.local_heads * D.s_local * 4 * repeats
         for op, nbytes in per_layer.items():
             _add(book, "cp", op, m * n_layers * nbytes)
         ids = 3 if D.documents else 1  # token indices (and document ids), int64, per chunk forward

@@ -87,8 +87,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Returns ``[s/cp, b, n, d]`` in q's dtype. Differentiable in q, k, v.
     """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if meta.algo in ("local", "ulysses"):  # skip the lse all-to-all nobody reads
-        return _ulysses(q, k, v, meta, q.shape[-1] ** -0.5 if scale is None else scale, with_lse=False)[0]
+        return _ulysses(q, k, v, meta, scale, with_lse=False)[0]
+    if meta.algo == "usp":
+        return _usp(q, k, v, meta, scale, with_lse=False)[0]
     return attention_with_lse(q, k, v, meta, scale)[0]
 
 
@@ -369,8 +372,8 @@ def _heads_to_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
             all_to_all(v, group, scatter_dim=2, gather_dim=0))
 
 
-def _usp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
-         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _usp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
+         with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     u = comm.group_size(meta.ulysses_group)
     rings = meta.size // u
     cat_docs = None if meta.documents is None else [torch.cat(meta.documents[j * u:(j + 1) * u], 1)
@@ -379,7 +382,8 @@ def _usp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
                               [torch.cat(meta.positions[j * u:(j + 1) * u], 1) for j in range(rings)], cat_docs,
                               chunks=u * meta.parts)
     out, lse_h = _Ulysses.apply(q, k, v, meta.ulysses_group, ring_meta, scale)  # ring inside each Ulysses group
-    return out, comm.all_to_all(lse_h, meta.ulysses_group, scatter_dim=2, gather_dim=1)  # [b, n_heads, s/cp]
+    lse = comm.all_to_all(lse_h, meta.ulysses_group, scatter_dim=2, gather_dim=1) if with_lse else None
+    return out, lse  # [b, n_heads, s/cp]
 
 
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
