@@ -79,3 +79,19 @@ def test_context_parallel_gqa(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["matches_expected"], (r["algo"], r["comm"], r["expected"])
         assert (r["forward_bytes"], r["backward_bytes"]) == _bytes(r["algo"], 2, 1)
         assert r["work_total"] == r["work_causal"] and r["act_ratio"] is None  # no cp = 1 row to compare with
+
+
+def test_context_parallel_packed_documents(capsys: pytest.CaptureFixture[str]) -> None:
+    """Packed documents: the work over ranks sums to the documents' causal pairs (no pair across a boundary),
+    the bytes stay the closed forms, and the meta all-gather carries the document ids too."""
+    context_parallel.main([*TINY, "--cp", "1,2", "--algos", "zigzag,ulysses", "--mean-doc", "8", "--long-algo", ""])
+    report = _report(capsys.readouterr().out)
+    rows = {(r["cp"], r["algo"]): r for r in report["rows"]}
+    total = rows[(1, "-")]["work_causal"]
+    assert total < HEADS * S * (S + 1) // 2  # several documents
+    for (n, algo), r in rows.items():
+        assert r["work_causal"] == total and r["work_total"] == total, (algo, r["work"])
+        if n == 2:
+            assert r["matches_expected"] and (r["forward_bytes"], r["backward_bytes"]) == _bytes(algo, n, HEADS)
+            assert r["meta_bytes"] == r["meta_bytes_expected"] == 2 * (n - 1) * S * 8 // n
+    assert rows[(2, "ulysses")]["balance"] == 1.0

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--algos", default=",".join(ALGORITHMS), help=f"comma-separated, of {','.join(ALGORITHMS)}")
     p.add_argument("--heads-k-stride", type=int, default=1, help="llama3: kv heads per all-gather")
     p.add_argument("--cp-ulysses", type=int, default=2, help="usp: the Ulysses degree inside the cp group")
+    p.add_argument("--mean-doc", type=float, default=0.0,
+                   help="packed documents of exponential lengths with this mean (tokens); 0: one document per sample")
     p.add_argument("--long-algo", default="zigzag", help="algorithm of the longest-sequence search ('' to skip it)")
     p.add_argument("--long-cp", default="1,4", help="cp sizes of the longest-sequence search; the first sets the budget")
     p.add_argument("--budget-mib", type=float, default=None,
@@ -63,6 +65,21 @@ def check_args(args: argparse.Namespace) -> list[str]:
         if why:
             raise SystemExit(f"--long-algo {args.long_algo} at cp={n}: {why}")
     return skipped
+
+
+def documents(args: argparse.Namespace, seq: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``--mean-doc`` > 0: (document ids, positions inside the document), ``[seq]`` each, seeded; else None."""
+    if args.mean_doc <= 0:
+        return None
+    gen = torch.Generator().manual_seed(args.seed)
+    starts, t = [], 0
+    while t < seq:
+        starts.append(t)
+        t += max(1, math.ceil(torch.empty(1).exponential_(1 / args.mean_doc, generator=gen).item()))
+    doc = torch.zeros(seq, dtype=torch.int64)
+    doc[torch.tensor(starts[1:], dtype=torch.int64)] = 1
+    doc = doc.cumsum(0)
+    return doc, torch.arange(seq) - torch.tensor(starts)[doc]
 
 
 class WorkCounter:
@@ -121,10 +138,15 @@ class LayerRun:
         self.grad = shard(grad_full, n, rank, self.layout, dim=0)
         index = shard_indices(seq, n, rank, self.layout)
         self.token_index = index.unsqueeze(0).expand(args.batch, -1).contiguous()  # [b, s/cp]
+        self.position_ids, self.document_ids = self.token_index, None
+        if (packed := documents(args, seq)) is not None:
+            self.document_ids, self.position_ids = (x[index].unsqueeze(0).expand(args.batch, -1).contiguous()
+                                                    for x in packed)
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
 
     def forward(self) -> torch.Tensor:
-        return self.stage(None, position_ids=self.token_index, hidden_states=self.x, token_index=self.token_index)
+        return self.stage(None, position_ids=self.position_ids, hidden_states=self.x, token_index=self.token_index,
+                          document_ids=self.document_ids)
 
     def backward(self, y: torch.Tensor) -> None:
         y.backward(self.grad)
@@ -146,7 +168,7 @@ def measure(args: argparse.Namespace, algo: str, rank: int, n: int, group: Any) 
     meta_bytes: dict[str, dict[str, float]] = {}
     if n > 1:
         with comm.count() as meta_count:
-            AttentionMeta.build(run.token_index, None, algo, group, args.heads_k_stride)
+            AttentionMeta.build(run.token_index, run.document_ids, algo, group, args.heads_k_stride)
         meta_bytes = meta_count.summary()
     memory = run.activation_bytes()
     counter = WorkCounter()
@@ -252,7 +274,9 @@ def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str
     row: dict[str, Any] = {"cp": n, "algo": algo, "act_bytes": max(mem), "act_bytes_min": min(mem),
                            "act_saved": max(r["memory"]["saved"] for r in ranks),
                            "act_ctx": max(r["memory"]["ctx"] for r in ranks)}
-    total = args.batch * args.heads * s * (s + 1) // 2  # the (query, key) pairs of causal attention, all heads
+    packed = documents(args, s)
+    lengths = torch.bincount(packed[0]).tolist() if packed is not None else [s]
+    total = args.batch * args.heads * sum(d * (d + 1) // 2 for d in lengths)  # visible (query, key) pairs, all heads
     if n == 1:
         work = [total]
         row["fwd_calls"] = [1]
@@ -272,7 +296,8 @@ def finish_row(args: argparse.Namespace, n: int, algo: str, ranks: list[dict[str
     row["matches_expected"] = row["comm_same_on_all_ranks"] and _rounded(comms[0]) == row["expected"]
     row["table"] = table_bytes(args, algo, n, s)
     row["meta_bytes"] = round(sum(v["bytes"] for v in ranks[0]["meta_comm"].values()))
-    row["meta_bytes_expected"] = (n - 1) * args.batch * s * INDEX_BYTES // n  # AttentionMeta's token-index all-gather
+    ids = 1 if packed is None else 2  # AttentionMeta all-gathers the token indices (and the document ids)
+    row["meta_bytes_expected"] = ids * (n - 1) * args.batch * s * INDEX_BYTES // n
     for phase in ("forward", "backward"):
         row[f"{phase}_vs_table"] = row[f"{phase}_bytes"] / row["table"][phase] if row["table"][phase] else None
     table_total = row["table"]["forward"] + row["table"]["backward"]
@@ -350,7 +375,8 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]], long: dic
     """The tables, the notes and the JSON line."""
     g = args.kv_heads or args.heads
     print(f"context parallelism, one {args.arch} layer, s={args.seq} (total, fixed) b={args.batch} h={args.hidden} "
-          f"heads={args.heads} kv_heads={g}, fp32, 1 thread per rank on {os.cpu_count()} cores "
+          f"heads={args.heads} kv_heads={g}, fp32, 1 thread per rank on {os.cpu_count()} cores"
+          + (f", packed documents of mean length {args.mean_doc:g}" if args.mean_doc > 0 else "") + " "
           f"(load average before {load['before'][0]:.2f}, after {load['after'][0]:.2f})")
     print("\nmemory and attention work per rank (max over ranks; work = b·heads·visible (q,k) pairs of forward)")
     print(f"{'cp':>3} {'algo':8} {'act MiB':>9} {'ratio':>6} {'goal':>6} {'ok':>3} {'work max':>12} {'max/min':>8} "
