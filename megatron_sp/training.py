@@ -168,7 +168,7 @@ def train_step(rt: Runtime) -> dict[str, float]:
                                 forward_context=lambda: _autocast(cfg, rt.device), stats=stats,
                                 costs=rt.pipeline_costs)
     if cfg.parallel.pp_schedule == "zero_bubble" and st.pp_size > 1:
-        rt.pipeline_costs = agree_costs(stats, st)
+        rt.pipeline_costs = agree_costs(stats)
     opt.finish_grad_sync()
     tied = tied_embedding_params(rt.model, st)
     if tied:  # tied input/output embeddings on the first and last stage: sum their grads

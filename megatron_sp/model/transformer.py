@@ -1,20 +1,13 @@
 """The transformer layer of the GPT: norms, rotary embeddings, attention and MLP.
 
-Activations are ``[s, b, h]`` (sequence first) so that sequence and context parallelism split
-dim 0. ``ModelConfig.arch`` picks ``neox`` (LayerNorm with bias, partial rotary, parallel residual,
-erf-GeLU MLP, biases everywhere) or ``llama`` (RMSNorm, full rotary, sequential residual, SwiGLU,
-grouped-query attention, no biases). Parameter names and their TP split: docs/tensor_parallel.md.
-
-The fused QKV output dim is ``[num_kv_heads, num_heads // num_kv_heads + 2, head_dim]`` (per kv
-group: its query heads, its key, its value; GPT-NeoX's ``[heads, 3, head_dim]`` when the counts
-are equal), so a contiguous slice of its rows is whole groups and HF conversion is a reshape.
-
-No kernels live here: attention calls ``attention.kernels.dot_product_attention`` (or
-``context_parallel_attention`` under CP / packed documents, ``cached_attention`` when decoding
-with a ``LayerKV`` cache). Every layer takes the ``ParallelContext`` as ``parallel``.
+Activations are ``[s, b, h]`` (sequence first) so that sequence and context parallelism split dim 0.
+``ModelConfig.arch`` picks ``neox`` or ``llama`` (``ArchSpec``). The fused QKV output dim is
+``[num_kv_heads, num_heads // num_kv_heads + 2, head_dim]``. Parameter names, their TP split and the QKV
+layout: docs/tensor_parallel.md. Kernels live in ``attention.kernels``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import OrderedDict
@@ -57,19 +50,13 @@ def arch_spec(arch: str) -> ArchSpec:
     raise ValueError(f"unknown model.arch {arch!r}; expected one of {ARCHS}")
 
 
-# The pointwise regions of a layer: the work between its matmuls, attention and collectives. A layer
-# calls them through ``self.regions``: ``EAGER`` or ``compiled()`` (``train.compile``), the same functions
-# through ``torch.compile``. No region communicates, draws random numbers or reads state beyond its
-# arguments, so compiling them leaves collectives, recompute and the zero-bubble split where they were
-# (docs/compile.md).
+# The pointwise regions of a layer, called through ``self.regions`` (``EAGER`` or ``compiled()``). No region
+# communicates, draws random numbers or reads state beyond its arguments (docs/compile.md).
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary on the first ``rd = cos.shape[-1]`` dims of ``x [..., d]``; the rest pass.
-
-    ``x_rot · cos + cat(x2, x1) · sin = cat(x1·c − x2·s, x2·c + x1·s)`` (HF's ``rotate_half``); the
-    swapped halves are one ``flip`` of a ``[..., 2, rd/2]`` view, no concatenation for full rotary.
-    """
+    """Rotate-half rotary (HF's ``rotate_half``) on the first ``rd = cos.shape[-1]`` dims of ``x [..., d]``; the
+    rest pass. The swapped halves are one ``flip`` of a ``[..., 2, rd/2]`` view (sin is signed)."""
     rd = cos.shape[-1]
     d = x.shape[-1]
     x_rot, x_pass = (x, None) if rd == d else x.split([rd, d - rd], dim=-1)
@@ -149,10 +136,8 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, parallel: Parallel
     """Dropout on a hidden state: ``[s/t, b, h]`` shards under SP draw from the TP-different stream."""
     if p <= 0 or not training:
         return x
-    if parallel.sp:
-        with parallel.sharded_rng():
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
+    with parallel.sharded_rng() if parallel.sp else contextlib.nullcontext():
+        return F.dropout(x, p, True)
 
 
 def check_model_config(cfg: ModelConfig) -> None:
@@ -195,12 +180,9 @@ def norm_args(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables of the rotary angles ``position · base^(-2i/rotary_dim)``, i < rotary_dim/2.
-
-    Rotate-half convention (GPT-NeoX, HF Llama): the tables are ``cat(cos, cos)`` and the signed
-    ``cat(-sin, sin)``. Angles in fp32 (fp64 for an fp64 model), then cast to the compute dtype;
-    tables of the default positions ``arange(s)`` are cached per (length, device, dtypes).
-    """
+    """cos/sin tables of the rotary angles ``position · base^(-2i/rotary_dim)``, i < rotary_dim/2: ``cat(cos, cos)``
+    and the signed ``cat(-sin, sin)`` (rotate-half). Angles in fp32 (fp64 for an fp64 model), cast to the
+    compute dtype; tables of the default positions ``arange(s)`` are cached per (length, device, dtypes)."""
 
     def __init__(self, rotary_dim: int, base: float) -> None:
         super().__init__()
@@ -235,14 +217,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class ReplicatedGroupQKV(nn.Module):
-    """The fused QKV projection when tp > num_kv_heads: each rank computes one kv group's share.
-
-    The full weight ``[g·(r+2)·d, h]`` is replicated on every TP rank and tagged
-    ``sequence_parallel`` (its grad is summed over TP; each rank contributes the rows it used).
-    Rank ``j`` uses group ``j // (t/g)``: its query-head slice ``j % (t/g)`` plus the group's key and
-    value. Trade-off: t× the QKV weight and optimizer memory, for a parameter identical to the
-    unsharded model's (checkpoints stay layout-free).
-    """
+    """The fused QKV projection when tp > num_kv_heads: rank ``j`` computes query-head slice ``j % (t/g)`` of kv
+    group ``j // (t/g)`` plus the group's key and value. The full weight is replicated and tagged
+    ``sequence_parallel`` (grad summed over TP). Trade-off: t× the QKV weight and optimizer memory, for a
+    parameter identical to the unsharded model's (checkpoints stay layout-free)."""
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelContext, bias: bool) -> None:
         super().__init__()

@@ -53,7 +53,7 @@ def observe(around: StepObserver) -> Iterator[None]:
         _STEP_OBSERVERS.remove(around)
 
 
-def agree_costs(stats: ScheduleStats, state: ParallelState) -> dict[str, float]:
+def agree_costs(stats: ScheduleStats) -> dict[str, float]:
     """Mean seconds per action kind (F, B, I, W) of this step over ALL ranks, bitwise identical on every rank (TP/CP
     peers must build the same zero-bubble table); kinds that did not run get the unit-cost ratio to F. Collective."""
     kinds = ("F", "B", "I", "W")

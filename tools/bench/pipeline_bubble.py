@@ -85,7 +85,7 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace,
                 c0, t0 = time.thread_time(), time.perf_counter()
                 forward_backward(stage, mbs, state, loss_fn, schedule, stats=stats, costs=measured.get((schedule, m)))
                 t1, c1 = time.perf_counter(), time.thread_time()
-                measured[(schedule, m)] = agree_costs(stats, state)  # what train.py does: tables from the last step
+                measured[(schedule, m)] = agree_costs(stats)  # what train.py does: tables from the last step
                 if step < args.warmup:
                     continue
                 kinds = check_events(rank, schedule, m, v, stats)

@@ -1,20 +1,12 @@
 """Attention kernels with log-sum-exp, the building block of every context-parallel algorithm.
 
-``attention_forward(q, k, v, q_pos, k_pos, ...) -> (out, lse)`` attends over ONE key block (fp32
-``out`` and ``lse``, fp64 for fp64 inputs); ``merge`` combines blocks exactly;
-``attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)`` gives one block's gradients
-from the FINAL merged ``out``/``lse``. Masks come only from the tokens' global indices and document
-ids (``visible``); ``classify`` names a block empty/full/causal/masked and ``kernel_for`` picks
-``reference`` (explicit scores, the oracle), ``cpu_flash`` (torch's CPU flash op) or ``flash_attn``
-(CUDA). Pure tensor functions, no autograd. Layouts: q/out/dout ``[sq, b, n, d]``, k/v
-``[sk, b, g, d]`` with ``g | n``, lse ``[b, n, sq]``.
-
-The layer's own causal kernel (no LSE, differentiated by autograd) lives here too:
-``dot_product_attention`` (flash-attn, explicit CPU scores or SDPA) and ``cached_attention``
-(new queries over a KV cache, for decoding).
-
-Theory and invariants (merge and block-backward math, the block kinds, each kernel's quirks):
-docs/attention.md.
+``attention_forward(q, k, v, q_pos, k_pos, ...) -> (out, lse)`` attends over one key block (fp32, fp64 for fp64
+inputs), ``merge`` combines blocks exactly, ``attention_backward`` gives one block's gradients from the final
+merged ``out``/``lse``. Masks come only from global token indices and document ids (``visible``); ``classify``
+names a block's kind and ``kernel_for`` its kernel: ``reference`` (explicit scores, the oracle), ``cpu_flash``,
+``flash_attn``, or ``documents`` for masked blocks. Pure tensor functions, no autograd. Layouts: q/out/dout
+``[sq, b, n, d]``, k/v ``[sk, b, g, d]`` with ``g | n``, lse ``[b, n, sq]``. The layer's own causal kernels
+(``dot_product_attention``; ``cached_attention`` for decoding) live here too. Theory: docs/attention.md.
 """
 from __future__ import annotations
 
@@ -55,13 +47,9 @@ def _check_docs(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None) -> bool:
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
             k_doc: torch.Tensor | None = None) -> torch.Tensor:
-    """bool ``[b, sq, sk]``: key ``j`` is visible to query ``i`` iff ``k_pos[b, j] <= q_pos[b, i]`` and
-    (no documents or ``q_doc[b, i] == k_doc[b, j]``).
-
-    ``q_pos`` ``[b, sq]``, ``k_pos`` ``[b, sk]``: int64 global token indices within the sample
-    (``0 .. S-1``), not rotary positions (those restart per document). ``q_doc``/``k_doc``: int64
-    document ids ``[b, sq]``/``[b, sk]``, or None for one document per sample.
-    """
+    """bool ``[b, sq, sk]``: key ``j`` is visible to query ``i`` iff ``k_pos[b, j] <= q_pos[b, i]`` and (no
+    documents or ``q_doc[b, i] == k_doc[b, j]``). Positions: int64 global token indices ``[b, sq]``/``[b, sk]``
+    (not rotary positions); documents: int64 ids of the same shapes, or None for one document per sample."""
     mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [b, sq, sk]
     if _check_docs(q_doc, k_doc):
         mask &= q_doc[:, :, None] == k_doc[:, None, :]
@@ -70,16 +58,8 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None
 
 def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
              k_doc: torch.Tensor | None = None) -> str:
-    """The kind of the block's mask (``KINDS``), decided from per-row min/max where possible.
-
-    ``empty``: no pair visible (also any zero-size block). ``full``: every pair visible.
-    ``causal``: ``sq == sk``, ``q_pos == k_pos`` strictly increasing along each row and one document
-    per row: the lower triangle, where top-left and bottom-right causal alignment agree.
-    ``masked``: anything else, e.g. zigzag ``q_pos = [0, 1, 6, 7]`` against ``k_pos = [2, 3, 4, 5]``.
-
-    Cost: a few ``[b]`` reductions and one host sync per test, O(s) per-document reductions when
-    documents vary inside a row; never the ``[sq, sk]`` mask.
-    """
+    """The kind of the block's mask (``KINDS``, defined in docs/attention.md), decided from per-row min/max
+    (O(s) per-document reductions when documents vary inside a row), never from the ``[sq, sk]`` mask."""
     has_docs = _check_docs(q_doc, k_doc)
     b, sq = q_pos.shape
     sk = k_pos.shape[1]
@@ -142,23 +122,23 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
                          f"[b, sq] = [{b}, {sq}] / [b, sk] = [{b}, {sk}]")
 
 
-def _resolve_kind(kind: str | None, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
-                  k_doc: torch.Tensor | None) -> str:
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+             q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, scale: float | None, kind: str | None,
+             kernel: str | None) -> tuple[str | None, bool, float]:
+    """Check a block: its kernel (``kernel_for``; None for an empty block), whether it is causal, and its scale."""
+    _check_shapes(q, k, v, q_pos, k_pos)
     if kind is None:
-        return classify(q_pos, k_pos, q_doc, k_doc)
-    if kind not in KINDS:
+        kind = classify(q_pos, k_pos, q_doc, k_doc)
+    elif kind not in KINDS:
         raise ValueError(f"attention: unknown block kind {kind!r}; expected one of {' | '.join(KINDS)}")
-    return kind
+    if kind == "empty":
+        return None, False, 0.0
+    return kernel_for(kind, q, kernel), kind == "causal", q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
 def kernel_for(kind: str, q: torch.Tensor, kernel: str | None = None) -> str:
-    """The kernel that runs a block of ``kind`` for queries like ``q`` (``kernel`` forces one).
-
-    Auto: ``masked`` -> ``documents`` (full and causal pieces, each on the kernel auto picks for
-    it); ``full``/``causal`` -> cpu_flash on CPU, flash_attn on CUDA for fp16/bf16 with a head dim
-    that is a multiple of 8 up to 256 when flash-attn imports, reference otherwise (e.g. fp32 on
-    CUDA). A forced kernel raises ``ValueError`` where it cannot compute the block exactly.
-    """
+    """The kernel that runs a block of ``kind`` for queries like ``q``: auto (docs/attention.md), or ``kernel``,
+    which raises ``ValueError`` where it cannot compute the block exactly."""
     if kernel is None:
         if kind == "masked":
             return "documents"
@@ -215,34 +195,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
                       q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, *,
                       scale: float | None = None, kind: str | None = None,
                       kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``q`` over one key block: ``(out [sq, b, n, d], lse [b, n, sq])``.
-
-    q ``[sq, b, n, d]``; k, v ``[sk, b, g, d]`` with ``g | n``. ``out`` and ``lse`` are fp32 (fp64
-    for fp64 inputs) and contiguous, so callers ``merge`` partial results without rounding. Rows
-    that see no key: ``out = 0``, ``lse = −inf`` (never NaN). ``scale`` defaults to ``d**-0.5``;
-    ``kind`` is the ``classify`` result if the caller has it; ``kernel`` forces a kernel.
-    """
+    """Softmax attention of ``q`` over one key block: ``(out [sq, b, n, d], lse [b, n, sq])``, fp32 (fp64 for
+    fp64 inputs) and contiguous, so callers ``merge`` without rounding; a row that sees no key: out 0, lse −inf.
+    ``kind``: the ``classify`` result if the caller has it; ``kernel`` forces a kernel."""
     for callback in _BLOCK_OBSERVERS:
         callback("forward", q, k, q_pos, k_pos, q_doc, k_doc, kind)
-    with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
-        return _attention_forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
-
-
-def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                       q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, scale: float | None, kind: str | None,
-                       kernel: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_shapes(q, k, v, q_pos, k_pos)
-    kind = _resolve_kind(kind, q_pos, k_pos, q_doc, k_doc)
-    if kind == "empty":
+    name, causal, scale = _prepare(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
+    if name is None:
         return empty_result(q)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    name = kernel_for(kind, q, kernel)
-    if name == "documents":
-        return documents.forward(q, k, v, documents.plan(q_pos, k_pos, q_doc, k_doc), compute_dtype(q.dtype),
-                                 lambda qs, ks, vs, causal: _dense_forward(qs, ks, vs, scale, causal))
-    if name == "reference":
-        return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc), scale)
-    return _dense_forward(q, k, v, scale, kind == "causal", name)
+    with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
+        if name == "documents":
+            return documents.forward(q, k, v, documents.plan(q_pos, k_pos, q_doc, k_doc), compute_dtype(q.dtype),
+                                     lambda qs, ks, vs, causal: _dense_forward(qs, ks, vs, scale, causal))
+        if name == "reference":
+            return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc), scale)
+        return _dense_forward(q, k, v, scale, causal, name)
 
 
 def _dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -266,37 +233,22 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        lse: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
                        k_doc: torch.Tensor | None = None, *, scale: float | None = None, kind: str | None = None,
                        kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ONE key block given the FINAL ``out``/``lse`` over all key blocks.
-
-    ``dout``, ``out`` ``[sq, b, n, d]``; ``lse`` ``[b, n, sq]``. Returns contiguous
-    ``(dq [sq, b, n, d], dk [sk, b, g, d], dv [sk, b, g, d])`` in fp32 (fp64 for fp64 inputs); with
-    GQA ``dk``/``dv`` are summed over the query heads of each kv head. ``dq`` is this block's share:
-    the caller sums it over key blocks. Rows with ``lse = −inf`` contribute 0.
-    """
+    """Gradients of ONE key block given the FINAL ``out``/``lse`` over all key blocks: contiguous
+    ``(dq [sq, b, n, d], dk [sk, b, g, d], dv [sk, b, g, d])`` in fp32 (fp64 for fp64 inputs), dk/dv summed over
+    the query heads of each kv head. ``dq`` is this block's share (the caller sums over key blocks)."""
     for callback in _BLOCK_OBSERVERS:
         callback("backward", q, k, q_pos, k_pos, q_doc, k_doc, kind)
-    with torch.autocast(q.device.type, enabled=False):  # fp32 gradients from the fp32 lse, also inside autocast
-        return _attention_backward(dout, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
-
-
-def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
-                        k_doc: torch.Tensor | None, scale: float | None, kind: str | None,
-                        kernel: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_shapes(q, k, v, q_pos, k_pos)
-    kind = _resolve_kind(kind, q_pos, k_pos, q_doc, k_doc)
+    name, causal, scale = _prepare(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
     dtype = compute_dtype(q.dtype)
-    if kind == "empty":
-        return (torch.zeros(q.shape, dtype=dtype, device=q.device), torch.zeros(k.shape, dtype=dtype, device=k.device),
-                torch.zeros(v.shape, dtype=dtype, device=v.device))
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    name = kernel_for(kind, q, kernel)
-    if name == "documents":
-        return documents.backward(dout, q, k, v, out, lse, documents.plan(q_pos, k_pos, q_doc, k_doc), dtype,
-                                  lambda *args: _dense_backward(*args, scale=scale))
-    if name == "reference":
-        return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc), scale)
-    return _dense_backward(dout, q, k, v, out, lse, kind == "causal", scale=scale, name=name)
+    if name is None:
+        return tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))  # type: ignore[return-value]
+    with torch.autocast(q.device.type, enabled=False):  # fp32 gradients from the fp32 lse, also inside autocast
+        if name == "documents":
+            return documents.backward(dout, q, k, v, out, lse, documents.plan(q_pos, k_pos, q_doc, k_doc), dtype,
+                                      lambda *args: _dense_backward(*args, scale=scale))
+        if name == "reference":
+            return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc), scale)
+        return _dense_backward(dout, q, k, v, out, lse, causal, scale=scale, name=name)
 
 
 def _dense_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -312,13 +264,8 @@ def _dense_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact merge of two partial results over disjoint key sets, in fp32 (fp64 if either is fp64).
-
-    ``L = logaddexp(La, Lb)``, ``O = Oa·exp(La − L) + Ob·exp(Lb − L)``; a row that is −inf in both
-    stays ``L = −inf``, ``O = 0`` (no NaN). out ``[sq, b, n, d]``, lse ``[b, n, sq]``. Symmetric
-    bit for bit (``merge(a, b) == merge(b, a)``); merging three or more blocks in different orders
-    agrees up to rounding.
-    """
+    """Exact merge of two partial results over disjoint key sets, in fp32 (fp64 if either is fp64); a row −inf
+    in both stays ``lse = −inf``, ``out = 0`` (no NaN). Symmetric bit for bit; math: docs/attention.md."""
     dtype = torch.float64 if torch.float64 in (out_a.dtype, out_b.dtype, lse_a.dtype, lse_b.dtype) else torch.float32
     lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
     lse = torch.logaddexp(lse_a, lse_b)  # [b, n, sq]; −inf only where both are
@@ -342,14 +289,18 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, g * r, s, d).permute(2, 0, 1, 3).contiguous()
 
 
+def _grouped_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[b, g, r, sq, d]``, k and v ``[b, g, 1, sk, d]`` in the compute dtype, and the scores ``[b, g, r, sq, sk]``."""
+    dtype = compute_dtype(q.dtype)
+    q_g = _grouped(q, k.shape[2], dtype)
+    k_g, v_g = (x.to(dtype).permute(1, 2, 0, 3).unsqueeze(2) for x in (k, v))
+    return q_g, k_g, v_g, (q_g @ k_g.transpose(-1, -2)) * scale
+
+
 def _reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = compute_dtype(q.dtype)
-    g = k.shape[2]
-    q_g = _grouped(q, g, dtype)  # [b, g, r, sq, d]
-    k_g = k.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [b, g, 1, sk, d]
-    v_g = v.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [b, g, 1, sk, d]
-    scores = (q_g @ k_g.transpose(-1, -2)) * scale  # [b, g, r, sq, sk]
+    _, _, v_g, scores = _grouped_scores(q, k, v, scale)
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [b, g, r, sq]; −inf for rows that see nothing
     probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))  # 0 on masked entries
@@ -363,13 +314,10 @@ def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     dtype = compute_dtype(q.dtype)
     g = k.shape[2]
     b, n, sq = lse.shape
-    q_g = _grouped(q, g, dtype)  # [b, g, r, sq, d]
+    q_g, k_g, v_g, scores = _grouped_scores(q, k, v, scale)
     do_g = _grouped(dout, g, dtype)  # [b, g, r, sq, d]
-    k_g = k.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [b, g, 1, sk, d]
-    v_g = v.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [b, g, 1, sk, d]
     # A row with L = −inf saw no key in any block: L -> +inf makes its P exactly 0 (no NaN).
     lse_g = lse.to(dtype).masked_fill(lse == float("-inf"), float("inf")).reshape(b, g, n // g, sq, 1)
-    scores = (q_g @ k_g.transpose(-1, -2)) * scale  # [b, g, r, sq, sk]
     probs = torch.exp(scores - lse_g).masked_fill(~mask[:, None, None], 0.0)  # P
     delta = (dout.to(dtype) * out.to(dtype)).sum(-1).permute(1, 2, 0).reshape(b, g, n // g, sq, 1)  # D = rowsum(dO∘O)
     dscores = probs * (do_g @ v_g.transpose(-1, -2) - delta)  # dS = P∘(dO·Vᵀ − D)
@@ -383,19 +331,22 @@ def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 @functools.cache
 def _cpu_flash_native_gqa() -> bool:
-    """True when the CPU flash op takes fewer kv heads than query heads (pytorch#157893: 2.9+).
-
-    Older versions get repeated kv heads rather than a probe that might read out of bounds.
-    """
+    """True when the CPU flash op takes fewer kv heads than query heads (pytorch#157893: 2.9+; no probe that
+    might read out of bounds)."""
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 9)
 
 
+def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """kv ``[sk, b, g, d]`` -> ``[sk, b, n, d]``, each kv head repeated for its ``n/g`` query heads."""
+    sk, b, g, d = x.shape
+    return x[:, :, :, None].expand(sk, b, g, n // g, d).reshape(sk, b, n, d)
+
+
 def _bnsd_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     """kv ``[sk, b, g, d]`` -> ``[b, g, sk, d]`` view, or ``[b, n, sk, d]`` (repeated heads) when the op lacks GQA."""
-    sk, b, g, d = x.shape
-    if g != n and not _cpu_flash_native_gqa():
-        x = x[:, :, :, None].expand(sk, b, g, n // g, d).reshape(sk, b, n, d)
+    if x.shape[2] != n and not _cpu_flash_native_gqa():
+        x = _repeat_kv(x, n)
     return x.permute(1, 2, 0, 3)
 
 
@@ -446,9 +397,8 @@ def _flash_attn_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
 
 
 def _flash_attn_call(fn: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call a flash-attn 2.x low-level function by keyword, filling the arguments versions differ in
-    (2.3 ``window_size``, 2.4 ``alibi_slopes``/``deterministic``, 2.6 ``softcap``, 2.7+ split windows and a
-    ``torch.library`` op whose signature is on ``_init_fn``)."""
+    """Call a flash-attn 2.x low-level function by keyword, filling the arguments its versions differ in (2.3
+    ``window_size``, 2.4 ``alibi_slopes``/``deterministic``, 2.6 ``softcap``, 2.7+ split windows and ``_init_fn``)."""
     params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     if "window_size_left" in params:
         kwargs.update(window_size_left=-1, window_size_right=-1)
@@ -488,14 +438,9 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 # ------------------------------------------ the layer's causal kernel (no LSE), and cached_attention for decoding
 
 MATH_ATTENTION_MAX_SCORES = 1 << 24
-"""CPU attention in ``MATH_ATTENTION_DTYPES`` materialises the scores when ``b · n · s²`` is at most this.
-
-Trade-off: in bf16 on CPU, ``baddbmm → softmax → bmm`` is about 1.6–2× faster (forward + backward)
-than torch's CPU flash kernel, which recomputes the scores in backward with small tiles; in fp32
-the two are on par, so fp32 keeps the flash kernel. The price is keeping the ``[b·n, s, s]``
-probabilities for backward: at most 32 MiB per layer in bf16 with this bound; longer sequences use
-the O(s)-memory flash kernel. Set to 0 to always use SDPA.
-"""
+"""CPU attention in ``MATH_ATTENTION_DTYPES`` materialises the scores when ``b · n · s²`` is at most this
+(faster than the CPU flash kernel in bf16, at most 32 MiB of probabilities per layer; docs/attention.md).
+0: always SDPA."""
 
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -513,9 +458,7 @@ def _causal_bias(s: int, repeats: int, dtype: torch.dtype, dev: torch.device) ->
 
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """Causal attention with explicit scores; q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` → ``[s, b, n, d]``.
-
-    The ``n / g`` query heads of a group are stacked along the rows, so GQA needs no k/v copies.
-    """
+    The ``n / g`` query heads of a group are stacked along the rows, so GQA needs no k/v copies."""
     s, b, n, d = q.shape
     g = k.shape[2]
     r = n // g
@@ -531,24 +474,23 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     return out.view(b, n, s, d).permute(2, 0, 1, 3)  # [s, b, n, d]
 
 
-def _kv_for_sdpa(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k/v ``[s, b, g, d]`` as SDPA takes them for n query heads: as is, or (torch < 2.5, no GQA
-    support) each kv head repeated for its ``n/g`` query heads."""
-    s, b, g, d = k.shape
-    if g == n or _SDPA_HAS_GQA:
-        return k, v
-    return (k[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d),
-            v[:, :, :, None].expand(s, b, g, n // g, d).reshape(s, b, n, d))
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """torch's ``scaled_dot_product_attention`` on q ``[s, b, n, d]``, k/v ``[sk, b, g, d]`` (kv heads repeated on
+    torch < 2.5, which lacks GQA) → ``[s, b, n, d]``."""
+    n = q.shape[2]
+    if k.shape[2] != n and not _SDPA_HAS_GQA:
+        k, v = _repeat_kv(k, n), _repeat_kv(v, n)
+    if k.shape[2] != n:
+        kwargs["enable_gqa"] = True
+    out_bnsd = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                              **kwargs)
+    return out_bnsd.permute(2, 0, 1, 3)
 
 
 def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal softmax(q kᵀ / √d) v. q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` with g | n → ``[s, b, n, d]``.
-
-    Query head ``j`` attends with key/value head ``j // (n / g)``. Kernels: on CUDA, flash-attn
-    when ``device.flash_attn_func()`` provides it (half precision, head dim <= 256); on CPU in bf16,
-    explicit scores for short sequences (see ``MATH_ATTENTION_MAX_SCORES``); otherwise torch's
-    ``scaled_dot_product_attention`` with ``is_causal=True`` on strided ``[b, n, s, d]`` views.
-    """
+    """Causal softmax(q kᵀ / √d) v. q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` with g | n → ``[s, b, n, d]``:
+    flash-attn on CUDA (half precision, head dim <= 256), explicit scores on CPU for short bf16 sequences
+    (``MATH_ATTENTION_MAX_SCORES``), else SDPA."""
     s, b, n, d = q.shape
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256:
         flash = device_mod.flash_attn_func()
@@ -559,35 +501,21 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
     if (not q.is_cuda and q.dtype in MATH_ATTENTION_DTYPES and k.shape[0] == s
             and b * n * s * s <= MATH_ATTENTION_MAX_SCORES):
         return _math_attention(q, k, v, dropout_p)
-    k, v = _kv_for_sdpa(k, v, n)
-    q_bnsd = q.permute(1, 2, 0, 3)
-    k_bgsd = k.permute(1, 2, 0, 3)
-    v_bgsd = v.permute(1, 2, 0, 3)
-    gqa = {"enable_gqa": True} if k.shape[2] != n else {}
-    out_bnsd = F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout_p, is_causal=True, **gqa)
-    return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
+    return _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of the new queries q ``[s, b, n, d]`` over cached + new keys k/v ``[past + s, b, g, d]``.
-
-    New query ``i`` sits at position ``past + i`` and sees keys ``0..past + i`` (the causal mask is
-    bottom-right aligned; torch SDPA's ``is_causal`` with ``Lq != Lk`` is top-left aligned, so it is
-    not used here). Without a past this is ``dot_product_attention``; a single new token sees every
-    key and needs no mask; a block of new tokens gets an explicit boolean mask. → ``[s, b, n, d]``.
-    """
-    s, b, n, d = q.shape
+    """Attention of the new queries q ``[s, b, n, d]`` over cached + new keys k/v ``[past + s, b, g, d]``:
+    query ``i`` sees keys ``0..past + i`` (bottom-right aligned, so not SDPA's top-left ``is_causal``; one new
+    token needs no mask). → ``[s, b, n, d]``."""
+    s = q.shape[0]
     total = k.shape[0]
     past = total - s
     if past == 0:
         return dot_product_attention(q, k, v, 0.0)
-    k, v = _kv_for_sdpa(k, v, n)
     mask = None
     if s > 1:
         key_pos = torch.arange(total, device=q.device)
         query_pos = torch.arange(past, total, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [s, past + s], True = attend
-    gqa = {"enable_gqa": True} if k.shape[2] != n else {}
-    out_bnsd = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                                              attn_mask=mask, **gqa)
-    return out_bnsd.permute(2, 0, 1, 3)  # [s, b, n, d]
+    return _sdpa(q, k, v, attn_mask=mask)
