@@ -1,14 +1,9 @@
 """GPTModel: embedding → transformer layers → final norm → output layer (+ per-token loss).
 
-Parameter names are global, independent of the pipeline stage that builds them: ``embedding.weight``
-``[padded_vocab, h]`` (first stage), ``layers.<i>.…`` for the global layer index ``i`` (names
-inside: docs/tensor_parallel.md), ``final_norm.weight`` (``.bias`` for neox) and
-``output_layer.weight`` (last stage). With ``tie_embeddings`` a last stage without the embedding
-keeps a copy as ``output_layer.weight``, initialised from ``embedding.weight`` and tagged
-``shared_embedding`` (its gradient is all-reduced with the first stage's embedding).
-
-Initialisation is layout-independent: ``init_full_tensor`` draws each parameter's full tensor from
-a generator seeded by (seed, parameter name); each rank keeps its TP shard of it.
+Parameter names are global, independent of the pipeline stage: ``embedding.weight``, ``layers.<i>.…`` (global
+index ``i``; docs/tensor_parallel.md), ``final_norm.*``, ``output_layer.weight`` (a tied last stage's copy:
+docs/pipeline.md). Initialisation is layout-independent: ``init_full_tensor`` draws each parameter's full
+tensor from a generator seeded by (seed, parameter name); each rank keeps its TP shard of it.
 """
 from __future__ import annotations
 
@@ -21,8 +16,7 @@ from torch import nn
 
 from megatron_sp.model.attention.context_parallel import AttentionMeta
 from megatron_sp.mpu import comm
-from megatron_sp.mpu.layers import vocab_parallel_cross_entropy
-from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megatron_sp.mpu.mappings import gather_from_tp
 from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.mpu.random import checkpoint
@@ -64,23 +58,17 @@ def name_seed(seed: int, name: str) -> int:
 
 
 def init_full_tensor(name: str, shape: Sequence[int], kind: str, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The full (unsharded) initial value of parameter ``name``: an fp32 CPU tensor of ``shape``.
-
-    ``normal`` is N(0, init_std²), ``scaled_normal`` uses ``scaled_init_std``. The draw uses a CPU
-    generator seeded with ``name_seed(seed, name)``: the value depends only on (seed, name, shape,
-    kind, cfg), never on the layout; callers slice their shard out of it.
-    """
+    """The full (unsharded) initial value of parameter ``name``: an fp32 CPU tensor of ``shape``, depending only
+    on (seed, name, shape, kind, cfg), never on the layout. ``normal`` is N(0, init_std²), ``scaled_normal``
+    uses ``scaled_init_std``; the draw uses a CPU generator seeded with ``name_seed(seed, name)``."""
     shape = tuple(int(n) for n in shape)
     if kind == "zeros":
         return torch.zeros(shape)
     if kind == "ones":
         return torch.ones(shape)
-    if kind == "normal":
-        std = cfg.init_std
-    elif kind == "scaled_normal":
-        std = scaled_init_std(cfg)
-    else:
+    if kind not in INIT_KINDS:
         raise ValueError(f"unknown init kind {kind!r}; expected one of {INIT_KINDS}")
+    std = cfg.init_std if kind == "normal" else scaled_init_std(cfg)
     generator = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
@@ -108,12 +96,8 @@ class GPTModel(nn.Module):
     """A GPT (``neox`` or ``llama`` per ``cfg.arch``), or one pipeline stage of it.
 
     Args:
-        cfg: the finalized model config.
-        seed: the initialisation seed (see ``init_full_tensor``).
         layer_range: global indices of the layers this stage holds (default: all).
-        layer_chunks: instead of ``layer_range``, one range per model chunk of an interleaved
-            pipeline rank; ``forward(..., chunk=c)`` runs chunk ``c`` (embedding before chunk 0,
-            head after the last).
+        layer_chunks: instead, one range per model chunk of an interleaved pipeline rank (``forward(chunk=c)``).
         pre_process / post_process: hold the embedding (first stage) / final norm and output layer (last).
         parallel: the layout (default: one process). Parameters are this rank's TP shards.
         label_smoothing, z_loss: the last stage's cross-entropy options (``train.*``).
@@ -202,12 +186,11 @@ class GPTModel(nn.Module):
 
         Args:
             tokens: ``[b, s]`` token ids (first stage). labels: ``[b, s]`` targets (last stage; -100 → loss 0).
-            position_ids: ``[b, s]`` rotary positions (default ``arange(s)``).
+            position_ids: ``[b, s]`` rotary positions (default ``arange(s)``, after the cached tokens).
             hidden_states: ``[s, b, h]`` input of a stage without the embedding.
             token_index: ``[b, s]`` global index of each held token (CP: ``layout.shard_batch``).
             document_ids: ``[b, s]`` document of each token (packed documents): attention stays inside one.
-            kv_cache: inference on the whole model on one rank: ``tokens`` follow the cached ones
-                (positions default to ``kv_cache.length + arange(s)``); see ``inference.KVCache``.
+            kv_cache: ``inference.KVCache`` (whole model on one rank): ``tokens`` follow the cached ones.
 
         Returns: last stage: logits ``[b, s, padded_vocab]`` without ``labels``, else the per-token fp32
         cross entropy ``[b, s]`` (unreduced); other stages: hidden ``[s, b, h]``.
@@ -319,18 +302,13 @@ def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True) -> int:
     parts = parameter_parts(cfg)
     # final norm + output layer (or the tied embedding, counted here as the output layer)
     total = cfg.num_layers * parts["layer"] + parts["final_norm"] + parts["output_layer"]
-    if not cfg.tie_embeddings:
-        total += 0 if exclude_embeddings else parts["embedding"]
+    if not cfg.tie_embeddings and not exclude_embeddings:
+        total += parts["embedding"]
     return total
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token for MFU, ``6·N + 6·L·h·s``: PaLM (Chowdhery et al. 2022, appendix B)
-    with the attention term over the causal half (as Megatron-LM's newer formula and torchtitan).
-
-    N excludes the input embedding (a lookup), includes the output layer. Attention: a query meets
-    s/2 keys on average, so ``q·kᵀ`` and ``p·v`` cost 2·s·h per layer forward, ×3 with backward;
-    PaLM's ``12·L·h·s`` counts every key, twice what causal attention needs.
-    """
+    """Training FLOPs per token for MFU, ``6·N + 6·L·h·s``: PaLM appendix B with the attention term over the
+    causal half; N excludes the input embedding (docs/metrics.md)."""
     n = count_parameters(cfg, exclude_embeddings=True)
     return 6.0 * n + 6.0 * cfg.num_layers * cfg.num_heads * head_dim(cfg) * cfg.seq_length

@@ -1,19 +1,12 @@
-"""Name and layout mapping between our GPTModel state dict and Hugging Face transformers.
-
-Targets: ``GPTNeoXForCausalLM`` for ``neox`` and ``LlamaForCausalLM`` for ``llama``, with the
-parameter names of the Hub checkpoints (``embed_out.weight`` for GPT-NeoX's output layer, which
-transformers >= 5 renames to ``lm_head.weight`` on load). The vocabulary keeps its padded size:
-``hf_config_dict`` sets ``vocab_size = padded_vocab_size``.
-
-neox is a pure renaming (our fused QKV already has GPT-NeoX's per-head ``[heads, 3, head_dim]``
-layout). llama splits our fused ``[kv_heads, q_per_kv + 2, head_dim]`` QKV rows into ``q_proj``,
-``k_proj`` and ``v_proj``; ``from_hf_state_dict`` is the inverse. A tied output layer is not
-written (HF ties ``lm_head`` to the input embedding itself).
+"""Name and layout mapping between our GPTModel state dict and Hugging Face ``GPTNeoXForCausalLM`` (neox) /
+``LlamaForCausalLM`` (llama), with the Hub checkpoints' names (``embed_out.weight`` for GPT-NeoX's output layer;
+transformers >= 5 loads it as ``lm_head.weight``) and the padded vocabulary. neox is a pure renaming; llama
+splits our fused QKV rows into ``q_proj``/``k_proj``/``v_proj``. A tied output layer is not written.
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -80,6 +73,22 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
             "head_dim": head_dim(cfg)}
 
 
+def _layer_items(sd: Mapping[str, torch.Tensor], layer_re: re.Pattern, top: dict[str, str], cfg: ModelConfig,
+                 out: dict[str, torch.Tensor], error: str) -> Iterator[tuple[str, torch.Tensor, str, str, str]]:
+    """Copy the names of ``sd`` outside the layers into ``out``, renamed through ``top`` (ours ↔ HF; a tied output
+    layer dropped); yield ``(name, tensor, layer index, module, leaf)`` of the layer parameters."""
+    for name, tensor in sd.items():
+        match = layer_re.match(name)
+        if match is not None:
+            yield name, tensor, *match.groups()
+            continue
+        module, _, leaf = name.rpartition(".")
+        if module not in top:
+            raise KeyError(f"{error} {name!r}")
+        if not ("output_layer" in (module, top[module]) and cfg.tie_embeddings):
+            out[f"{top[module]}.{leaf}"] = tensor
+
+
 def _split_llama_qkv(weight: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, head_dim(cfg)
     grouped = weight.view(g, r + 2, d, weight.shape[-1])  # [g, r+2, d, h]
@@ -91,31 +100,16 @@ def _split_llama_qkv(weight: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tens
 
 def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
                      arch: str | None = None) -> dict[str, torch.Tensor]:
-    """Our full-model state dict → HF names and layouts (tensors are views or fresh copies).
-
-    ``arch`` defaults to ``cfg.arch`` and must equal it. A tied ``output_layer.weight`` (the last
-    stage's copy of the embedding) is dropped.
-    """
+    """Our full-model state dict → HF names and layouts (views or fresh copies); ``arch`` must equal ``cfg.arch``.
+    A tied ``output_layer.weight`` (the last stage's copy of the embedding) is dropped."""
     arch = _resolve_arch(cfg, arch)
     top = _GLOBAL[arch]
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in our_sd.items():
-        match = _LAYER_RE.match(name)
-        if match is None:
-            module, _, leaf = name.rpartition(".")
-            if module not in top:
-                raise KeyError(f"no HF name for {name!r}")
-            if module == "output_layer" and cfg.tie_embeddings:
-                continue
-            out[f"{top[module]}.{leaf}"] = tensor
-            continue
-        index, module, leaf = match.groups()
+    for name, tensor, index, module, leaf in _layer_items(our_sd, _LAYER_RE, top, cfg, out, "no HF name for"):
         prefix = f"{_LAYER_PREFIX[arch]}.{index}"
         if arch == "llama" and module == "attention.qkv":
-            q, k, v = _split_llama_qkv(tensor, cfg)
-            out[f"{prefix}.self_attn.q_proj.{leaf}"] = q
-            out[f"{prefix}.self_attn.k_proj.{leaf}"] = k
-            out[f"{prefix}.self_attn.v_proj.{leaf}"] = v
+            for proj, part in zip("qkv", _split_llama_qkv(tensor, cfg)):
+                out[f"{prefix}.self_attn.{proj}_proj.{leaf}"] = part
             continue
         table = _NEOX_LAYER if arch == "neox" else _LLAMA_LAYER
         if module not in table:
@@ -126,11 +120,8 @@ def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
 
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
                        arch: str | None = None) -> dict[str, torch.Tensor]:
-    """HF names and layouts → our full-model state dict (the inverse of ``to_hf_state_dict``).
-
-    Accepts ``lm_head.weight`` as well as ``embed_out.weight`` for GPT-NeoX; drops the output layer
-    when ``cfg.tie_embeddings`` (our model reuses the embedding).
-    """
+    """HF names and layouts → our full-model state dict (the inverse of ``to_hf_state_dict``). Accepts
+    ``lm_head.weight`` or ``embed_out.weight`` for GPT-NeoX; drops the output layer when ``cfg.tie_embeddings``."""
     arch = _resolve_arch(cfg, arch)
     top_inverse = {hf: ours for ours, hf in _GLOBAL[arch].items()}
     if arch == "neox":
@@ -138,17 +129,8 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
     layer_inverse = {hf: ours for ours, hf in (_NEOX_LAYER if arch == "neox" else _LLAMA_LAYER).items()}
     out: dict[str, torch.Tensor] = {}
     pending_qkv: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in hf_sd.items():
-        match = _HF_LAYER_RE.match(name)
-        if match is None:
-            module, _, leaf = name.rpartition(".")
-            if module not in top_inverse:
-                raise KeyError(f"unexpected HF parameter {name!r}")
-            if top_inverse[module] == "output_layer" and cfg.tie_embeddings:
-                continue
-            out[f"{top_inverse[module]}.{leaf}"] = tensor
-            continue
-        index, module, leaf = match.groups()
+    for name, tensor, index, module, leaf in _layer_items(hf_sd, _HF_LAYER_RE, top_inverse, cfg, out,
+                                                         "unexpected HF parameter"):
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
             pending_qkv.setdefault(f"layers.{index}.attention.qkv.{leaf}", {})[module[-6]] = tensor
             continue
@@ -167,11 +149,8 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
 
 
 def build_hf_model(cfg: ModelConfig, our_sd: Mapping[str, torch.Tensor]) -> Any:
-    """The transformers model of ``cfg.arch`` (``GPTNeoXForCausalLM`` / ``LlamaForCausalLM``) holding our weights.
-
-    Imports transformers lazily (an optional dependency: the ``test`` extra). Raises ``RuntimeError``
-    when the mapped weights do not cover the HF model (a tied ``lm_head.weight`` may be absent).
-    """
+    """The transformers model of ``cfg.arch`` holding our weights (transformers imported lazily: the ``test``
+    extra). Raises ``RuntimeError`` when the mapped weights do not cover it (a tied ``lm_head.weight`` may be absent)."""
     import transformers
 
     kwargs = hf_config_dict(cfg)

@@ -10,12 +10,9 @@ from megatron_sp.model.gpt import GPTModel
 
 
 class KVCache:
-    """Keys and values (after rotary) of the tokens seen so far, per layer, for incremental decoding.
-
-    Invariant: every layer holds the same ``length`` tokens (``GPTModel.forward`` appends in every
-    layer, then calls ``advance``). Trade-off: each layer preallocates ``[max_length, b, g, d]``
-    buffers at its first ``append``, so a step is a slice write, not a concatenation of the history.
-    """
+    """Keys and values (after rotary) of the tokens seen so far, per layer, for incremental decoding. Invariant:
+    every layer holds the same ``length`` tokens (``GPTModel.forward`` appends in every layer, then ``advance``).
+    Trade-off: each layer preallocates ``[max_length, b, g, d]`` at its first ``append``: a step is a slice write."""
 
     def __init__(self, max_length: int) -> None:
         if max_length < 1:
@@ -26,9 +23,7 @@ class KVCache:
 
     def layer(self, index: int) -> LayerKVCache:
         """The cache of layer ``index`` (global layer number), created on first use."""
-        if index not in self._layers:
-            self._layers[index] = LayerKVCache(self)
-        return self._layers[index]
+        return self._layers.setdefault(index, LayerKVCache(self))
 
     def check_room(self, new_tokens: int) -> None:
         """Raise ValueError if ``new_tokens`` more tokens do not fit."""
@@ -101,14 +96,10 @@ def check_sampling(greedy: bool, temperature: float, top_k: int, top_p: float) -
 def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, eod: int | None, *,
              greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              generator: torch.Generator | None = None, use_cache: bool = True) -> list[int]:
-    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (see ``sample_next``); returns prompt +
-    new tokens, stopping before ``eod``. Eval mode and ``no_grad``; the model's mode is restored.
-
-    The model sees the last ``seq_length`` tokens (positions from 0), as in training. With
-    ``use_cache`` (when ``model.kv_cache_unsupported()`` is None, else silently without) each new
-    token reuses the earlier keys/values: the same logits while the context fits; past
-    ``seq_length`` every position shifts, so the cropped window re-runs without the cache.
-    """
+    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (see ``sample_next``); returns prompt + new
+    tokens, stopping before ``eod``. Eval mode and ``no_grad`` (the model's mode is restored). The model sees the
+    last ``seq_length`` tokens (positions from 0). With ``use_cache`` (if ``model.kv_cache_unsupported()`` is
+    None) each new token reuses the earlier keys/values; past ``seq_length`` the cropped window re-runs uncached."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt token")
     if model.embedding is None or not model.post_process:

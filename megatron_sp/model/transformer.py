@@ -163,11 +163,8 @@ def rotary_dim(cfg: ModelConfig) -> int:
 def make_norm(cfg: ModelConfig, parallel: ParallelContext | None = None) -> nn.Module:
     """LayerNorm (neox) or RMSNorm (llama) over the hidden dim. Under SP a norm sees s/t of the tokens,
     so its parameters are tagged ``sequence_parallel`` (grads summed over TP after backward)."""
-    norm: nn.Module
-    if arch_spec(cfg.arch).layernorm:
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    else:
-        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    norm_class = nn.LayerNorm if arch_spec(cfg.arch).layernorm else nn.RMSNorm
+    norm: nn.Module = norm_class(cfg.hidden_size, eps=cfg.norm_eps)
     sp = parallel is not None and parallel.sp
     for param in norm.parameters():
         set_tp_attributes(param, False, -1, sequence_parallel=sp)
@@ -310,10 +307,8 @@ class SelfAttention(nn.Module):
                 raise ValueError("attention dropout with context parallelism or packed documents is not available: "
                                  "set model.attention_dropout=0")
             return context_parallel_attention(q, k, v, meta)
-        if p > 0:
-            with self.parallel.sharded_rng():
-                return self._kernel(q, k, v, p)
-        return self._kernel(q, k, v, 0.0)
+        with self.parallel.sharded_rng() if p > 0 else contextlib.nullcontext():
+            return self._kernel(q, k, v, p if p > 0 else 0.0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMeta | None = None, kv_cache: LayerKV | None = None) -> torch.Tensor:

@@ -23,13 +23,9 @@ ALGORITHMS = ("ring", "zigzag", "llama3", "ulysses", "usp")
 
 @dataclass
 class AttentionMeta:
-    """Where every CP rank's tokens sit in the sample, for one micro-batch (what masks are built from).
-
-    ``positions[r]`` ``[b, s/cp]`` global token indices held by cp rank r (this rank is ``rank``);
-    ``documents[r]`` their document ids (packed sequences) or None; ``algo`` one of ``ALGORITHMS``
-    (``"local"`` for cp == 1); ``group`` the cp process group; ``heads_k_stride`` kv heads per
-    llama3 all-gather.
-    """
+    """Where every CP rank's tokens sit in the sample, for one micro-batch: ``positions[r]`` ``[b, s/cp]`` global
+    token indices held by cp rank r, ``documents[r]`` their document ids or None; ``algo`` one of ``ALGORITHMS``
+    (``"local"`` for cp == 1); ``heads_k_stride`` kv heads per llama3 all-gather."""
 
     algo: str
     group: Any
@@ -79,10 +75,8 @@ class AttentionMeta:
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
                                scale: float | None = None) -> torch.Tensor:
-    """Attention of this rank's queries over the whole sequence. q ``[s/cp, b, n, d]``, k/v ``[s/cp, b, g, d]``.
-
-    Returns ``[s/cp, b, n, d]`` in q's dtype. Differentiable in q, k, v.
-    """
+    """Attention of this rank's queries over the whole sequence, differentiable in q, k, v: q ``[s/cp, b, n, d]``,
+    k/v ``[s/cp, b, g, d]`` → ``[s/cp, b, n, d]`` in q's dtype."""
     if meta.algo in ("ulysses", "usp"):  # skip the lse all-to-all nobody reads
         return _ulysses(q, k, v, meta, q.shape[-1] ** -0.5 if scale is None else scale, with_lse=False)[0]
     return attention_with_lse(q, k, v, meta, scale)[0]
@@ -332,10 +326,8 @@ def _heads_to_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
     if g % n:
         if n % g:
             raise ValueError(f"ulysses: {g} local kv heads and the Ulysses degree {n}: one must divide the other")
-        k = k.repeat_interleave(n // g, dim=2)
-        v = v.repeat_interleave(n // g, dim=2)
-    return (all_to_all(q, group, scatter_dim=2, gather_dim=0), all_to_all(k, group, scatter_dim=2, gather_dim=0),
-            all_to_all(v, group, scatter_dim=2, gather_dim=0))
+        k, v = (x.repeat_interleave(n // g, dim=2) for x in (k, v))
+    return tuple(all_to_all(x, group, scatter_dim=2, gather_dim=0) for x in (q, k, v))  # type: ignore[return-value]
 
 
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
@@ -355,13 +347,10 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionM
 
 
 class _Ulysses(torch.autograd.Function):
-    """Ulysses in one Function: heads→sequence all-to-all over ``group``, attention of the gathered
-    sequence (exact local attention; USP: ring attention over ``inner.group``), and back.
-
-    Memory invariant: the attention output is held once. The returned ``[s/cp, b, n, d]`` output
-    (which the output projection saves anyway) is what is saved; backward recovers the
-    ``[s, b, n/cp, d]`` layout with one more all-to-all instead of keeping a second copy.
-    """
+    """Ulysses in one Function: heads→sequence all-to-all over ``group``, attention of the gathered sequence
+    (local; USP: a ring over ``inner.group``), and back. Memory invariant: only the returned ``[s/cp, b, n, d]``
+    output (saved by the output projection anyway) is saved; backward recovers ``[s, b, n/cp, d]`` with one
+    more all-to-all instead of keeping a second copy."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, inner: AttentionMeta,

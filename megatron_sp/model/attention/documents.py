@@ -1,14 +1,9 @@
 """Document-aligned attention: a masked block cut into full and causal sub-blocks, batched by length.
 
-A block's mask comes from its tokens' global positions and document ids (``kernels.visible``).
-Inside one document a run of consecutive query positions meets a run of consecutive key positions
-in at most three exact pieces: keys before the queries (full), the shared diagonal (causal) and
-queries after the last key (full). ``plan`` finds those pieces; ``forward``/``backward`` gather
-pieces of equal (bucketed) length into one batch and run a fused kernel with log-sum-exp on it
-(``run``: ``(q, k, v, causal) -> (out, lse)``, layouts of ``kernels``), merging exactly. Work is
-O(Σ dᵢ²), memory O(s); no ``[s, s]`` tensor exists. Padding never changes a result: a causal
-piece is padded at its end on both sides (a padded key comes after every real query), a full
-piece on the query side only; padded rows read and write one spare row. docs/attention.md.
+Inside one document a run of consecutive query positions meets a run of consecutive key positions in at most
+three exact pieces; ``plan`` finds them, ``forward``/``backward`` batch pieces of equal (bucketed) length into
+one fused kernel call with log-sum-exp (``run``: ``(q, k, v, causal) -> (out, lse)``) and merge exactly. Work
+O(Σ dᵢ²), memory O(s); padding never changes a result. Details: docs/attention.md.
 """
 from __future__ import annotations
 
@@ -53,10 +48,8 @@ def _runs(pos: torch.Tensor, doc: torch.Tensor | None) -> list[tuple[int, int, i
 
 def _pieces(q_runs: list[tuple[int, int, int, int]],
             k_runs: list[tuple[int, int, int, int]]) -> list[tuple[bool, int, int, int, int, int]]:
-    """``(causal, q index, q length, k index, k length, occurrence)`` of the visible pieces of one row.
-
-    ``occurrence`` numbers the pieces of one query run, so that a batch never holds a row twice.
-    """
+    """``(causal, q index, q length, k index, k length, occurrence)`` of the visible pieces of one row;
+    ``occurrence`` numbers the pieces of one query run, so that a batch never holds a row twice."""
     by_doc: dict[int, list[tuple[int, int, int]]] = {}
     for d, kp, ki, kn in k_runs:
         by_doc.setdefault(d, []).append((kp, ki, kn))
@@ -142,11 +135,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[Grou
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, groups: list[Group], dtype: torch.dtype,
              run: Backward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's ``(dq, dk, dv)`` from the final ``out``/``lse``, in ``dtype``.
-
-    ``run(dout, q, k, v, out, lse, causal)``; a padded query row gets ``lse = BIG_LSE`` and zero
-    ``dout``/``out``, so its probabilities and gradients are exactly 0.
-    """
+    """This block's ``(dq, dk, dv)`` from the final ``out``/``lse``, in ``dtype``; ``run(dout, q, k, v, out, lse,
+    causal)``. A padded query row gets ``lse = BIG_LSE`` and zero ``dout``/``out``: its gradients are exactly 0."""
     sq, b, n, d = q.shape
     sk, _, g, _ = k.shape
     qf, kf, vf, of, dof = _flat(q), _flat(k), _flat(v), _flat(out, dtype), _flat(dout, dtype)

@@ -122,10 +122,13 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
                          f"[b, sq] = [{b}, {sq}] / [b, sk] = [{b}, {sk}]")
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+def _prepare(phase: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
              q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, scale: float | None, kind: str | None,
              kernel: str | None) -> tuple[str | None, bool, float]:
-    """Check a block: its kernel (``kernel_for``; None for an empty block), whether it is causal, and its scale."""
+    """Tell the observers, check a block: its kernel (``kernel_for``; None for an empty block), whether it is
+    causal, and its scale."""
+    for callback in _BLOCK_OBSERVERS:
+        callback(phase, q, k, q_pos, k_pos, q_doc, k_doc, kind)
     _check_shapes(q, k, v, q_pos, k_pos)
     if kind is None:
         kind = classify(q_pos, k_pos, q_doc, k_doc)
@@ -198,9 +201,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     """Softmax attention of ``q`` over one key block: ``(out [sq, b, n, d], lse [b, n, sq])``, fp32 (fp64 for
     fp64 inputs) and contiguous, so callers ``merge`` without rounding; a row that sees no key: out 0, lse −inf.
     ``kind``: the ``classify`` result if the caller has it; ``kernel`` forces a kernel."""
-    for callback in _BLOCK_OBSERVERS:
-        callback("forward", q, k, q_pos, k_pos, q_doc, k_doc, kind)
-    name, causal, scale = _prepare(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
+    name, causal, scale = _prepare("forward", q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
     if name is None:
         return empty_result(q)
     with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
@@ -216,11 +217,9 @@ def _dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                    name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A full or causal block on kernel ``name`` (auto: ``kernel_for``)."""
     name = name or kernel_for("causal" if causal else "full", q)
-    if name == "cpu_flash":
-        return _cpu_flash_forward(q, k, v, scale, causal)
-    if name == "flash_attn":
-        return _flash_attn_forward(q, k, v, scale, causal)
-    return _reference_forward(q, k, v, _dense_mask(q, k, causal), scale)
+    if name == "reference":
+        return _reference_forward(q, k, v, _dense_mask(q, k, causal), scale)
+    return (_cpu_flash_forward if name == "cpu_flash" else _flash_attn_forward)(q, k, v, scale, causal)
 
 
 def _dense_mask(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -236,9 +235,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """Gradients of ONE key block given the FINAL ``out``/``lse`` over all key blocks: contiguous
     ``(dq [sq, b, n, d], dk [sk, b, g, d], dv [sk, b, g, d])`` in fp32 (fp64 for fp64 inputs), dk/dv summed over
     the query heads of each kv head. ``dq`` is this block's share (the caller sums over key blocks)."""
-    for callback in _BLOCK_OBSERVERS:
-        callback("backward", q, k, q_pos, k_pos, q_doc, k_doc, kind)
-    name, causal, scale = _prepare(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
+    name, causal, scale = _prepare("backward", q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
     dtype = compute_dtype(q.dtype)
     if name is None:
         return tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))  # type: ignore[return-value]
@@ -255,11 +252,9 @@ def _dense_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     lse: torch.Tensor, causal: bool, *, scale: float,
                     name: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     name = name or kernel_for("causal" if causal else "full", q)
-    if name == "cpu_flash":
-        return _cpu_flash_backward(dout, q, k, v, out, lse, scale, causal)
-    if name == "flash_attn":
-        return _flash_attn_backward(dout, q, k, v, out, lse, scale, causal)
-    return _reference_backward(dout, q, k, v, out, lse, _dense_mask(q, k, causal), scale)
+    if name == "reference":
+        return _reference_backward(dout, q, k, v, out, lse, _dense_mask(q, k, causal), scale)
+    return (_cpu_flash_backward if name == "cpu_flash" else _flash_attn_backward)(dout, q, k, v, out, lse, scale, causal)
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -388,12 +383,11 @@ def _flash_attn_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
         return None
     try:
         from flash_attn import flash_attn_interface  # type: ignore[import-not-found]
-        ops = (flash_attn_interface._flash_attn_forward, flash_attn_interface._flash_attn_backward)
+        return flash_attn_interface._flash_attn_forward, flash_attn_interface._flash_attn_backward
     except (ImportError, AttributeError) as exc:
         log.info("flash-attn has no usable _flash_attn_forward/_flash_attn_backward (%s); "
                  "context-parallel attention uses the reference kernel on GPU", exc)
         return None
-    return ops
 
 
 def _flash_attn_call(fn: Callable[..., Any], **kwargs: Any) -> Any:

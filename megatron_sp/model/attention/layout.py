@@ -1,13 +1,6 @@
-"""Sequence layouts for context parallelism: which tokens of the full sequence each CP rank holds.
-
-A layout is a permutation of the sequence dimension, cut into ``cp`` equal parts: ``contiguous``
-(rank r holds tokens ``[r·s/cp, (r+1)·s/cp)``) or ``zigzag`` (rank r holds chunks r and
-``2·cp − 1 − r`` of ``2·cp``, balancing causal work). ``shard_indices`` is the single definition of
-both; ``shard`` / ``unshard`` / ``shard_batch`` apply it to every tensor of a batch, and
-``token_index`` records the global index of each held token, which attention masks are built from.
-With ``cp == 1`` every layout is the identity and ``seq_len`` needs no divisor.
-
-Theory (load balance of each layout under a causal mask): docs/attention.md.
+"""Sequence layouts for context parallelism (``contiguous``, ``zigzag``): which tokens of the full sequence each
+CP rank holds. ``shard_indices`` is the single definition; ``shard`` / ``unshard`` / ``shard_batch`` apply it,
+``token_index`` records each held token's global index. Theory: docs/attention.md.
 """
 from __future__ import annotations
 
@@ -37,12 +30,6 @@ def sequence_layout(algo: str) -> str:
                          f"choose one of {' | '.join(LAYOUTS)}") from None
 
 
-def _check_layout(layout: str) -> None:
-    if layout not in _LAYOUT_NAMES:
-        raise ValueError(f"unknown sequence layout {layout!r}; expected one of {' | '.join(_LAYOUT_NAMES)} "
-                         f"(sequence_layout(parallel.cp_algo) gives it)")
-
-
 def _chunks_per_rank(layout: str, cp: int) -> int:
     """How many equal chunks of the sequence each rank holds (1 when cp == 1: the identity)."""
     return 2 if layout == "zigzag" and cp > 1 else 1
@@ -50,12 +37,10 @@ def _chunks_per_rank(layout: str, cp: int) -> int:
 
 def shard_indices(seq_len: int, cp: int, rank: int, layout: str) -> torch.Tensor:
     """Global token indices rank ``rank`` of ``cp`` holds, in the order it holds them: int64 ``[seq_len // cp]``.
-
-    ``contiguous``: ``arange(r·s/cp, (r+1)·s/cp)``. ``zigzag``: with ``c = s / (2·cp)``, chunk ``r``
-    (``[r·c, (r+1)·c)``) then chunk ``2·cp − 1 − r``. Raises ``ValueError`` when ``seq_len`` is not
-    divisible by ``cp`` (contiguous) or ``2·cp`` (zigzag, ``cp > 1``).
-    """
-    _check_layout(layout)
+    ``zigzag``: chunk ``r`` then chunk ``2·cp − 1 − r`` of ``2·cp``."""
+    if layout not in _LAYOUT_NAMES:
+        raise ValueError(f"unknown sequence layout {layout!r}; expected one of {' | '.join(_LAYOUT_NAMES)} "
+                         f"(sequence_layout(parallel.cp_algo) gives it)")
     if cp < 1 or not 0 <= rank < cp:
         raise ValueError(f"context-parallel rank {rank} out of range for cp size {cp}")
     if seq_len < 0:
@@ -66,27 +51,19 @@ def shard_indices(seq_len: int, cp: int, rank: int, layout: str) -> torch.Tensor
                          f"({'2·cp' if n_chunks != cp else 'cp'} for the {layout} layout with cp={cp}); "
                          f"choose model.seq_length as a multiple of {n_chunks}")
     chunk = seq_len // n_chunks
-    if n_chunks == cp:
-        return torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.int64)
-    late = n_chunks - 1 - rank
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.int64),
-                      torch.arange(late * chunk, (late + 1) * chunk, dtype=torch.int64)])
+    held = [rank] if n_chunks == cp else [rank, n_chunks - 1 - rank]
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, dtype=torch.int64) for c in held])
 
 
 def shard(t: torch.Tensor, cp: int, rank: int, layout: str, dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s part of ``t`` along ``dim`` (the sequence dimension): a new contiguous tensor.
-
-    Differentiable (``index_select``): the gradient flows back to the held positions of ``t``.
-    """
+    """Rank ``rank``'s part of ``t`` along ``dim`` (the sequence dimension): a new contiguous tensor, differentiable
+    (``index_select``)."""
     index = shard_indices(t.shape[dim], cp, rank, layout).to(t.device)
     return t.index_select(dim, index).contiguous()
 
 
 def unshard(parts: Sequence[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
-    """The full tensor from every rank's part, in rank order: the inverse of ``[shard(t, cp, r, layout, dim) for r]``.
-
-    ``cp = len(parts)``; all parts must have the same size along ``dim``.
-    """
+    """The full tensor from every rank's equal-size part, in rank order: the inverse of ``shard`` over all ranks."""
     if not parts:
         raise ValueError("unshard needs at least one part")
     sizes = {p.shape[dim] for p in parts}
@@ -100,19 +77,9 @@ def unshard(parts: Sequence[torch.Tensor], layout: str, dim: int = 1) -> torch.T
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], cp: int, rank: int, layout: str) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s part of a ``[b, s]`` batch, plus ``token_index`` (int64 ``[b, s/cp]``).
-
-    Every tensor (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, ``document_ids`` …) must
-    be ``[b, s, ...]`` and is sharded along dim 1 with the same permutation, so row ``j`` of every
-    output describes the same token. ``token_index[:, j]`` is that token's index in the full
-    sequence: attention masks (causal order, and document boundaries via ``document_ids``) use it;
-    ``position_ids`` are the rotary positions and may restart per document.
-
-    Labels must already be shifted on the full sequence (``collate`` does it): the label of the
-    token at global index ``i`` is token ``i + 1`` of the full sample, wherever the shard
-    boundaries fall. Never shift after sharding: each shard would lose the target of its last
-    token (and zigzag shards would pair tokens with tokens of another chunk).
-    """
+    """Rank ``rank``'s part of a ``[b, s]`` batch, plus ``token_index`` (int64 ``[b, s/cp]``, the global index of
+    each held token, which masks use; ``position_ids`` are rotary positions). Every tensor must be ``[b, s, ...]``
+    and gets the same permutation along dim 1. Labels must be shifted before sharding (docs/attention.md)."""
     if "token_index" in batch:
         raise ValueError("shard_batch: the batch already has 'token_index' (is it sharded already?)")
     if not batch:
@@ -131,12 +98,8 @@ def shard_batch(batch: Mapping[str, torch.Tensor], cp: int, rank: int, layout: s
 
 
 def required_divisor(algo: str, cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
-    """What ``model.seq_length`` must be divisible by for ``parallel.cp_algo = algo`` at this layout.
-
-    ``cp`` for contiguous layouts, ``2·cp`` for zigzag ones (``usp`` included), 1 when ``cp == 1``
-    (no sharding); times ``tp`` under sequence parallelism, where each rank holds ``s/(cp·tp)``
-    tokens between layers.
-    """
+    """What ``model.seq_length`` must be divisible by for ``parallel.cp_algo = algo``: ``cp`` (contiguous) or
+    ``2·cp`` (zigzag), 1 when ``cp == 1``; times ``tp`` under sequence parallelism."""
     if cp < 1 or tp < 1:
         raise ValueError(f"cp and tp must be >= 1, got cp={cp}, tp={tp}")
     divisor = cp * _chunks_per_rank(sequence_layout(algo), cp)
