@@ -1,11 +1,12 @@
 """Context-parallel attention (``model.attention.context_parallel``) against an fp64 oracle on the full sequence.
 
 One launch per cp size runs every case on the cp ranks: each rank builds the same full q, k, v, dout
-from a seed, takes its shard with ``layout.shard`` (the algorithm's layout), builds ``AttentionMeta``
-from its global token indices and document ids, runs ``attention_with_lse`` and backward, and returns
-its (out, lse, dq, dk, dv). The test process puts the shards back together with ``layout.unshard``
-(lse along dim 2) and compares them with plain masked softmax attention over the whole sequence in
-fp64 (kv heads repeated for GQA, gradients from autograd): it shares no code with the library
+from a seed, takes its shard in the algorithm's layout (``layout.shard_indices``; the ``*_docs`` cases:
+``layout.document_shard_indices``, long documents zigzagged on their own, as training shards packed data),
+builds ``AttentionMeta`` from its global token indices and document ids, runs ``attention_with_lse`` and
+backward, and returns its (out, lse, dq, dk, dv). The test process puts the shards back together by the
+same indices (lse along dim 2) and compares them with plain masked softmax attention over the whole
+sequence in fp64 (kv heads repeated for GQA, gradients from autograd): it shares no code with the library
 except ``layout`` for sharding.
 
 Cases: ring, zigzag, llama3 (``heads_k_stride`` 1 and 2), ulysses x cp in {2, 4} x MHA/GQA/MQA
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import AttentionMeta, attention_with_lse, context_parallel_attention
-from megatron_sp.model.attention.layout import sequence_layout, shard, unshard
+from megatron_sp.model.attention.layout import document_shard_indices, sequence_layout, shard, shard_indices
 from megatron_sp.mpu import comm
 from megatron_sp.testing import run_distributed
 
@@ -55,7 +56,10 @@ LOCAL_DOCS = {**{d: rows for d, rows in DOCS.items() if rows is not None},
 # (usp: the third field is the Ulysses degree inside the ring)
 ALGOS = (("ring", "ring", 1), ("zigzag", "zigzag", 1), ("llama3_s1", "llama3", 1), ("llama3_s2", "llama3", 2),
          ("ulysses", "ulysses", 1), ("usp_u2", "usp", 2))
-ALGO_OF = {name: algo for name, algo, _ in ALGOS}
+DOC_LAYOUT = (("zigzag_docs1", "zigzag", 1), ("zigzag_docs2", "zigzag", 1), ("usp_u2_docs1", "usp", 2))
+"""Algorithms in the zigzag layout for packed documents (cases with documents only), ``min_chunk`` from the name's
+last digit: 1 zigzags every document on its own, 2 those of >= 4·cp tokens and the others as one stream."""
+ALGO_OF = {name: algo for name, algo, _ in ALGOS + DOC_LAYOUT}
 ALL_DOCS = {**DOCS, **LOCAL_DOCS}
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 
@@ -72,6 +76,7 @@ Case = tuple[str, str, str, str]  # (algo name, heads, documents, dtype)
 
 def _cases(cp: int) -> list[Case]:
     cases = [(a[0], h, d, t) for a in ALGOS for h in HEADS for d in DOCS for t in TOL]
+    cases += [(a[0], h, d, t) for a in DOC_LAYOUT for h in HEADS for d in DOCS if DOCS[d] is not None for t in TOL]
     if cp == 2:
         cases += [(a[0], "gqa", "packed", "bf16") for a in ALGOS]
     return cases
@@ -112,20 +117,49 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.to(torch.float64) - ref).abs().max() / (scale if scale > 0 else 1.0))
 
 
-def _run(algo: str, stride: int, heads: str, docs: str, dtype: str, cp: int, rank: int, group: Any
+def _indices(name: str, doc: torch.Tensor | None, cp: int, s: int) -> torch.Tensor:
+    """``[cp, b, s/cp]``: the global token indices each rank holds in case ``name``'s layout."""
+    if "_docs" in name:
+        assert doc is not None
+        return document_shard_indices(doc, cp, min_chunk=int(name[-1]))
+    lay = sequence_layout(ALGO_OF[name])
+    return torch.stack([shard_indices(s, cp, r, lay).expand(B, -1) for r in range(cp)])
+
+
+def _take(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """The rows ``index`` (``[b, s/cp]``) of ``x`` along its sequence ``dim``: 0 for ``[s, b, ...]``, 1 for
+    ``[b, s]``, 2 for lse ``[b, n, s]``."""
+    shape = {0: index.t(), 1: index, 2: index[:, None, :]}[dim]
+    size = list(x.shape)
+    size[dim] = shape.shape[dim]
+    return x.gather(dim, shape.reshape(*shape.shape, *[1] * (x.dim() - shape.dim())).expand(size))
+
+
+def _put_back(parts: list[torch.Tensor], index: torch.Tensor, dim: int) -> torch.Tensor:
+    """The full tensor from every rank's part: the inverse of ``_take`` over the ranks of ``index``."""
+    size = list(parts[0].shape)
+    size[dim] *= len(parts)
+    full = parts[0].new_zeros(size)
+    for part, idx in zip(parts, index):
+        shape = {0: idx.t(), 1: idx, 2: idx[:, None, :]}[dim]
+        full.scatter_(dim, shape.reshape(*shape.shape, *[1] * (part.dim() - shape.dim())).expand(part.shape), part)
+    return full
+
+
+def _run(name: str, algo: str, stride: int, heads: str, docs: str, dtype: str, cp: int, rank: int, group: Any
          ) -> dict[str, torch.Tensor]:
-    """This rank's out, lse and input grads for one case (shards in the algorithm's layout)."""
+    """This rank's out, lse and input grads for one case (shards in the case's layout)."""
     q, k, v, dout, pos, doc = _inputs(heads, docs, dtype)
-    lay = sequence_layout(algo)
-    ql, kl, vl = (shard(x, cp, rank, lay, dim=0).requires_grad_(True) for x in (q, k, v))
+    index = _indices(name, doc, cp, q.shape[0])[rank]
+    ql, kl, vl = (_take(x, index, 0).requires_grad_(True) for x in (q, k, v))
     sub = _usp_groups(cp, rank, stride) if algo == "usp" else (None, None)
-    meta = AttentionMeta.build(shard(pos, cp, rank, lay, dim=1), None if doc is None else shard(doc, cp, rank, lay, dim=1),
+    meta = AttentionMeta.build(_take(pos, index, 1), None if doc is None else _take(doc, index, 1),
                                algo, group, heads_k_stride=stride, ulysses_group=sub[0], ring_group=sub[1])
     assert meta.algo == algo and meta.size == cp and meta.rank == rank
     out, lse = attention_with_lse(ql, kl, vl, meta)
     assert out.dtype == ql.dtype and not lse.requires_grad
     assert lse.dtype == (torch.float64 if ql.dtype == torch.float64 else torch.float32)
-    out.backward(shard(dout, cp, rank, lay, dim=0))
+    out.backward(_take(dout, index, 0))
     assert ql.grad.dtype == kl.grad.dtype == vl.grad.dtype == ql.dtype
     return {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
 
@@ -167,7 +201,7 @@ def _work(algo: str, cp: int, rank: int) -> dict[str, int]:
     kernels.attention_forward = _counting(saved[0], fwd, backward=False)
     kernels.attention_backward = _counting(saved[1], bwd, backward=True)
     try:
-        _run(algo, 1, "mha", "causal", "fp64", cp, rank, dist.group.WORLD)
+        _run(algo, algo, 1, "mha", "causal", "fp64", cp, rank, dist.group.WORLD)
     finally:
         kernels.attention_forward, kernels.attention_backward = saved
     return {"fwd_visible": sum(x for x, _ in fwd), "fwd_computed": sum(y for _, y in fwd),
@@ -175,8 +209,8 @@ def _work(algo: str, cp: int, rank: int) -> dict[str, int]:
 
 
 def _rank(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
-    algos = {name: (algo, stride) for name, algo, stride in ALGOS}
-    results = [_run(*algos[name], heads, docs, dtype, world, rank, dist.group.WORLD)
+    algos = {name: (algo, stride) for name, algo, stride in ALGOS + DOC_LAYOUT}
+    results = [_run(name, *algos[name], heads, docs, dtype, world, rank, dist.group.WORLD)
                for name, heads, docs, dtype in cases]
     return {"results": results, "work": {algo: _work(algo, world, rank) for algo in ("ring", "zigzag")}}
 
@@ -189,9 +223,10 @@ def _launch(cp: int) -> dict[str, Any]:
     errors: dict[Case, dict[str, float]] = {}
     for i, case in enumerate(cases):
         name, heads, docs, dtype = case
-        lay = sequence_layout(ALGO_OF[name])
-        ref = _oracle(*_inputs(heads, docs, dtype))
-        errors[case] = {t: _rel(unshard([r["results"][i][t] for r in per_rank], lay, dim=2 if t == "lse" else 0), ref[t])
+        inputs = _inputs(heads, docs, dtype)
+        ref = _oracle(*inputs)
+        index = _indices(name, inputs[5], cp, inputs[0].shape[0])
+        errors[case] = {t: _rel(_put_back([r["results"][i][t] for r in per_rank], index, 2 if t == "lse" else 0), ref[t])
                         for t in TENSORS}
     return {"errors": errors, "work": [r["work"] for r in per_rank]}
 
@@ -205,7 +240,7 @@ def _report(errors: dict[Any, dict[str, float]], bound: dict[str, float]) -> lis
 @pytest.mark.parametrize("cp", [2, 4])
 def test_matches_full_sequence_oracle(cp: int, dtype: str) -> None:
     errors = {c: e for c, e in _launch(cp)["errors"].items() if c[3] == dtype}
-    assert len(errors) == len(ALGOS) * len(HEADS) * len(DOCS)
+    assert len(errors) == (len(ALGOS) * len(DOCS) + len(DOC_LAYOUT) * (len(DOCS) - 1)) * len(HEADS)
     bad = _report(errors, dict.fromkeys(TENSORS, TOL[dtype]))
     worst = {t: max(e[t] for e in errors.values()) for t in TENSORS}
     assert not bad, f"cp={cp} {dtype} (worst {worst}):\n" + "\n".join(bad)

@@ -8,6 +8,7 @@ import torch
 from megatron_sp.data import collate
 from megatron_sp.model.attention.layout import (
     LAYOUTS,
+    document_shard_indices,
     required_divisor,
     sequence_layout,
     shard,
@@ -77,7 +78,10 @@ def test_shard_batch_keeps_rows_aligned(layout: str, cp: int) -> None:
         assert all(t.shape == (b, s // cp) and t.is_contiguous() for t in part.values())
         index = part["token_index"]
         assert index.dtype == torch.int64
-        assert torch.equal(index, shard_indices(s, cp, rank, layout).expand(b, -1))
+        per_document = layout == "zigzag" and cp > 1  # documents of 5 tokens: each zigzagged on its own
+        expected = (document_shard_indices(full["document_ids"], cp)[rank] if per_document
+                    else shard_indices(s, cp, rank, layout).expand(b, -1))
+        assert torch.equal(index, expected)
         for name, t in full.items():  # every tensor went through the same permutation
             assert torch.equal(part[name], torch.gather(t, 1, index)), name
         # the label of the token at global index i is token i + 1 of the full sample, also at chunk edges
@@ -87,6 +91,76 @@ def test_shard_batch_keeps_rows_aligned(layout: str, cp: int) -> None:
         seen_targets.update(part["labels"].flatten().tolist())
     # no target is lost: the shards together predict every one of tokens 1 … s of every sample
     assert seen_targets == {100 * r + i for r in range(b) for i in range(1, s + 1)}
+
+
+def _documents(lengths: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+def test_document_layout_exact_and_one_document_is_zigzag() -> None:
+    docs = _documents([5, 3, 8]).unsqueeze(0)
+    # every document on its own (cp 2: 4 chunks): chunk sizes [2,1,1,1], then [0,1,1,1] (the one-token
+    # remainders take chunks in turn: A's went to chunk 0, so B's go to 1, 2, 3), then [2,2,2,2]
+    held = [part[0].tolist() for part in document_shard_indices(docs, 2, min_chunk=1)]
+    assert held == [[0, 1, 8, 9, 4, 7, 14, 15], [2, 5, 10, 11, 3, 6, 12, 13]]
+    # documents of >= 2·cp·min_chunk = 8 tokens on their own (C), the shorter ones (A, B) as one stream
+    held = [part[0].tolist() for part in document_shard_indices(docs, 2, min_chunk=2)]
+    assert held == [[0, 1, 8, 9, 6, 7, 14, 15], [2, 3, 10, 11, 4, 5, 12, 13]]
+    # no document long enough: the plain zigzag layout
+    plain = [shard_indices(16, 2, r, "zigzag").tolist() for r in range(2)]
+    assert [part[0].tolist() for part in document_shard_indices(docs, 2)] == plain
+    for cp in (1, 2, 4):
+        for min_chunk in (1, 128):
+            one = document_shard_indices(torch.zeros(2, 16, dtype=torch.int64), cp, min_chunk)
+            assert all(torch.equal(one[r, i], shard_indices(16, cp, r, "zigzag")) for r in range(cp) for i in range(2))
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_document_layout_is_an_equal_split_of_every_document(cp: int) -> None:
+    gen = torch.Generator().manual_seed(cp)
+    s = 2 * cp * 40
+    rows = []
+    for _ in range(3):  # documents of 1 … s/3 tokens, the last cut to fit
+        lengths: list[int] = []
+        while sum(lengths) < s:
+            lengths.append(int(torch.randint(1, s // 3, (1,), generator=gen)))
+        lengths[-1] -= sum(lengths) - s
+        rows.append(_documents(lengths))
+    docs = torch.stack(rows)
+    index = document_shard_indices(docs, cp, min_chunk=1)
+    assert index.shape == (cp, 3, s // cp) and index.dtype == torch.int64
+    for i in range(3):
+        assert torch.equal(index[:, i].flatten().sort().values, torch.arange(s))  # a permutation of the row
+        counts = torch.stack([torch.bincount(docs[i, index[r, i]], minlength=int(docs[i].max()) + 1) for r in range(cp)])
+        assert int((counts.max(0).values - counts.min(0).values).max()) <= 2  # each rank ~d/cp of every document
+
+
+def _causal_work(docs: torch.Tensor, index: torch.Tensor) -> list[float]:
+    """Visible (query, key) pairs of each rank's queries: a query at offset o of its document sees o + 1 keys."""
+    s = docs.shape[-1]
+    starts = torch.ones(s, dtype=torch.bool)
+    starts[1:] = docs[1:] != docs[:-1]
+    first = starts.nonzero().flatten()
+    cost = torch.arange(s) - first[torch.cumsum(starts.long(), 0) - 1] + 1
+    return [float(cost[i].sum()) for i in index]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_document_layout_balances_packed_work(cp: int) -> None:
+    """Packed documents (exponential lengths, mean 2048, s 32768): zigzag by index leaves max/min work over the
+    ranks well above 1; zigzagging every document keeps it within 2 %, every long one (the default) within 30 %."""
+    gen = np.random.default_rng(cp)
+    s = 32768
+    lengths = np.maximum(1, gen.exponential(2048, 100).astype(int))
+    lengths = lengths[np.cumsum(lengths) < s].tolist()
+    docs = _documents(lengths + [s - sum(lengths)])
+    balance = {}
+    for name, min_chunk in (("every", 1), ("long", 128)):
+        work = _causal_work(docs, document_shard_indices(docs.unsqueeze(0), cp, min_chunk)[:, 0])
+        balance[name] = max(work) / min(work)
+    by_index = _causal_work(docs, [shard_indices(s, cp, r, "zigzag") for r in range(cp)])
+    balance["by_index"] = max(by_index) / min(by_index)
+    assert balance["every"] <= 1.02 and balance["long"] <= 1.3 and balance["by_index"] >= 1.2, balance
 
 
 def test_shifting_after_sharding_would_lose_targets() -> None:

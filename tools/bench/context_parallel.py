@@ -21,7 +21,7 @@ from common import gpt_config, graph_nodes, ulysses_degree, world_group
 from planner.measure import SavedBytes
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import ALGORITHMS, AttentionMeta
-from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard, shard_indices
+from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard_batch
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.mpu import ParallelContext, comm
 from megatron_sp.mpu.parallel_state import ParallelDims, initialize
@@ -134,14 +134,16 @@ class LayerRun:
         gen = torch.Generator().manual_seed(args.seed)
         x_full = torch.randn(seq, args.batch, args.hidden, generator=gen)  # [s, b, h]
         grad_full = torch.randn(seq, args.batch, args.hidden, generator=gen)
-        self.x = shard(x_full, n, rank, self.layout, dim=0).requires_grad_()  # [s/cp, b, h]
-        self.grad = shard(grad_full, n, rank, self.layout, dim=0)
-        index = shard_indices(seq, n, rank, self.layout)
-        self.token_index = index.unsqueeze(0).expand(args.batch, -1).contiguous()  # [b, s/cp]
-        self.position_ids, self.document_ids = self.token_index, None
-        if (packed := documents(args, seq)) is not None:
-            self.document_ids, self.position_ids = (x[index].unsqueeze(0).expand(args.batch, -1).contiguous()
-                                                    for x in packed)
+        packed = documents(args, seq)
+        full = {"x": x_full.transpose(0, 1), "grad": grad_full.transpose(0, 1)}  # [b, s, h]
+        if packed is not None:  # the zigzag layout then zigzags each document on its own, as in training
+            full.update({k: t.unsqueeze(0).expand(args.batch, -1) for k, t in zip(("document_ids", "position_ids"), packed)})
+        part = shard_batch(full, n, rank, self.layout) if n > 1 else {**full, "token_index": torch.arange(seq).expand(args.batch, -1)}
+        self.x = part["x"].transpose(0, 1).contiguous().requires_grad_()  # [s/cp, b, h]
+        self.grad = part["grad"].transpose(0, 1).contiguous()
+        self.token_index = part["token_index"].contiguous()  # [b, s/cp]
+        self.position_ids = part.get("position_ids", self.token_index).contiguous()
+        self.document_ids = part["document_ids"].contiguous() if packed is not None else None
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
 
     def forward(self) -> torch.Tensor:

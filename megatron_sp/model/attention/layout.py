@@ -1,6 +1,7 @@
 """Sequence layouts for context parallelism (``contiguous``, ``zigzag``): which tokens of the full sequence each
 CP rank holds. ``shard_indices`` is the single definition; ``shard`` / ``unshard`` / ``shard_batch`` apply it,
-``token_index`` records each held token's global index. Theory: docs/attention.md.
+``token_index`` records each held token's global index. With packed documents ``shard_batch`` zigzags each
+long document on its own (``document_shard_indices``), so the work stays balanced. Theory: docs/attention.md.
 """
 from __future__ import annotations
 
@@ -55,6 +56,46 @@ def shard_indices(seq_len: int, cp: int, rank: int, layout: str) -> torch.Tensor
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, dtype=torch.int64) for c in held])
 
 
+DOCUMENT_CHUNK = 128
+"""Documents of at least ``2·cp·DOCUMENT_CHUNK`` tokens are zigzagged on their own (``document_shard_indices``)."""
+
+
+def document_shard_indices(document_ids: torch.Tensor, cp: int, min_chunk: int = DOCUMENT_CHUNK) -> torch.Tensor:
+    """Every rank's global token indices under the zigzag layout for packed documents: int64 ``[cp, b, s/cp]``
+    from ``[b, s]`` document ids (a document: a run of equal ids). A unit is cut into ``2·cp`` chunks whose sizes
+    differ by at most one and rank r holds chunk r and chunk ``2·cp − 1 − r`` of every unit, the front chunks
+    first, each part in sequence order. The units: every document of at least ``2·cp·min_chunk`` tokens on its
+    own (its causal work is balanced), and the shorter ones together as one stream (their work per token is small,
+    so splitting their tokens evenly balances it; they are not cut into tiny pieces). One-token remainders go to
+    chunks in turn, so every rank holds exactly ``s/cp`` tokens. No long document: the plain ``zigzag`` layout."""
+    b, s = document_ids.shape
+    n = 2 * cp
+    if s % n:
+        raise ValueError(f"sequence length {s} is not divisible by {n} (2·cp for the zigzag layout with cp={cp}); "
+                         f"choose model.seq_length as a multiple of {n}")
+    tokens = torch.arange(s)
+    rows = []
+    for doc in document_ids.cpu():
+        starts = torch.ones(s, dtype=torch.bool)
+        starts[1:] = doc[1:] != doc[:-1]
+        first = starts.nonzero().flatten()  # [D]
+        length = torch.diff(first, append=first.new_tensor([s]))
+        which = torch.cumsum(starts.long(), 0) - 1  # document of each token
+        alone = length >= n * min_chunk
+        stream = ~alone[which]  # tokens of the short documents
+        unit = torch.where(stream, first.numel(), which)  # [s]; the stream is unit D
+        offset = torch.where(stream, torch.cumsum(stream.long(), 0) - 1, tokens - first[which])  # inside the unit
+        size = torch.cat([torch.where(alone, length, 0), stream.sum().view(1)])  # [D + 1]
+        base, extra = size // n, size % n
+        turn = (torch.cumsum(extra, 0) - extra) % n  # the chunk that gets the unit's first extra token
+        sizes = base[:, None] + ((torch.arange(n)[None, :] - turn[:, None]) % n < extra[:, None])  # [D + 1, n]
+        chunk = torch.searchsorted(sizes.cumsum(1)[unit], offset[:, None], right=True).flatten()  # [s]
+        back = chunk >= cp
+        rank = torch.where(back, n - 1 - chunk, chunk)
+        rows.append(torch.argsort(rank * 2 * s + back * s + tokens).view(cp, s // cp))
+    return torch.stack(rows, 1).to(document_ids.device)
+
+
 def shard(t: torch.Tensor, cp: int, rank: int, layout: str, dim: int = 1) -> torch.Tensor:
     """Rank ``rank``'s part of ``t`` along ``dim`` (the sequence dimension): a new contiguous tensor, differentiable
     (``index_select``)."""
@@ -79,7 +120,8 @@ def unshard(parts: Sequence[torch.Tensor], layout: str, dim: int = 1) -> torch.T
 def shard_batch(batch: Mapping[str, torch.Tensor], cp: int, rank: int, layout: str) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s part of a ``[b, s]`` batch, plus ``token_index`` (int64 ``[b, s/cp]``, the global index of
     each held token, which masks use; ``position_ids`` are rotary positions). Every tensor must be ``[b, s, ...]``
-    and gets the same permutation along dim 1. Labels must be shifted before sharding (docs/attention.md)."""
+    and gets the same permutation along dim 1 (per row when ``document_ids`` make the zigzag layout per
+    document). Labels must be shifted before sharding (docs/attention.md)."""
     if "token_index" in batch:
         raise ValueError("shard_batch: the batch already has 'token_index' (is it sharded already?)")
     if not batch:
@@ -91,9 +133,13 @@ def shard_batch(batch: Mapping[str, torch.Tensor], cp: int, rank: int, layout: s
     for name, t in batch.items():
         if t.dim() < 2 or tuple(t.shape[:2]) != (b, s):
             raise ValueError(f"shard_batch: {name!r} has shape {tuple(t.shape)}, expected [{b}, {s}, ...]")
-    index = shard_indices(s, cp, rank, layout)
-    out = {name: t.index_select(1, index.to(t.device)).contiguous() for name, t in batch.items()}
-    out["token_index"] = index.to(first.device).unsqueeze(0).expand(b, -1).contiguous()  # [b, s/cp]
+    if layout == "zigzag" and cp > 1 and "document_ids" in batch:
+        index = document_shard_indices(batch["document_ids"], cp)[rank]  # [b, s/cp]
+    else:
+        index = shard_indices(s, cp, rank, layout).to(first.device).unsqueeze(0).expand(b, -1)
+    out = {name: t.gather(1, index.to(t.device).view(b, -1, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
+           for name, t in batch.items()}
+    out["token_index"] = index.to(first.device).contiguous()  # [b, s/cp]
     return out
 
 
