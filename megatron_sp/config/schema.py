@@ -64,6 +64,8 @@ class ParallelConfig:
                              "cp / cp_ulysses).")
     cp_heads_k_stride: int = doc(1, "llama3 context parallelism: kv heads per all-gather (the next group's "
                                     "gather overlaps the current group's attention).")
+    cp_document_chunk: int = doc(128, "zigzag/usp with packed documents: each document of at least 2·cp·this many "
+                                      "tokens is zigzagged on its own, the shorter ones together (1: every document).")
     pp_schedule: str = doc("1f1b", "Pipeline schedule: 1f1b | interleaved (needs virtual_stages >= 2) | zero_bubble "
                                    "(ZB-H1) | none (one micro-batch at a time through all stages). docs/pipeline.md.")
     virtual_stages: int = doc(1, "Model chunks per pipeline rank (interleaved schedule): rank r holds layer blocks "

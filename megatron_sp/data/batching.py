@@ -60,5 +60,6 @@ def place_batch(rt: Run, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     st = rt.state
     if st.cp_size > 1:
         from megatron_sp.model.attention.layout import sequence_layout, shard_batch
-        batch = shard_batch(batch, st.cp_size, st.cp_rank, sequence_layout(rt.cfg.parallel.cp_algo))
+        par = rt.cfg.parallel
+        batch = shard_batch(batch, st.cp_size, st.cp_rank, sequence_layout(par.cp_algo), par.cp_document_chunk)
     return {k: v.to(rt.device) for k, v in batch.items()}

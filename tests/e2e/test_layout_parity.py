@@ -70,6 +70,9 @@ LAYOUTS = {
     "packed_cp2_ulysses": (PACKED, ["parallel.cp=2", "parallel.cp_algo=ulysses"]),
     "packed_cp4_usp_ulysses2": (PACKED, ["parallel.cp=4", "parallel.cp_algo=usp", "parallel.cp_ulysses=2"]),
     "packed_cp2_zigzag_tp2_sp": (PACKED, ["parallel.cp=2", "parallel.cp_algo=zigzag", "parallel.tp=2", *SP]),
+    # every document zigzagged on its own (the default only splits documents of >= 2·cp·128 tokens)
+    "packed_cp4_zigzag_every_document": (PACKED, ["parallel.cp=4", "parallel.cp_algo=zigzag",
+                                                  "parallel.cp_document_chunk=1"]),
 }
 
 

@@ -6,6 +6,7 @@ import sys
 import pytest
 import yaml
 
+from megatron_sp.model.attention.layout import DOCUMENT_CHUNK
 from megatron_sp import config
 from megatron_sp.errors import ConfigError
 
@@ -210,6 +211,10 @@ def test_context_parallel_checks():
                                          "parallel.cp_ulysses=2"]).parallel.cp_ulysses == 2
     ok = config.load(overrides=cp + ["parallel.cp_algo=llama3", "parallel.cp_heads_k_stride=2"])
     assert ok.parallel.world_size == 2 and ok.parallel.cp_heads_k_stride == 2
+    assert config.load(overrides=cp + ["parallel.cp_document_chunk=1"]).parallel.cp_document_chunk == 1
+    assert config.load(overrides=BASE).parallel.cp_document_chunk == DOCUMENT_CHUNK  # schema and layout agree
+    with pytest.raises(ConfigError, match="parallel.cp_document_chunk: 0 must be >= 1"):
+        config.load(overrides=cp + ["parallel.cp_document_chunk=0"])
     with pytest.raises(ConfigError, match="reset_attention_mask with model.attention_dropout"):
         config.load(overrides=BASE + ["data.reset_attention_mask=true", "model.attention_dropout=0.1"])
 

@@ -57,7 +57,8 @@ def shard_indices(seq_len: int, cp: int, rank: int, layout: str) -> torch.Tensor
 
 
 DOCUMENT_CHUNK = 128
-"""Documents of at least ``2·cp·DOCUMENT_CHUNK`` tokens are zigzagged on their own (``document_shard_indices``)."""
+"""Documents of at least ``2·cp·DOCUMENT_CHUNK`` tokens are zigzagged on their own (``document_shard_indices``;
+``parallel.cp_document_chunk``)."""
 
 
 def document_shard_indices(document_ids: torch.Tensor, cp: int, min_chunk: int = DOCUMENT_CHUNK) -> torch.Tensor:
@@ -117,11 +118,12 @@ def unshard(parts: Sequence[torch.Tensor], layout: str, dim: int = 1) -> torch.T
     return torch.cat(list(parts), dim=dim).index_select(dim, inverse).contiguous()
 
 
-def shard_batch(batch: Mapping[str, torch.Tensor], cp: int, rank: int, layout: str) -> dict[str, torch.Tensor]:
+def shard_batch(batch: Mapping[str, torch.Tensor], cp: int, rank: int, layout: str,
+                min_chunk: int = DOCUMENT_CHUNK) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s part of a ``[b, s]`` batch, plus ``token_index`` (int64 ``[b, s/cp]``, the global index of
     each held token, which masks use; ``position_ids`` are rotary positions). Every tensor must be ``[b, s, ...]``
     and gets the same permutation along dim 1 (per row when ``document_ids`` make the zigzag layout per
-    document). Labels must be shifted before sharding (docs/attention.md)."""
+    document, ``min_chunk``: ``document_shard_indices``). Labels must be shifted before sharding (docs/attention.md)."""
     if "token_index" in batch:
         raise ValueError("shard_batch: the batch already has 'token_index' (is it sharded already?)")
     if not batch:
@@ -134,7 +136,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], cp: int, rank: int, layout: s
         if t.dim() < 2 or tuple(t.shape[:2]) != (b, s):
             raise ValueError(f"shard_batch: {name!r} has shape {tuple(t.shape)}, expected [{b}, {s}, ...]")
     if layout == "zigzag" and cp > 1 and "document_ids" in batch:
-        index = document_shard_indices(batch["document_ids"], cp)[rank]  # [b, s/cp]
+        index = document_shard_indices(batch["document_ids"], cp, min_chunk)[rank]  # [b, s/cp]
     else:
         index = shard_indices(s, cp, rank, layout).to(first.device).unsqueeze(0).expand(b, -1)
     out = {name: t.gather(1, index.to(t.device).view(b, -1, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
@@ -182,3 +184,6 @@ def check_context_parallel_config(cfg: Config) -> None:
                           "model.attention_dropout=0")
     if p.cp_heads_k_stride < 1:
         raise ConfigError(f"parallel.cp_heads_k_stride: {p.cp_heads_k_stride} must be >= 1")
+    if p.cp_document_chunk < 1:
+        raise ConfigError(f"parallel.cp_document_chunk: {p.cp_document_chunk} must be >= 1 (1 zigzags every document "
+                          "on its own)")
