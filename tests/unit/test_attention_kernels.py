@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_sp.model.attention import kernels
+from megatron_sp.model.attention import fused, kernels
 from megatron_sp.model.attention.kernels import attention_backward, attention_forward, classify, merge, visible
 
 NEG_INF = float("-inf")
@@ -147,7 +147,7 @@ def test_cpu_flash_bf16_within_bound(name: str, heads: tuple[int, int]) -> None:
 
 def test_cpu_flash_repeated_kv_heads_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The path for torch < 2.9 (CPU flash op without GQA): kv heads repeated, dk/dv summed back."""
-    monkeypatch.setattr(kernels, "_cpu_flash_native_gqa", lambda: False)
+    monkeypatch.setattr(fused, "_cpu_flash_native_gqa", lambda: False)
     for name in ("full", "causal"):
         for heads in (HEADS["gqa"], HEADS["mqa"]):
             assert max(check(name, heads, torch.float64, "cpu_flash")) <= 1e-10
@@ -371,85 +371,10 @@ def test_bad_inputs_are_rejected() -> None:
         attention_forward(q, k, v, pos[:, :3], pos)
 
 
-def _fake_flash_attn(generation: str):
-    """Stand-ins for flash-attn's low-level functions with the signatures of three 2.x generations,
-    computing on CPU with the CPU flash op in flash-attn's ``[b, s, n, d]`` layout."""
-    cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-    def bnsd(x):
-        return x.transpose(1, 2)
-
-    def forward(q, k, v, dropout_p, softmax_scale, causal):
-        assert dropout_p == 0.0 and all(x.is_contiguous() for x in (q, k, v))
-        out, lse = cpu_fwd(bnsd(q), bnsd(k), bnsd(v), 0.0, causal, scale=softmax_scale)
-        return bnsd(out), lse
-
-    def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal):
-        assert softmax_lse.dtype == torch.float32 and out.dtype == q.dtype
-        grads = cpu_bwd(bnsd(dout), bnsd(q), bnsd(k), bnsd(v), bnsd(out), softmax_lse, 0.0, causal, scale=softmax_scale)
-        for buf, grad in zip((dq, dk, dv), grads):
-            buf.copy_(bnsd(grad))
-
-    if generation == "2.2":  # no window, 8 return values
-        def fwd(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
-            out, lse = forward(q, k, v, dropout_p, softmax_scale, causal)
-            return out, q, k, v, out, lse, None, None
-
-        def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, rng_state=None):
-            backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
-        return fwd, bwd
-    if generation == "2.6":  # window_size tuple, softcap, alibi, deterministic
-        def fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
-            assert tuple(window_size) == (-1, -1) and softcap == 0.0 and alibi_slopes is None
-            out, lse = forward(q, k, v, dropout_p, softmax_scale, causal)
-            return out, q, k, v, out, lse, None, None
-
-        def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic, rng_state=None):
-            assert tuple(window_size) == (-1, -1)
-            backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
-        return fwd, bwd
-
-    class CustomOp:  # 2.7+: torch.library custom ops, the Python signature on _init_fn
-        def __init__(self, fn):
-            self._init_fn = fn
-
-        def __call__(self, *args, **kwargs):
-            return self._init_fn(*args, **kwargs)
-
-    def fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-            return_softmax):
-        assert (window_size_left, window_size_right) == (-1, -1)
-        out, lse = forward(q, k, v, dropout_p, softmax_scale, causal)
-        return out, lse, None, None
-
-    def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
-            window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
-        backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
-        return torch.empty(0)
-    return CustomOp(fwd), CustomOp(bwd)
-
-
-@pytest.mark.parametrize("generation", ["2.2", "2.6", "2.7"])
-def test_flash_attn_calling_conventions(monkeypatch: pytest.MonkeyPatch, generation: str) -> None:
-    """The flash_attn path's argument filling, result unpacking and layouts, with CPU stand-ins."""
-    monkeypatch.setattr(kernels, "_flash_attn_ops", lambda: _fake_flash_attn(generation))
-    for name in ("full", "causal"):
-        q_pos, k_pos, _, _ = block(name)
-        q, k, v, dout = make_qkv(q_pos.shape[1], k_pos.shape[1], HEADS["gqa"], torch.float32)
-        ref_out, ref_lse, ref_dq, ref_dk, ref_dv = oracle(q, k, v, dout, visible(q_pos, k_pos))
-        out, lse = kernels._flash_attn_forward(q, k, v, D ** -0.5, causal=name == "causal")
-        dq, dk, dv = kernels._flash_attn_backward(dout, q, k, v, out, lse, D ** -0.5, causal=name == "causal")
-        assert out.shape == q.shape and lse.shape == (2, 4, q.shape[0]) and dk.shape == k.shape
-        errors = (rel_err(out, ref_out), lse_err(lse, ref_lse), rel_err(dq, ref_dq), rel_err(dk, ref_dk), rel_err(dv, ref_dv))
-        assert max(errors) <= 1e-5, errors
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["full", "causal"])
 def test_flash_attn_matches_reference_on_gpu(name: str) -> None:
-    if kernels._flash_attn_ops() is None:
+    if fused._flash_attn_ops() is None:
         pytest.skip("flash-attn is not installed")
     q_pos, k_pos, _, _ = block(name)
     q, k, v, dout = (x.cuda() for x in make_qkv(q_pos.shape[1], k_pos.shape[1], HEADS["gqa"], torch.bfloat16))

@@ -1,9 +1,10 @@
-"""Document-aligned attention: a masked block cut into full and causal sub-blocks, batched by length.
+"""Document-aligned attention: a masked block cut into full and causal pieces, run batched or packed.
 
 Inside one document a run of consecutive query positions meets a run of consecutive key positions in at most
-three exact pieces; ``plan`` finds them, ``forward``/``backward`` batch pieces of equal (bucketed) length into
-one fused kernel call with log-sum-exp (``run``: ``(q, k, v, causal) -> (out, lse)``) and merge exactly. Work
-O(Σ dᵢ²), memory O(s); padding never changes a result. Details: docs/attention.md.
+three exact pieces; ``plan`` finds them and groups them either as ``Group`` (pieces of equal bucketed length,
+batched for a dense kernel, padding never changes a result) or as ``Packed`` (pieces end to end with
+``cu_seqlens``, for a varlen kernel). ``forward``/``backward`` gather each group's rows, call ``run`` and merge
+exactly. Work O(Σ dᵢ²), memory O(s). Details: docs/attention.md.
 """
 from __future__ import annotations
 
@@ -23,6 +24,30 @@ class Group:
     causal: bool
     q_rows: torch.Tensor  # [lq, G] int64
     k_rows: torch.Tensor  # [lk, G] int64
+
+    @property
+    def q_index(self) -> torch.Tensor:
+        return self.q_rows.reshape(-1)
+
+    @property
+    def k_index(self) -> torch.Tensor:
+        return self.k_rows.reshape(-1)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Pieces end to end, for a varlen kernel: piece ``p`` holds query rows ``q_index[cu_q[p]:cu_q[p+1]]`` and key
+    rows ``k_index[cu_k[p]:cu_k[p+1]]``; ``q_seq``/``q_offset`` give each query row's piece and place in it."""
+
+    causal: bool
+    q_index: torch.Tensor  # [Tq] int64
+    k_index: torch.Tensor  # [Tk] int64
+    cu_q: torch.Tensor  # [P + 1] int32
+    cu_k: torch.Tensor  # [P + 1] int32
+    max_q: int
+    max_k: int
+    q_seq: torch.Tensor  # [Tq] int64
+    q_offset: torch.Tensor  # [Tq] int64
 
 
 def bucket(n: int) -> int:
@@ -81,9 +106,20 @@ def _rows(starts: list[int], lengths: list[int], width: int, b: int, bi: list[in
     return torch.where(j < torch.tensor(lengths)[None, :], rows, pad)
 
 
-def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
-         k_doc: torch.Tensor | None) -> list[Group]:
-    """The batched pieces of a block: positions ``[b, sq]``/``[b, sk]``, documents the same or None."""
+def _spans(starts: list[int], lengths: list[int], b: int,
+           bi: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flat rows ``(start + j)·b + bi`` of every span end to end, each row's span and place, and cu_seqlens."""
+    length = torch.tensor(lengths)
+    seq = torch.repeat_interleave(torch.arange(length.numel()), length)
+    cu = torch.nn.functional.pad(length.cumsum(0), (1, 0))
+    offset = torch.arange(seq.numel()) - cu[seq]
+    return (torch.tensor(starts)[seq] + offset) * b + torch.tensor(bi)[seq], seq, offset, cu.to(torch.int32)
+
+
+def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
+         packed: bool = False) -> list[Group] | list[Packed]:
+    """The pieces of a block, batched (``Group``) or ``packed``: positions ``[b, sq]``/``[b, sk]``, documents the
+    same or None. A group never holds a query row twice."""
     b, sq = q_pos.shape
     sk = k_pos.shape[1]
     shapes: dict[tuple[bool, int, int, int], list[tuple[int, int, int, int, int]]] = {}
@@ -91,13 +127,20 @@ def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
         q_runs = _runs(q_pos[bi], None if q_doc is None else q_doc[bi])
         k_runs = _runs(k_pos[bi], None if k_doc is None else k_doc[bi])
         for causal, qi, qn, ki, kn, occ in _pieces(q_runs, k_runs):
-            width = bucket(qn)
-            key = (causal, width, width if causal else kn, occ)
+            width = 0 if packed else bucket(qn)
+            key = (causal, width, width if causal or packed else kn, occ)
             shapes.setdefault(key, []).append((bi, qi, qn, ki, kn))
-    groups = []
+    groups: list = []
     for (causal, lq, lk, _), pieces in sorted(shapes.items()):
         bi, qi, qn, ki, kn = (list(column) for column in zip(*pieces))
-        groups.append(Group(causal, _rows(qi, qn, lq, b, bi, sq * b), _rows(ki, kn, lk, b, bi, sk * b)))
+        if not packed:
+            groups.append(Group(causal, _rows(qi, qn, lq, b, bi, sq * b), _rows(ki, kn, lk, b, bi, sk * b)))
+            continue
+        q_index, q_seq, q_offset, cu_q = _spans(qi, qn, b, bi)
+        k_index, _, _, cu_k = _spans(ki, kn, b, bi)
+        dev = q_pos.device
+        groups.append(Packed(causal, q_index.to(dev), k_index.to(dev), cu_q.to(dev), cu_k.to(dev), max(qn), max(kn),
+                             q_seq.to(dev), q_offset.to(dev)))
     return groups
 
 
@@ -109,21 +152,21 @@ def _flat(x: torch.Tensor, dtype: torch.dtype | None = None, fill: float = 0.0) 
     return torch.cat([flat, flat.new_full((1, *flat.shape[1:]), fill)])
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "Group | Packed"], tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[Group], dtype: torch.dtype,
-            run: Forward) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [sq, b, n, d], lse [b, n, sq])`` in ``dtype``; rows that see nothing: 0 and −inf."""
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[Group] | list[Packed],
+            dtype: torch.dtype, run: Forward) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [sq, b, n, d], lse [b, n, sq])`` in ``dtype``; rows that see nothing: 0 and −inf. ``run(q, k, v,
+    group)`` gets the group's rows (``[R, n, d]``, ``[Rk, g, d]``) and returns ``(out [R, n, d], lse [R, n])``."""
     sq, b, n, d = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     out = torch.zeros(sq * b + 1, n, d, dtype=dtype, device=q.device)
     lse = torch.full((sq * b + 1, n), float("-inf"), dtype=dtype, device=q.device)
     for group in groups:
-        o, m = run(qf[group.q_rows], kf[group.k_rows], vf[group.k_rows], group.causal)  # [lq, G, n, d], [G, n, lq]
-        rows = group.q_rows.reshape(-1)
-        o, m = o.reshape(-1, n, d), m.permute(2, 0, 1).reshape(-1, n)  # row order of q_rows: [lq·G, ...]
+        rows, k_rows = group.q_index, group.k_index
+        o, m = run(qf[rows], kf[k_rows], vf[k_rows], group)
         old = lse[rows]
         new = torch.logaddexp(old, m)  # finite: every piece's rows see a key
         out[rows] = out[rows] * torch.exp(old - new)[..., None] + o * torch.exp(m - new)[..., None]
@@ -133,10 +176,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[Grou
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, groups: list[Group], dtype: torch.dtype,
+             lse: torch.Tensor, groups: list[Group] | list[Packed], dtype: torch.dtype,
              run: Backward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's ``(dq, dk, dv)`` from the final ``out``/``lse``, in ``dtype``; ``run(dout, q, k, v, out, lse,
-    causal)``. A padded query row gets ``lse = BIG_LSE`` and zero ``dout``/``out``: its gradients are exactly 0."""
+    group)`` on the group's rows (lse ``[R, n]``) returns their gradients. A padded query row gets
+    ``lse = BIG_LSE`` and zero ``dout``/``out``: its gradients are exactly 0."""
     sq, b, n, d = q.shape
     sk, _, g, _ = k.shape
     qf, kf, vf, of, dof = _flat(q), _flat(k), _flat(v), _flat(out, dtype), _flat(dout, dtype)
@@ -145,9 +189,29 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dk = torch.zeros(sk * b + 1, g, d, dtype=dtype, device=k.device)
     dv = torch.zeros(sk * b + 1, g, d, dtype=dtype, device=k.device)
     for group in groups:
-        qr, kr = group.q_rows, group.k_rows
-        gq, gk, gv = run(dof[qr], qf[qr], kf[kr], vf[kr], of[qr], lf[qr].permute(1, 2, 0), group.causal)
-        dq.index_add_(0, qr.reshape(-1), gq.reshape(-1, n, d))
-        dk.index_add_(0, kr.reshape(-1), gk.reshape(-1, g, d))
-        dv.index_add_(0, kr.reshape(-1), gv.reshape(-1, g, d))
+        qr, kr = group.q_index, group.k_index
+        gq, gk, gv = run(dof[qr], qf[qr], kf[kr], vf[kr], of[qr], lf[qr], group)
+        dq.index_add_(0, qr, gq.to(dtype))
+        dk.index_add_(0, kr, gk.to(dtype))
+        dv.index_add_(0, kr, gv.to(dtype))
     return dq[:-1].view(sq, b, n, d), dk[:-1].view(sk, b, g, d), dv[:-1].view(sk, b, g, d)
+
+
+def batched(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Forward:
+    """A ``Group`` runner from a dense kernel ``(q [lq, G, n, d], k, v, causal) -> (out, lse [G, n, lq])``."""
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        lq, lk = group.q_rows.shape[0], group.k_rows.shape[0]
+        o, m = kernel(q.unflatten(0, (lq, -1)), k.unflatten(0, (lk, -1)), v.unflatten(0, (lk, -1)), group.causal)
+        return o.flatten(0, 1), m.permute(2, 0, 1).flatten(0, 1)  # row order of q_index
+    return run
+
+
+def batched_backward(kernel: Backward) -> Backward:
+    """A ``Group`` runner from a dense backward ``(dout, q, k, v, out, lse [G, n, lq], causal) -> (dq, dk, dv)``."""
+    def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lq, lk = group.q_rows.shape[0], group.k_rows.shape[0]
+        grads = kernel(*(x.unflatten(0, (lq, -1)) for x in (dout, q)), *(x.unflatten(0, (lk, -1)) for x in (k, v)),
+                       out.unflatten(0, (lq, -1)), lse.unflatten(0, (lq, -1)).permute(1, 2, 0), group.causal)
+        return tuple(x.flatten(0, 1) for x in grads)  # type: ignore[return-value]
+    return run

@@ -3,8 +3,8 @@
 ``attention_forward(q, k, v, q_pos, k_pos, ...) -> (out, lse)`` attends over one key block (fp32, fp64 for fp64
 inputs), ``merge`` combines blocks exactly, ``attention_backward`` gives one block's gradients from the final
 merged ``out``/``lse``. Masks come only from global token indices and document ids (``visible``); ``classify``
-names a block's kind and ``kernel_for`` its kernel: ``reference`` (explicit scores, the oracle), ``cpu_flash``,
-``flash_attn``, or ``documents`` for masked blocks. Pure tensor functions, no autograd. Layouts: q/out/dout
+names a block's kind and ``kernel_for`` its kernel: ``reference`` (explicit scores, the oracle), the fused
+``cpu_flash``, ``flash_attn`` or ``efficient`` (``fused.py``), or ``documents`` for masked blocks. No autograd. Layouts: q/out/dout
 ``[sq, b, n, d]``, k/v ``[sk, b, g, d]`` with ``g | n``, lse ``[b, n, sq]``. The layer's own causal kernels
 (``dot_product_attention``; ``cached_attention`` for decoding) live here too. Theory: docs/attention.md.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -22,18 +21,16 @@ import torch
 import torch.nn.functional as F
 
 from megatron_sp import device as device_mod
-from megatron_sp.model.attention import documents
+from megatron_sp.model.attention import documents, fused
+from megatron_sp.model.attention.fused import compute_dtype, repeat_kv
 
 log = logging.getLogger("megatron_sp")
 
 KINDS = ("empty", "full", "causal", "masked")
 """What ``classify`` returns, from cheapest to most general."""
 
-KERNELS = ("reference", "cpu_flash", "flash_attn")
+KERNELS = ("reference", "cpu_flash", "flash_attn", "efficient")
 """Kernel names accepted by ``kernel=``; ``None`` picks one per block (``kernel_for``)."""
-
-FLASH_ATTN_MAX_HEAD_DIM = 256
-_HALF = (torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------- Masks
@@ -98,16 +95,6 @@ def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | Non
 
 # ---------------------------------------------------------------------------------- Helpers
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 for fp64 inputs, else fp32: the dtype of every out/lse/grad this module returns."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a contiguous tensor of ``dtype``, copying at most once."""
-    return x.contiguous() if x.dtype == dtype else x.to(dtype, memory_format=torch.contiguous_format)
-
-
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention: expected q [sq, b, n, d] and k, v [sk, b, g, d], got q {tuple(q.shape)}, "
@@ -140,32 +127,81 @@ def _prepare(phase: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
 
 
 def kernel_for(kind: str, q: torch.Tensor, kernel: str | None = None) -> str:
-    """The kernel that runs a block of ``kind`` for queries like ``q``: auto (docs/attention.md), or ``kernel``,
-    which raises ``ValueError`` where it cannot compute the block exactly."""
+    """The kernel that runs a block of ``kind`` for queries like ``q``: auto (docs/attention.md; ``documents`` for
+    masked blocks, which runs its pieces on ``piece_kernel``), or ``kernel``, which raises ``ValueError`` where it
+    cannot compute the block exactly."""
     if kernel is None:
-        if kind == "masked":
-            return "documents"
-        if q.device.type == "cpu":
-            return "cpu_flash"
-        if _flash_attn_fits(q) and _flash_attn_ops() is not None:
-            return "flash_attn"
-        return "reference"
+        return "documents" if kind == "masked" else piece_kernel(q)
     if kernel not in KERNELS:
         raise ValueError(f"attention: unknown kernel {kernel!r}; expected one of {' | '.join(KERNELS)}")
     if kernel != "reference" and kind == "masked":
         raise ValueError(f"attention: kernel {kernel!r} cannot apply a '{kind}' mask; use the reference kernel")
     if kernel == "cpu_flash" and q.device.type != "cpu":
         raise ValueError(f"attention: kernel 'cpu_flash' needs CPU tensors, got {q.device}")
-    if kernel == "flash_attn" and (not _flash_attn_fits(q) or _flash_attn_ops() is None):
+    if kernel == "flash_attn" and not fused.flash_attn_fits(q):
         raise ValueError(f"attention: kernel 'flash_attn' needs flash-attn on a GPU, fp16/bf16 inputs and a head dim that is "
-                         f"a multiple of 8 up to {FLASH_ATTN_MAX_HEAD_DIM} (got {q.dtype}, d={q.shape[-1]})")
+                         f"a multiple of 8 up to {fused.FLASH_ATTN_MAX_HEAD_DIM} (got {q.dtype}, d={q.shape[-1]})")
+    if kernel == "efficient" and not efficient_fits(q):
+        raise ValueError(f"attention: kernel 'efficient' needs a GPU, fp16/bf16/fp32 inputs (got {q.dtype} on "
+                         f"{q.device}) and a kernel that passed its check (see the log)")
     return kernel
 
 
-def _flash_attn_fits(q: torch.Tensor) -> bool:
-    """fp16/bf16 on CUDA with a head dim flash-attn's low-level functions take unpadded (multiple of 8, <= 256)."""
-    d = q.shape[-1]
-    return q.device.type == "cuda" and q.dtype in _HALF and d % 8 == 0 and d <= FLASH_ATTN_MAX_HEAD_DIM
+def piece_kernel(q: torch.Tensor) -> str:
+    """The fused kernel for full and causal blocks and pieces: ``cpu_flash`` on CPU; on GPU flash-attn, else torch's
+    memory-efficient kernel, else (fp64) explicit scores."""
+    if q.device.type == "cpu":
+        return "cpu_flash"
+    if fused.flash_attn_fits(q):
+        return "flash_attn"
+    return "efficient" if efficient_fits(q) else "reference"
+
+
+def efficient_fits(q: torch.Tensor) -> bool:
+    """torch's memory-efficient kernel runs ``q`` exactly: CUDA, fp16/bf16/fp32, and its once-per-dtype check
+    against explicit scores (full, causal and packed-document blocks, out/lse/grads) passed."""
+    return q.device.type == "cuda" and q.dtype in (*fused.HALF, torch.float32) and _efficient_checked(q.device, q.dtype)
+
+
+@functools.cache
+def _efficient_checked(dev: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(40, 2, 4, 16, generator=gen).to(dev, dtype) for _ in range(2))
+    k, v = (torch.randn(40, 2, 2, 16, generator=gen).to(dev, dtype) for _ in range(2))
+    pos = torch.arange(40, device=dev).expand(2, 40)
+    docs = (pos >= 13).long() + (pos >= 14).long() + (pos >= 37).long()  # documents of 13, 1, 23 and 3 tokens
+    blocks = {"full": (pos + 40, pos, None, None), "causal": (pos, pos, None, None), "masked": (pos, pos, docs, docs)}
+    tolerance = 3e-2 if dtype in fused.HALF else 1e-4
+    try:
+        for kind, (q_pos, k_pos, q_doc, k_doc) in blocks.items():
+            args = (q, k, v, q_pos, k_pos, q_doc, k_doc)
+            want = attention_forward(*args, kernel="reference")
+            want = (*want, *attention_backward(dout, q, k, v, *want, *args[3:], kernel="reference"))
+            got = _run_efficient(dout, *args, masked=kind == "masked")
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+                error = float((a.double() - b.double()).abs().max() / b.double().abs().max())
+                if not error <= tolerance:
+                    raise RuntimeError(f"{kind} block: {name} differs from explicit scores by {error:.1e}")
+    except (RuntimeError, TypeError, ValueError) as exc:  # a missing, changed or broken kernel, or a wrong result
+        log.warning("torch's memory-efficient attention failed its check on %s %s (%s); attention blocks there use "
+                    "explicit scores", dev, dtype, exc)
+        return False
+    log.info("attention blocks and packed documents on %s %s use torch's memory-efficient kernel", dev, dtype)
+    return True
+
+
+def _run_efficient(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                   k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
+                   masked: bool) -> tuple[torch.Tensor, ...]:
+    """out, lse, dq, dk, dv of one block on the efficient kernel (varlen for ``masked``), scale 1/4."""
+    if masked:
+        groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=True)
+        run_f, run_b = _document_runners("efficient", 0.25)
+        out, lse = documents.forward(q, k, v, groups, torch.float32, run_f)
+        return out, lse, *documents.backward(dout, q, k, v, out, lse, groups, torch.float32, run_b)
+    causal = bool(torch.equal(q_pos, k_pos))
+    out, lse = fused.efficient_forward(q, k, v, 0.25, causal)
+    return out, lse, *fused.efficient_backward(dout, q, k, v, out, lse, 0.25, causal)
 
 
 def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,26 +242,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         return empty_result(q)
     with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
         if name == "documents":
-            return documents.forward(q, k, v, documents.plan(q_pos, k_pos, q_doc, k_doc), compute_dtype(q.dtype),
-                                     lambda qs, ks, vs, causal: _dense_forward(qs, ks, vs, scale, causal))
+            piece = piece_kernel(q)
+            groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=piece in VARLEN)
+            return documents.forward(q, k, v, groups, compute_dtype(q.dtype), _document_runners(piece, scale)[0])
         if name == "reference":
             return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc), scale)
-        return _dense_forward(q, k, v, scale, causal, name)
-
-
-def _dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                   name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A full or causal block on kernel ``name`` (auto: ``kernel_for``)."""
-    name = name or kernel_for("causal" if causal else "full", q)
-    if name == "reference":
-        return _reference_forward(q, k, v, _dense_mask(q, k, causal), scale)
-    return (_cpu_flash_forward if name == "cpu_flash" else _flash_attn_forward)(q, k, v, scale, causal)
-
-
-def _dense_mask(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """bool ``[b, sq, sk]``: everything, or the top-left lower triangle."""
-    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
-    return (mask.tril() if causal else mask).expand(q.shape[1], -1, -1)
+        return DENSE[name][0](q, k, v, scale, causal)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -241,20 +263,55 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))  # type: ignore[return-value]
     with torch.autocast(q.device.type, enabled=False):  # fp32 gradients from the fp32 lse, also inside autocast
         if name == "documents":
-            return documents.backward(dout, q, k, v, out, lse, documents.plan(q_pos, k_pos, q_doc, k_doc), dtype,
-                                      lambda *args: _dense_backward(*args, scale=scale))
+            piece = piece_kernel(q)
+            groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=piece in VARLEN)
+            return documents.backward(dout, q, k, v, out, lse, groups, dtype, _document_runners(piece, scale)[1])
         if name == "reference":
             return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc), scale)
-        return _dense_backward(dout, q, k, v, out, lse, causal, scale=scale, name=name)
+        return DENSE[name][1](dout, q, k, v, out, lse, scale, causal)
 
 
-def _dense_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, causal: bool, *, scale: float,
-                    name: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    name = name or kernel_for("causal" if causal else "full", q)
-    if name == "reference":
-        return _reference_backward(dout, q, k, v, out, lse, _dense_mask(q, k, causal), scale)
-    return (_cpu_flash_backward if name == "cpu_flash" else _flash_attn_backward)(dout, q, k, v, out, lse, scale, causal)
+def _dense_mask(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """bool ``[b, sq, sk]``: everything, or the top-left lower triangle."""
+    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+    return (mask.tril() if causal else mask).expand(q.shape[1], -1, -1)
+
+
+def _reference_dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _reference_forward(q, k, v, _dense_mask(q, k, causal), scale)
+
+
+def _reference_dense_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                              lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
+    return _reference_backward(dout, q, k, v, out, lse, _dense_mask(q, k, causal), scale)
+
+
+DENSE: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "reference": (_reference_dense_forward, _reference_dense_backward),
+    "cpu_flash": (fused.cpu_flash_forward, fused.cpu_flash_backward),
+    "flash_attn": (fused.flash_attn_forward, fused.flash_attn_backward),
+    "efficient": (fused.efficient_forward, fused.efficient_backward),
+}
+"""Forward and backward of a full or causal block, per kernel: ``(q, k, v, scale, causal)`` and
+``(dout, q, k, v, out, lse, scale, causal)``."""
+
+VARLEN: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "flash_attn": (fused.flash_attn_varlen_forward, fused.flash_attn_varlen_backward),
+    "efficient": (fused.efficient_varlen_forward, fused.efficient_varlen_backward),
+}
+"""Kernels that run a document block's pieces packed end to end (``documents.Packed``) in one call."""
+
+
+def _document_runners(piece: str, scale: float) -> tuple[documents.Forward, documents.Backward]:
+    """``documents.forward``/``backward`` runners on kernel ``piece``: varlen, or dense on batched pieces."""
+    if piece in VARLEN:
+        forward, backward = VARLEN[piece]
+        return (lambda q, k, v, group: forward(q, k, v, group, scale),
+                lambda *args: backward(*args[:-1], args[-1], scale))
+    forward, backward = DENSE[piece]
+    return (documents.batched(lambda q, k, v, causal: forward(q, k, v, scale, causal)),
+            documents.batched_backward(lambda *args: backward(*args[:-1], scale, args[-1])))
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -322,113 +379,6 @@ def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return _ungrouped(dq), dk.permute(2, 0, 1, 3).contiguous(), dv.permute(2, 0, 1, 3).contiguous()
 
 
-# ---------------------------------------------------------------------------------- CPU flash kernel
-
-@functools.cache
-def _cpu_flash_native_gqa() -> bool:
-    """True when the CPU flash op takes fewer kv heads than query heads (pytorch#157893: 2.9+; no probe that
-    might read out of bounds)."""
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 9)
-
-
-def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
-    """kv ``[sk, b, g, d]`` -> ``[sk, b, n, d]``, each kv head repeated for its ``n/g`` query heads."""
-    sk, b, g, d = x.shape
-    return x[:, :, :, None].expand(sk, b, g, n // g, d).reshape(sk, b, n, d)
-
-
-def _bnsd_kv(x: torch.Tensor, n: int) -> torch.Tensor:
-    """kv ``[sk, b, g, d]`` -> ``[b, g, sk, d]`` view, or ``[b, n, sk, d]`` (repeated heads) when the op lacks GQA."""
-    if x.shape[2] != n and not _cpu_flash_native_gqa():
-        x = _repeat_kv(x, n)
-    return x.permute(1, 2, 0, 3)
-
-
-def _kv_grad(grad_bnsd: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
-    """The op's dk/dv ``[b, g or n, sk, d]`` -> contiguous ``[sk, b, g, d]`` in ``dtype`` (repeated heads summed)."""
-    b, heads, sk, d = grad_bnsd.shape
-    if heads != g:
-        grad_bnsd = grad_bnsd.to(dtype).reshape(b, g, heads // g, sk, d).sum(2)
-    return _dense(grad_bnsd.permute(2, 0, 1, 3), dtype)
-
-
-def _cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = compute_dtype(q.dtype)
-    n = q.shape[2]
-    out_bnsd, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.permute(1, 2, 0, 3), _bnsd_kv(k, n), _bnsd_kv(v, n), 0.0, causal, scale=scale)
-    return _dense(out_bnsd.permute(2, 0, 1, 3), dtype), _dense(lse, dtype)  # out keeps q's strides: mostly no copy
-
-
-def _cpu_flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The op wants dout/out in the input dtype and lse in its accumulation dtype. Every row of a
-    # full/causal block sees a key of this block, so the final lse is finite on all of its rows.
-    dtype = compute_dtype(q.dtype)
-    n, g = q.shape[2], k.shape[2]
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.to(q.dtype).permute(1, 2, 0, 3), q.permute(1, 2, 0, 3), _bnsd_kv(k, n), _bnsd_kv(v, n),
-        out.to(q.dtype).permute(1, 2, 0, 3), lse.to(dtype), 0.0, causal, scale=scale)
-    return _dense(dq.permute(2, 0, 1, 3), dtype), _kv_grad(dk, g, dtype), _kv_grad(dv, g, dtype)
-
-
-# -------------------------------------------------------------------- flash-attn kernel (CUDA, optional)
-
-@functools.cache
-def _flash_attn_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """flash-attn 2's private ``(_flash_attn_forward, _flash_attn_backward)``, or None (logged once)."""
-    if device_mod.flash_attn_func() is None:
-        return None
-    try:
-        from flash_attn import flash_attn_interface  # type: ignore[import-not-found]
-        return flash_attn_interface._flash_attn_forward, flash_attn_interface._flash_attn_backward
-    except (ImportError, AttributeError) as exc:
-        log.info("flash-attn has no usable _flash_attn_forward/_flash_attn_backward (%s); "
-                 "context-parallel attention uses the reference kernel on GPU", exc)
-        return None
-
-
-def _flash_attn_call(fn: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call a flash-attn 2.x low-level function by keyword, filling the arguments its versions differ in (2.3
-    ``window_size``, 2.4 ``alibi_slopes``/``deterministic``, 2.6 ``softcap``, 2.7+ split windows and ``_init_fn``)."""
-    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
-    if "window_size_left" in params:
-        kwargs.update(window_size_left=-1, window_size_right=-1)
-    elif "window_size" in params:
-        kwargs["window_size"] = (-1, -1)
-    for name, value in (("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_softmax", False)):
-        if name in params:
-            kwargs[name] = value
-    return fn(**kwargs)
-
-
-def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    forward, _ = _flash_attn_ops()
-    sq = q.shape[0]
-    result = _flash_attn_call(forward, q=q.transpose(0, 1).contiguous(), k=k.transpose(0, 1).contiguous(),
-                              v=v.transpose(0, 1).contiguous(), dropout_p=0.0, softmax_scale=scale, causal=causal)
-    # 2.7+: (out, lse, S_dmask, rng_state); before: (out, q, k, v, out_padded, lse, S_dmask, rng_state).
-    if len(result) not in (4, 8):
-        raise RuntimeError(f"flash-attn _flash_attn_forward returned {len(result)} values; expected 4 or 8")
-    out_bsnd, lse = result[0], result[1 if len(result) == 4 else 5]
-    dtype = compute_dtype(q.dtype)
-    return _dense(out_bsnd.transpose(0, 1), dtype), _dense(lse[..., :sq], dtype)
-
-
-def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                         lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, backward = _flash_attn_ops()
-    q_bsnd, k_bsnd, v_bsnd = (x.transpose(0, 1).contiguous() for x in (q, k, v))
-    dq, dk, dv = torch.empty_like(q_bsnd), torch.empty_like(k_bsnd), torch.empty_like(v_bsnd)  # written in place
-    _flash_attn_call(backward, dout=dout.to(q.dtype).transpose(0, 1).contiguous(), q=q_bsnd, k=k_bsnd, v=v_bsnd,
-                     out=out.to(q.dtype).transpose(0, 1).contiguous(), softmax_lse=_dense(lse, torch.float32),
-                     dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal)
-    return tuple(_dense(x.transpose(0, 1), torch.float32) for x in (dq, dk, dv))  # type: ignore[return-value]
-
-
 # ------------------------------------------ the layer's causal kernel (no LSE), and cached_attention for decoding
 
 MATH_ATTENTION_MAX_SCORES = 1 << 24
@@ -473,7 +423,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> t
     torch < 2.5, which lacks GQA) → ``[s, b, n, d]``."""
     n = q.shape[2]
     if k.shape[2] != n and not _SDPA_HAS_GQA:
-        k, v = _repeat_kv(k, n), _repeat_kv(v, n)
+        k, v = repeat_kv(k, n), repeat_kv(v, n)
     if k.shape[2] != n:
         kwargs["enable_gqa"] = True
     out_bnsd = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
