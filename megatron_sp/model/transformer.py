@@ -68,7 +68,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                r: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused QKV output ``[s, b, g·(r+2)·d]`` into q ``[s, b, g·r, d]``, k and v ``[s, b, g, d]``,
-    queries and keys rotated (cos/sin ``[s, b|1, rd]``)."""
+    queries and keys rotated (cos/sin ``[s, b|1, rd]``). The formula autograd differentiates (and
+    ``torch.compile`` fuses); eager runs ``_RotaryQKV``, the same values with a hand-written backward."""
     s, b = qkv.shape[0], qkv.shape[1]
     qkv = qkv.view(s, b, -1, r + 2, d)  # [s, b, g, r+2, d]
     cos = cos.to(qkv.dtype)[:, :, None, None, :]  # [s, b|1, 1, 1, rd]
@@ -78,6 +79,50 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     q, k = qk.split([r, 1], dim=3)
     # v is a view into the projection output: copy it so autograd does not keep all of qkv alive.
     return q.reshape(s, b, -1, d), k.squeeze(3), v.squeeze(3).contiguous()
+
+
+def _unrotate_into(out: torch.Tensor, dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """``out = ∂(apply_rotary)/∂x applied to dy``: ``dy·cos + flip(dy·sin)`` on the rotary dims (the swap is its
+    own transpose), ``dy`` on the rest; the same operations, so the same bits, as autograd's."""
+    rd = cos.shape[-1]
+    torch.mul(dy[..., :rd], cos, out=out[..., :rd])
+    out[..., :rd].add_((dy[..., :rd] * sin).unflatten(-1, (2, rd // 2)).flip(-2).flatten(-2))
+    if rd != dy.shape[-1]:
+        out[..., rd:] = dy[..., rd:]
+
+
+class _RotaryQKV(torch.autograd.Function):
+    """``rotary_qkv`` whose backward writes dq, dk and dv into one ``[s, b, g, r+2, d]`` gradient (autograd of
+    the formula concatenates twice) and whose forward rotates q and k apart (no copy of q to reshape it)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int,
+                d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, -1, r + 2, d)
+        cos = cos.to(qkv.dtype)[:, :, None, None, :]  # [s, b|1, 1, 1, rd]
+        sin = sin.to(qkv.dtype)[:, :, None, None, :]
+        ctx.save_for_backward(cos, sin)
+        ctx.r = r
+        q = apply_rotary(qkv[:, :, :, :r], cos, sin)  # [s, b, g, r, d], contiguous
+        k = apply_rotary(qkv[:, :, :, r], cos[:, :, 0], sin[:, :, 0])  # [s, b, g, d]
+        return q.reshape(s, b, -1, d), k, qkv[:, :, :, r + 1].contiguous()
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        r = ctx.r
+        s, b, g, d = dk.shape
+        grad = torch.empty(s, b, g, r + 2, d, dtype=dk.dtype, device=dk.device)
+        _unrotate_into(grad[:, :, :, :r], dq.view(s, b, g, r, d), cos, sin)
+        _unrotate_into(grad[:, :, :, r], dk, cos[:, :, 0], sin[:, :, 0])
+        grad[:, :, :, r + 1] = dv
+        return grad.view(s, b, -1), None, None, None, None
+
+
+def _rotary_qkv_eager(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      r: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _RotaryQKV.apply(qkv, cos, sin, r, d)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -100,9 +145,35 @@ def add3(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) · up`` of the concatenated ``[..., 2·f]`` gate and up projections → ``[..., f]``."""
+    """``silu(gate) · up`` of the concatenated ``[..., 2·f]`` gate and up projections → ``[..., f]``: the formula
+    autograd differentiates (and ``torch.compile`` fuses); eager runs ``_SwiGLU``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``swiglu`` saving only its input (autograd of the formula also saves ``silu(gate)``, ``f`` values per
+    token) and writing d(gate), d(up) into one ``[..., 2·f]`` gradient (no concatenation); the backward runs
+    autograd's own ops (``silu_backward``, products), so its bits are autograd's."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        return swiglu(gate_up)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad = torch.empty_like(gate_up)
+        d_gate, d_up = grad.chunk(2, dim=-1)
+        torch.mul(dout, F.silu(gate), out=d_up)
+        torch.ops.aten.silu_backward.grad_input(dout * up, gate, grad_input=d_gate)
+        return grad
+
+
+def _swiglu_eager(gate_up: torch.Tensor) -> torch.Tensor:
+    return _SwiGLU.apply(gate_up)
 
 
 @dataclass(frozen=True)
@@ -116,13 +187,14 @@ class Regions:
     swiglu: Callable[..., torch.Tensor] = swiglu
 
 
-EAGER = Regions()
+FORMULAS = Regions()
+EAGER = Regions(rotary_qkv=_rotary_qkv_eager, swiglu=_swiglu_eager)
 
 
 @functools.cache
 def compiled() -> Regions:
-    """The regions through ``torch.compile`` (inductor; shapes static until one changes, then dynamic)."""
-    return Regions(**{f.name: torch.compile(getattr(EAGER, f.name)) for f in fields(Regions)})
+    """The regions' formulas through ``torch.compile`` (inductor; shapes static until one changes, then dynamic)."""
+    return Regions(**{f.name: torch.compile(getattr(FORMULAS, f.name)) for f in fields(Regions)})
 
 
 def compile_cache_dir() -> str:

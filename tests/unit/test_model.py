@@ -476,3 +476,56 @@ def test_packed_documents_attend_within_their_document(arch: str) -> None:
         start += n
     plain = model(tokens, position_ids=pos)
     assert (plain[:, lengths[0]:] - packed[:, lengths[0]:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rd", [8, 4], ids=["full_rotary", "partial_rotary"])
+@pytest.mark.parametrize("r", [1, 3])
+def test_eager_regions_equal_autograd_of_their_formulas_bit_for_bit(dtype: torch.dtype, rd: int, r: int) -> None:
+    """``_RotaryQKV`` and ``_SwiGLU`` (hand-written backwards, no concatenation) give the very bits autograd
+    gives for ``rotary_qkv`` and ``swiglu``, forward and backward."""
+    from megatron_sp.model import transformer as T
+
+    gen = torch.Generator().manual_seed(r + rd)
+    s, b, g, d = 5, 2, 2, 8
+    qkv = torch.randn(s, b, g * (r + 2) * d, generator=gen).to(dtype)
+    angles = torch.randn(s, 1, rd // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    douts = [torch.randn(s, b, g * r, d, generator=gen).to(dtype), *(torch.randn(s, b, g, d, generator=gen).to(dtype)
+                                                                    for _ in range(2))]
+    results = []
+    for fn in (T.FORMULAS.rotary_qkv, T.EAGER.rotary_qkv):
+        x = qkv.clone().requires_grad_(True)
+        outs = fn(x, cos, sin, r, d)
+        torch.autograd.backward(outs, douts)
+        results.append((*outs, x.grad))
+    for want, got in zip(*results):
+        assert want.shape == got.shape and torch.equal(want, got)
+    gate_up = torch.randn(s, b, 2 * 12, generator=gen).to(dtype)
+    dout = torch.randn(s, b, 12, generator=gen).to(dtype)
+    results = []
+    for fn in (T.FORMULAS.swiglu, T.EAGER.swiglu):
+        x = gate_up.clone().requires_grad_(True)
+        out = fn(x)
+        out.backward(dout)
+        results.append((out, x.grad))
+    for want, got in zip(*results):
+        assert torch.equal(want, got)
+
+
+def test_eager_swiglu_saves_only_its_input() -> None:
+    """autograd of the formula saves ``silu(gate)`` too: ``f`` more values per token."""
+    from megatron_sp.model import transformer as T
+
+    def saved_bytes(fn) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        x = torch.randn(64, 2, 2 * 32, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x * 1.0)
+        return sum(storages.values())
+    assert saved_bytes(T.EAGER.swiglu) == 64 * 2 * 64 * 4
+    assert saved_bytes(T.FORMULAS.swiglu) == 64 * 2 * 64 * 4 + 64 * 2 * 32 * 4

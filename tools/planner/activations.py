@@ -46,9 +46,7 @@ def attention_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]
     recompute = D.recompute if recompute is None else recompute
     e, tok, b, s = D.e, D.tokens, D.micro_batch, D.s_local
     n_l, g_l, d = D.local_heads, D.local_kv, D.head_dim
-    q_extra = n_l > g_l > 1  # q.reshape copies when a rank holds several groups of several heads
-    inputs = {"q,k (rotated)": tok * (n_l + g_l) * d * e, "q copy": tok * n_l * d * e if q_extra else 0,
-              "v": tok * g_l * d * e}
+    inputs = {"q,k (rotated)": tok * (n_l + g_l) * d * e, "v": tok * g_l * d * e}
     out = tok * n_l * d * e
     lse = b * n_l * s * 4
     if recompute == "selective":
@@ -111,7 +109,7 @@ def layer_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]:
     terms["MLP input"] = gathered * h * e
     f = D.tokens * D.local_ffn * e
     if spec.swiglu:
-        terms |= {"gate/up output": 2 * f, "SiLU output": f, "down input": f,
+        terms |= {"gate/up output": 2 * f, "down input": f,
                   "gate/up weight copy": 2 * D.local_ffn * h * e}
     else:
         terms |= {"GeLU input": f, "fc2 input": f}
@@ -191,7 +189,7 @@ def chunk_activations(cfg: Config, pp_rank: int, chunk: int) -> ChunkActivations
         transient = sum(none.values()) - sum(sel.values()) + sel.get("attention output", 0)
     freed = sum(v for k, v in extra.items() if k in ("final norm", "output layer input", "cross entropy (logits, per-token)"))
     if D.recompute == "selective":
-        mlp = ("MLP input", "GeLU input", "fc2 input", "gate/up output", "SiLU output", "down input", "gate/up weight copy")
+        mlp = ("MLP input", "GeLU input", "fc2 input", "gate/up output", "down input", "gate/up weight copy")
         freed += sum(v for k, v in per_layer.items() if k in mlp)
     return ChunkActivations(layers=len(chunks[chunk]), per_layer=per_layer, extra=extra, shared=shared,
                             transient=transient, freed=freed)
