@@ -290,7 +290,7 @@ def test_efficient_kernel_dense_and_packed(monkeypatch: pytest.MonkeyPatch, head
 
 def test_efficient_self_check_accepts_a_correct_kernel_and_rejects_a_wrong_one(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    check = kernels._efficient_checked.__wrapped__  # uncached: the check itself, on CPU stand-ins
+    check = kernels._efficient_check  # uncached: the check itself, on CPU stand-ins
     monkeypatch.setattr(fused, "_efficient_ops", fake_efficient_ops())
     with caplog.at_level(logging.INFO, logger="megatron_sp"):
         assert check(torch.device("cpu"), torch.float32)
@@ -350,3 +350,14 @@ def test_gpu_document_blocks_match_reference(sample: str, dtype: torch.dtype) ->
         bound = 3e-2 if dtype == torch.bfloat16 else 1e-4
         for got, want in zip((out, lse, *grads), (*ref, *ref_grads)):
             assert err(got.cpu(), want.double().cpu()) <= bound
+
+
+def test_efficient_self_check_ignores_the_callers_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first block may arrive inside bf16 autocast (training): the check must still compare in fp32."""
+    monkeypatch.setattr(fused, "_efficient_ops", fake_efficient_ops())
+    kernels._efficient_checked.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert kernels._efficient_checked(torch.device("cpu"), torch.float32)
+    finally:
+        kernels._efficient_checked.cache_clear()
