@@ -117,9 +117,9 @@ def _spans(starts: list[int], lengths: list[int], b: int,
 
 
 def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
-         packed: bool = False) -> list[Group] | list[Packed]:
-    """The pieces of a block, batched (``Group``) or ``packed``: positions ``[b, sq]``/``[b, sk]``, documents the
-    same or None. A group never holds a query row twice."""
+         packed: bool = False, device: torch.device | None = None) -> list[Group] | list[Packed]:
+    """The pieces of a block, batched (``Group``) or ``packed`` (its tensors on ``device``, default the positions'):
+    positions ``[b, sq]``/``[b, sk]``, documents the same or None. A group never holds a query row twice."""
     b, sq = q_pos.shape
     sk = k_pos.shape[1]
     shapes: dict[tuple[bool, int, int, int], list[tuple[int, int, int, int, int]]] = {}
@@ -138,7 +138,7 @@ def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k
             continue
         q_index, q_seq, q_offset, cu_q = _spans(qi, qn, b, bi)
         k_index, _, _, cu_k = _spans(ki, kn, b, bi)
-        dev = q_pos.device
+        dev = device or q_pos.device
         groups.append(Packed(causal, q_index.to(dev), k_index.to(dev), cu_q.to(dev), cu_k.to(dev), max(qn), max(kn),
                              q_seq.to(dev), q_offset.to(dev)))
     return groups

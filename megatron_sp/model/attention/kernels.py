@@ -200,7 +200,7 @@ def _run_efficient(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    masked: bool) -> tuple[torch.Tensor, ...]:
     """out, lse, dq, dk, dv of one block on the efficient kernel (varlen for ``masked``), scale 1/4."""
     if masked:
-        groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=True)
+        groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=True, device=q.device)
         run_f, run_b = _document_runners("efficient", 0.25)
         out, lse = documents.forward(q, k, v, groups, torch.float32, run_f)
         return out, lse, *documents.backward(dout, q, k, v, out, lse, groups, torch.float32, run_b)
@@ -248,7 +248,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
         if name == "documents":
             piece = piece_kernel(q)
-            groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=piece in VARLEN)
+            groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=piece in VARLEN, device=q.device)
             return documents.forward(q, k, v, groups, compute_dtype(q.dtype), _document_runners(piece, scale)[0])
         if name == "reference":
             return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc), scale)
@@ -269,7 +269,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     with torch.autocast(q.device.type, enabled=False):  # fp32 gradients from the fp32 lse, also inside autocast
         if name == "documents":
             piece = piece_kernel(q)
-            groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=piece in VARLEN)
+            groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=piece in VARLEN, device=q.device)
             return documents.backward(dout, q, k, v, out, lse, groups, dtype, _document_runners(piece, scale)[1])
         if name == "reference":
             return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc), scale)
