@@ -192,11 +192,11 @@ def flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # written in place
-    if _flash_attn_varlen_lse_padded(q.device):
-        lse = _pad_lse(lse, group, group.max_q)
+    padded = _flash_attn_varlen_lse_padded(q.device)
+    lse = _pad_lse(lse, group, group.max_q) if padded else dense(lse.t(), torch.float32)  # the forward's layout
     _flash_attn_call(_flash_attn_ops().varlen_backward, dout=dout.to(q.dtype).contiguous(), q=q, k=k, v=v,
-                     out=out.to(q.dtype).contiguous(), softmax_lse=dense(lse.t(), torch.float32) if lse.dim() == 2
-                     else lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=group.cu_q, cu_seqlens_k=group.cu_k,
+                     out=out.to(q.dtype).contiguous(), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                     cu_seqlens_q=group.cu_q, cu_seqlens_k=group.cu_k,
                      max_seqlen_q=group.max_q, max_seqlen_k=group.max_k, dropout_p=0.0, softmax_scale=scale,
                      causal=group.causal)
     return dense(dq, torch.float32), dense(dk, torch.float32), dense(dv, torch.float32)
