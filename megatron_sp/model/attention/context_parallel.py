@@ -7,7 +7,7 @@ input dtype. cp == 1 with packed documents uses the local path. Theory: docs/att
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +38,9 @@ class AttentionMeta:
     ring_group: Any = None
     chunks: int | None = None
     """Chunks per rank's block classified separately (default: 2 for the zigzag layout, else 1)."""
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
+    """Per micro-batch, shared by every layer's forward and backward: each block's chunk pairs, kinds and
+    document plans (keyed by the position tensors this object holds, which stay alive with it)."""
 
     @staticmethod
     def build(token_index: torch.Tensor, document_ids: torch.Tensor | None, algo: str, group: Any,
@@ -101,32 +104,39 @@ def _cols(x: torch.Tensor | None, cols: slice) -> torch.Tensor | None:
 
 
 def _chunk_pairs(q_pos: torch.Tensor, q_doc: torch.Tensor | None, k_pos: torch.Tensor, k_doc: torch.Tensor | None,
-                 parts: int) -> Iterator[tuple[slice, slice, tuple, str]]:
-    """``(query rows, key rows, (q_pos, k_pos, q_doc, k_doc), kind)`` of each pair of a block's ``parts`` query
-    and key chunks, classified apart, that some query sees."""
-    sq, sk = q_pos.shape[1] // parts, k_pos.shape[1] // parts
-    for i in range(parts):
-        qs = slice(i * sq, (i + 1) * sq)
-        for j in range(parts):
-            ks = slice(j * sk, (j + 1) * sk)
-            ids = (q_pos[:, qs], k_pos[:, ks], _cols(q_doc, qs), _cols(k_doc, ks))
-            kind = kernels.classify(*ids)
-            if kind != "empty":
-                yield qs, ks, ids, kind
+                 parts: int, cache: dict) -> list[tuple[slice, slice, tuple, str, dict]]:
+    """``(query rows, key rows, (q_pos, k_pos, q_doc, k_doc), kind, memo)`` of each pair of a block's ``parts``
+    query and key chunks, classified apart, that some query sees; ``memo`` keeps the pair's document plan. Found
+    once per micro-batch: ``cache`` is the meta's, and the positions are tensors the meta holds."""
+    key = (id(q_pos), id(k_pos), parts)
+    if key not in cache:
+        sq, sk = q_pos.shape[1] // parts, k_pos.shape[1] // parts
+        pairs = []
+        for i in range(parts):
+            qs = slice(i * sq, (i + 1) * sq)
+            for j in range(parts):
+                ks = slice(j * sk, (j + 1) * sk)
+                ids = (q_pos[:, qs], k_pos[:, ks], _cols(q_doc, qs), _cols(k_doc, ks))
+                kind = kernels.classify(*ids)
+                if kind != "empty":
+                    pairs.append((qs, ks, ids, kind, {}))
+        cache[key] = pairs
+    return cache[key]
 
 
 class _Accumulator:
     """The merged (out, lse) of this rank's query chunks over the key blocks seen so far (fp32)."""
 
     def __init__(self, q: torch.Tensor, q_pos: torch.Tensor, q_doc: torch.Tensor | None, parts: int,
-                 scale: float) -> None:
-        self.q, self.q_pos, self.q_doc, self.parts, self.scale = q, q_pos, q_doc, parts, scale
+                 scale: float, cache: dict) -> None:
+        self.q, self.q_pos, self.q_doc, self.parts, self.scale, self.cache = q, q_pos, q_doc, parts, scale, cache
         self.acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # first row of a query chunk -> (out, lse)
 
     def add(self, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor | None) -> None:
         """Attend every query chunk to every chunk of this key block (skipping pairs no query sees)."""
-        for qs, ks, ids, kind in _chunk_pairs(self.q_pos, self.q_doc, k_pos, k_doc, self.parts):
-            out, lse = kernels.attention_forward(self.q[qs], k[ks], v[ks], *ids, scale=self.scale, kind=kind)
+        for qs, ks, ids, kind, memo in _chunk_pairs(self.q_pos, self.q_doc, k_pos, k_doc, self.parts, self.cache):
+            out, lse = kernels.attention_forward(self.q[qs], k[ks], v[ks], *ids, scale=self.scale, kind=kind,
+                                                 memo=memo)
             prev = self.acc.get(qs.start)
             self.acc[qs.start] = (out, lse) if prev is None else kernels.merge(prev[0], prev[1], out, lse)
 
@@ -139,16 +149,16 @@ class _Accumulator:
 
 def _block_backward(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_pos: torch.Tensor,
                     q_doc: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
-                    k_doc: torch.Tensor | None, parts: int, scale: float
+                    k_doc: torch.Tensor | None, parts: int, scale: float, cache: dict
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq share, dk, dv) of one key block, in fp32, chunk pair by chunk pair (empty pairs skipped)."""
     dtype = kernels.compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
-    for qs, ks, ids, kind in _chunk_pairs(q_pos, q_doc, k_pos, k_doc, parts):
+    for qs, ks, ids, kind, memo in _chunk_pairs(q_pos, q_doc, k_pos, k_doc, parts, cache):
         gq, gk, gv = kernels.attention_backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, :, qs], *ids,
-                                                scale=scale, kind=kind)
+                                                scale=scale, kind=kind, memo=memo)
         dq[qs] += gq
         dk[ks] += gk
         dv[ks] += gv
@@ -173,7 +183,7 @@ def _ring_steps(k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward: K,V passed to the next rank, compute overlapping; fp32 (out, lse)."""
-    acc = _Accumulator(q, meta.positions[meta.rank], meta.doc(meta.rank), meta.parts, scale)
+    acc = _Accumulator(q, meta.positions[meta.rank], meta.doc(meta.rank), meta.parts, scale, meta.cache)
     for kb, vb, src in _ring_steps(k, v, meta):
         acc.add(kb, vb, meta.positions[src], meta.doc(src))
     return acc.result()
@@ -186,7 +196,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq = dkv = None  # dkv: the fp32 accumulator of the block held now; it travels with the block
     for kb, vb, src in _ring_steps(k, v, meta):
         gq, gk, gv = _block_backward(dout, q, out, lse, meta.positions[rank], meta.doc(rank), kb, vb,
-                                     meta.positions[src], meta.doc(src), meta.parts, scale)
+                                     meta.positions[src], meta.doc(src), meta.parts, scale, meta.cache)
         dq = gq if dq is None else dq + gq
         mine = torch.stack([gk, gv])
         dkv = mine if dkv is None else dkv + mine
@@ -226,7 +236,7 @@ def _llama3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     outs, lses = [], []
     for heads, kv in _gathered_heads(k, v, meta):
         acc = _Accumulator(q[:, :, heads.start * r:heads.stop * r], meta.positions[meta.rank], meta.doc(meta.rank),
-                           meta.parts, scale)
+                           meta.parts, scale, meta.cache)
         for src in range(meta.size):
             block = kv[src * s:(src + 1) * s]
             acc.add(block[:, 0], block[:, 1], meta.positions[src], meta.doc(src))
@@ -253,7 +263,7 @@ def _llama3_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
             rows = slice(src * s, (src + 1) * s)
             gq, gk, gv = _block_backward(dout[:, :, qh], q[:, :, qh], out[:, :, qh], lse[:, qh], meta.positions[rank],
                                          meta.doc(rank), kv[rows, 0], kv[rows, 1], meta.positions[src],
-                                         meta.doc(src), meta.parts, scale)
+                                         meta.doc(src), meta.parts, scale, meta.cache)
             dq[:, :, qh] += gq
             dkv[rows, 0] += gk
             dkv[rows, 1] += gv
@@ -267,16 +277,19 @@ def _llama3_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 
 def _whole_sequence(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """Positions and documents of every rank's tokens in rank order, and the chunks to classify apart."""
-    doc = None if meta.documents is None else torch.cat(meta.documents, 1)
-    return torch.cat(meta.positions, 1), doc, meta.size * meta.parts
+    """Positions and documents of every rank's tokens in rank order, and the chunks to classify apart (made once
+    per meta, so that ``_chunk_pairs`` finds them in its cache)."""
+    if "whole" not in meta.cache:
+        doc = None if meta.documents is None else torch.cat(meta.documents, 1)
+        meta.cache["whole"] = torch.cat(meta.positions, 1), doc, meta.size * meta.parts
+    return meta.cache["whole"]
 
 
 def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of queries over keys that both cover the whole sequence: fp32 (out, lse)."""
     pos, doc, parts = _whole_sequence(meta)
-    acc = _Accumulator(q, pos, doc, parts, scale)
+    acc = _Accumulator(q, pos, doc, parts, scale, meta.cache)
     acc.add(k, v, pos, doc)
     return acc.result()
 
@@ -284,7 +297,7 @@ def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atte
 def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, meta: AttentionMeta, scale: float) -> tuple[torch.Tensor, ...]:
     pos, doc, parts = _whole_sequence(meta)
-    return _block_backward(dout.contiguous(), q, out, lse, pos, doc, k, v, pos, doc, parts, scale)
+    return _block_backward(dout.contiguous(), q, out, lse, pos, doc, k, v, pos, doc, parts, scale, meta.cache)
 
 
 _PASSES = {"ring": (_ring_forward, _ring_backward), "zigzag": (_ring_forward, _ring_backward),

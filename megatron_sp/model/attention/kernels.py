@@ -237,18 +237,19 @@ def observe(callback: BlockObserver) -> Iterator[None]:
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                       q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, *,
-                      scale: float | None = None, kind: str | None = None,
-                      kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float | None = None, kind: str | None = None, kernel: str | None = None,
+                      memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over one key block: ``(out [sq, b, n, d], lse [b, n, sq])``, fp32 (fp64 for
     fp64 inputs) and contiguous, so callers ``merge`` without rounding; a row that sees no key: out 0, lse −inf.
-    ``kind``: the ``classify`` result if the caller has it; ``kernel`` forces a kernel."""
+    ``kind``: the ``classify`` result if the caller has it; ``kernel`` forces a kernel; ``memo``: a dict the caller
+    keeps for this block's positions, in which a document plan is made once for every later call."""
     name, causal, scale = _prepare("forward", q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
     if name is None:
         return empty_result(q)
     with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
         if name == "documents":
             piece = piece_kernel(q)
-            groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=piece in VARLEN, device=q.device)
+            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, piece in VARLEN, memo)
             return documents.forward(q, k, v, groups, compute_dtype(q.dtype), _document_runners(piece, scale)[0])
         if name == "reference":
             return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc), scale)
@@ -258,10 +259,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
                        k_doc: torch.Tensor | None = None, *, scale: float | None = None, kind: str | None = None,
-                       kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       kernel: str | None = None, memo: dict | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ONE key block given the FINAL ``out``/``lse`` over all key blocks: contiguous
     ``(dq [sq, b, n, d], dk [sk, b, g, d], dv [sk, b, g, d])`` in fp32 (fp64 for fp64 inputs), dk/dv summed over
-    the query heads of each kv head. ``dq`` is this block's share (the caller sums over key blocks)."""
+    the query heads of each kv head. ``dq`` is this block's share (the caller sums over key blocks). ``memo``: as
+    in ``attention_forward``."""
     name, causal, scale = _prepare("backward", q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
     dtype = compute_dtype(q.dtype)
     if name is None:
@@ -269,11 +272,23 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     with torch.autocast(q.device.type, enabled=False):  # fp32 gradients from the fp32 lse, also inside autocast
         if name == "documents":
             piece = piece_kernel(q)
-            groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=piece in VARLEN, device=q.device)
+            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, piece in VARLEN, memo)
             return documents.backward(dout, q, k, v, out, lse, groups, dtype, _document_runners(piece, scale)[1])
         if name == "reference":
             return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc), scale)
         return DENSE[name][1](dout, q, k, v, out, lse, scale, causal)
+
+
+def _plan(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
+          k_doc: torch.Tensor | None, packed: bool, memo: dict | None) -> list:
+    """The block's document plan on ``q``'s device, from ``memo`` when it has one of this form."""
+    key = ("documents", packed, q.device)
+    if memo is not None and key in memo:
+        return memo[key]
+    groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=packed, device=q.device)
+    if memo is not None:
+        memo[key] = groups
+    return groups
 
 
 def _dense_mask(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
