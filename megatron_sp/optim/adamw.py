@@ -65,18 +65,18 @@ def clip_(grad_pieces: list[torch.Tensor], norm: torch.Tensor, clip: float) -> N
         torch._foreach_mul_(grad_pieces, coeff.to(torch.float32))
 
 
-def adamw_(cfg: TrainConfig, lr: float, step: int, grads: list[torch.Tensor], avgs: list[torch.Tensor],
-           avg_sqs: list[torch.Tensor], masters: list[torch.Tensor], decay_views: list[torch.Tensor]) -> None:
-    """One AdamW update (``step`` counted from 1) of the masters, in place: torch's arithmetic, per flat piece."""
-    beta1, beta2, eps = cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps
-    if not grads:
-        return
-    if decay_views and lr * cfg.weight_decay != 0:
-        torch._foreach_mul_(decay_views, 1 - lr * cfg.weight_decay)
-    step_size = lr / (1 - beta1 ** step)
-    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
-    for g, m, v, w in zip(grads, avgs, avg_sqs, masters):
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)  # temporary: one bucket chunk
-        w.addcdiv_(m, denom, value=-step_size)
+AdamGroup = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+"""Views of owned runs, one list each: fp32 masters, grads, exp_avg, exp_avg_sq."""
+
+
+def adamw_(cfg: TrainConfig, lr: float, step: int, groups: dict[bool, AdamGroup]) -> None:
+    """One AdamW update (``step`` counted from 1) of the masters, in place, by torch's fused kernel (the arithmetic
+    of ``torch.optim.AdamW(fused=True)``: one pass, no temporaries); ``groups``: {decays: views}, weight decay
+    applied to the ``True`` group only."""
+    for decays, (masters, grads, avgs, avg_sqs) in groups.items():
+        if not masters:
+            continue
+        steps = [torch.tensor(float(step), device=masters[0].device)] * len(masters)  # read, never written
+        torch._fused_adamw_(masters, grads, avgs, avg_sqs, [], steps, lr=lr, beta1=cfg.adam_beta1,
+                            beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay if decays else 0.0,
+                            eps=cfg.adam_eps, amsgrad=False, maximize=False)

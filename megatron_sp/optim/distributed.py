@@ -12,7 +12,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import DataError
 from ..mpu import ParallelState
-from .adamw import NormBatches, adamw_, clip_, global_norm
+from .adamw import AdamGroup, NormBatches, adamw_, clip_, global_norm
 from .reducer import GradReducer
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -32,12 +32,19 @@ class DistributedOptimizer(GradReducer):
         n_local = self.shard_numel
         self.exp_avg = torch.zeros(n_local, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros(n_local, dtype=torch.float32, device=self.device)
-        # per-bucket views of the owned moments, and the runs AdamW and the norm touch
-        pieces = [(b.local_start, b.shard_numel) for b in self._buckets]
-        self._avg_pieces = [self.exp_avg[lo:lo + c] for lo, c in pieces]
-        self._avg_sq_pieces = [self.exp_avg_sq[lo:lo + c] for lo, c in pieces]
-        self._decay_views = [self._master_view(a, b) for a, b in self._runs(lambda i: i.decay)]
+        # AdamW's two weight-decay groups as runs of owned elements, and the runs the norm reads
+        self._adam = {decays: self._views(self._runs(lambda i, d=decays: i.decay == d)) for decays in (True, False)}
         self._norm = NormBatches([self.grad_buffer[a:b] for a, b in self._runs(lambda i: i.in_norm)], self.device)
+
+    def _views(self, runs: list[tuple[int, int]]) -> AdamGroup:
+        """(masters, grads, exp_avg, exp_avg_sq) views of the owned global intervals ``runs``."""
+        group: AdamGroup = ([], [], [], [])
+        for a, b in runs:
+            lo, hi = self._to_local(a, b)
+            for views, view in zip(group, (self._master_view(a, b), self.grad_buffer[a:b], self.exp_avg[lo:hi],
+                                           self.exp_avg_sq[lo:hi])):
+                views.append(view)
+        return group
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm (fp64 scalar) of the reduced gradients, each element counted once (collective)."""
@@ -55,8 +62,7 @@ class DistributedOptimizer(GradReducer):
             return norm_value, False
         clip_(self._grad_pieces, norm, clip)
         self.step_count += 1
-        adamw_(self.cfg, lr, self.step_count, self._grad_pieces, self._avg_pieces, self._avg_sq_pieces,
-               self._master_pieces, self._decay_views)
+        adamw_(self.cfg, lr, self.step_count, self._adam)
         self.publish_params()
         return norm_value, True
 

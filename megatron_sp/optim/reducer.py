@@ -170,10 +170,7 @@ class GradReducer:
                 p.main_grad = self.grad_buffer[info.start:info.end].view_as(p)
                 p.grad = None
 
-        # per-bucket views of the owned elements
-        owned = [(b.shard_start, b.shard_numel) for b in self._buckets]
-        self._grad_pieces = [self.grad_buffer[g:g + c] for g, c in owned]
-        self._master_pieces = [self._master_view(g, g + c) for g, c in owned]
+        self._grad_pieces = [self.grad_buffer[b.shard_start:b.shard_start + b.shard_numel] for b in self._buckets]  # owned
         self._sp_params = [i.param for i in self._params if getattr(i.param, "sequence_parallel", False)]
 
     def _runs(self, keep: Callable[[_Param], bool]) -> list[tuple[int, int]]:

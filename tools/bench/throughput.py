@@ -14,9 +14,12 @@ import torch
 
 from common import DTYPES, gpt_config, parser, print_json, wall_cpu
 from megatron_sp import device
-from megatron_sp.config.schema import ModelConfig
+from megatron_sp.config.schema import ModelConfig, TrainConfig
 from megatron_sp.model import GPTModel, flops_per_token
 from megatron_sp.model.hf_names import build_hf_model
+from megatron_sp.optim import DistributedOptimizer, named_trainable
+
+LR = 1e-4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,23 +36,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def model_config(args: argparse.Namespace, arch: str) -> ModelConfig:
-    """A finalized ModelConfig for ``arch`` from the flags (derived sizes from the config loader)."""
-    return gpt_config(args, arch=arch, num_kv_heads=args.kv_heads if arch == "llama" else None,
-                      ffn_hidden_size=args.ffn).model
+def configs(args: argparse.Namespace, arch: str) -> tuple[ModelConfig, TrainConfig]:
+    """The finalized model config for ``arch`` from the flags (derived sizes from the config loader), and the
+    default train config (AdamW, clipping)."""
+    cfg = gpt_config(args, arch=arch, num_kv_heads=args.kv_heads if arch == "llama" else None, ffn_hidden_size=args.ffn)
+    return cfg.model, cfg.train
 
 
-def make_step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], float]:
-    """One training step (forward under autocast for bf16, backward, fused AdamW) as a closure."""
+def make_step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], dtype: torch.dtype,
+              train: TrainConfig) -> Callable[[], float]:
+    """One training step as each project runs it, as a closure: forward under autocast for bf16, backward, the
+    global norm clipped to ``train.clip_grad``, AdamW. Ours: train.py's ``DistributedOptimizer`` (bf16: bf16
+    parameters, fp32 masters and gradient accumulation); HF: the Trainer's fp32 parameters and torch's fused
+    AdamW (decay on matrices only, as ours)."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    bf16 = dtype == torch.bfloat16
+    if isinstance(model, GPTModel):
+        ours = DistributedOptimizer(named_trainable(model), train, None, precision="bf16" if bf16 else "fp32")
+        zero_grad, update = ours.zero_grad, lambda: ours.step(LR)
+    else:
+        groups = [{"params": [p for p in model.parameters() if (p.ndim >= 2) == decays],
+                   "weight_decay": train.weight_decay if decays else 0.0} for decays in (True, False)]
+        hf = torch.optim.AdamW(groups, lr=LR, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+                               fused=True)
+
+        def zero_grad() -> None:
+            hf.zero_grad(set_to_none=True)
+
+        def update() -> None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.clip_grad)
+            hf.step()
 
     def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = loss_fn()
         loss.backward()
-        opt.step()
+        update()
         return float(loss.detach())
 
     return step
@@ -64,7 +87,7 @@ def best_peak_flops(dtype: torch.dtype, tries: int = 5) -> float:
 def bench_one(args: argparse.Namespace, arch: str, dtype_name: str) -> dict:
     """Tokens/s of ours (and HF) for one (arch, dtype)."""
     dtype = DTYPES[dtype_name]
-    cfg = model_config(args, arch)
+    cfg, train = configs(args, arch)
     ours = GPTModel(cfg, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
@@ -79,7 +102,7 @@ def bench_one(args: argparse.Namespace, arch: str, dtype_name: str) -> dict:
         if args.compile:
             models["hf_compiled"] = build_hf_model(cfg, ours.state_dict())
             models["hf_compiled"].compile()
-    steps = {name: make_step(model, loss_closure(model, tokens, labels), dtype) for name, model in models.items()}
+    steps = {name: make_step(model, loss_closure(model, tokens, labels), dtype, train) for name, model in models.items()}
     first: dict[str, float] = {}
     for name, step in steps.items():
         first[name] = wall_cpu(step)[0]  # compiled models compile here
