@@ -427,8 +427,9 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     g = k.shape[2]
     r = n // g
     q_grouped = q.permute(1, 2, 0, 3).reshape(b * g, r * s, d)  # [b·g, r·s, d]
-    k_grouped = k.permute(1, 2, 0, 3).reshape(b * g, s, d)  # [b·g, s, d]
-    v_grouped = v.permute(1, 2, 0, 3).reshape(b * g, s, d)  # [b·g, s, d]
+    # k and v made contiguous here: bmm's own copies of these strided views are slower (same bits)
+    k_grouped = k.permute(1, 2, 0, 3).reshape(b * g, s, d).contiguous()  # [b·g, s, d]
+    v_grouped = v.permute(1, 2, 0, 3).reshape(b * g, s, d).contiguous()  # [b·g, s, d]
     bias = _causal_bias(s, r, q.dtype, q.device)  # [r·s, s]
     scores = torch.baddbmm(bias, q_grouped, k_grouped.transpose(1, 2), alpha=1.0 / math.sqrt(d))  # [b·g, r·s, s]
     probs = torch.softmax(scores, dim=-1)
