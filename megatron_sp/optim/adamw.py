@@ -76,7 +76,7 @@ def adamw_(cfg: TrainConfig, lr: float, step: int, groups: dict[bool, AdamGroup]
     for decays, (masters, grads, avgs, avg_sqs) in groups.items():
         if not masters:
             continue
-        steps = [torch.tensor(float(step), device=masters[0].device)] * len(masters)  # read, never written
+        steps = [torch.tensor(float(step), dtype=torch.float32, device=masters[0].device)] * len(masters)  # read only
         torch._fused_adamw_(masters, grads, avgs, avg_sqs, [], steps, lr=lr, beta1=cfg.adam_beta1,
                             beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay if decays else 0.0,
                             eps=cfg.adam_eps, amsgrad=False, maximize=False)
