@@ -336,12 +336,15 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.grad_accum_steps {t.grad_accum_steps} != global_batch_size / (micro_batch_size·dp) "
                           f"= {t.global_batch_size} / {per_step} = {accum}; drop one of them")
     t.grad_accum_steps = accum
-    if t.lr_decay_iters is None:
+    derived = t.lr_decay_iters is None
+    if derived:
         t.lr_decay_iters = t.iters
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr {t.min_lr} must not exceed train.lr {t.lr}")
     if t.lr_warmup_iters > t.lr_decay_iters:
-        raise ConfigError(f"train.lr_warmup_iters {t.lr_warmup_iters} must not exceed train.lr_decay_iters {t.lr_decay_iters}")
+        raise ConfigError(f"train.lr_warmup_iters {t.lr_warmup_iters} must not exceed train.lr_decay_iters "
+                          f"{t.lr_decay_iters}{' (= train.iters)' if derived else ''}; set train.lr_warmup_iters "
+                          f"<= {t.lr_decay_iters} or train.lr_decay_iters >= {t.lr_warmup_iters}")
 
     # --- data / tokenizer ---
     if d.build_demo:
