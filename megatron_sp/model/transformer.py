@@ -57,7 +57,7 @@ def arch_spec(arch: str) -> ArchSpec:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary (HF's ``rotate_half``) on the first ``rd = cos.shape[-1]`` dims of ``x [..., d]``; the
     rest pass. ``x·cos``, then each half adds the other half times its part of the (signed) sin in place: no
-    swapped copy of ``x`` (a ``flip`` of the strided q/k views cost 5× this on CPU)."""
+    swapped copy of ``x`` (a ``flip`` of the strided q/k views cost 2–6× this on CPU)."""
     rd, d = cos.shape[-1], x.shape[-1]
     h = rd // 2
     x_rot = x if rd == d else x[..., :rd]
@@ -84,11 +84,13 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def _unrotate_into(out: torch.Tensor, dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """``out = ∂(apply_rotary)/∂x applied to dy``: ``dy·cos + flip(dy·sin)`` on the rotary dims (the swap is its
-    own transpose), ``dy`` on the rest; each element the same product and sum as autograd's, so the same bits."""
+    """``out = ∂(apply_rotary)/∂x applied to dy``: ``dy·cos``, then each half adds the other half's ``dy·sin`` (the
+    swap is its own transpose); ``dy`` on the rest. The products and sums of autograd's backward, so its bits."""
     rd = cos.shape[-1]
+    h = rd // 2
     torch.mul(dy[..., :rd], cos, out=out[..., :rd])
-    out[..., :rd].add_((dy[..., :rd] * sin).unflatten(-1, (2, rd // 2)).flip(-2).flatten(-2))
+    out[..., :h].add_(dy[..., h:rd] * sin[..., h:])
+    out[..., h:rd].add_(dy[..., :h] * sin[..., :h])
     if rd != dy.shape[-1]:
         out[..., rd:] = dy[..., rd:]
 
