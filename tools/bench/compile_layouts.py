@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import names, parser, print_json
+from common import CONFIG_KEYS, names, parser, print_json
 from megatron_sp.config import TokenizerConfig
 from megatron_sp.data import build_tokenizer
 from megatron_sp.data.corpus import make_demo_corpus
@@ -49,9 +49,9 @@ def byte_dataset(directory: Path, samples: int, seq: int) -> str:
 def overrides(args: argparse.Namespace, layout: str, dtype: str, data: str, run_dir: Path) -> list[str]:
     """train.py's overrides for one run: the model of the flags, the vocabulary padded to ``--vocab`` rows."""
     tp = next((int(x.split("=")[1]) for x in layout.split() if x.startswith("parallel.tp=")), 1)
-    return [f"model.arch={args.arch}", f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
-            f"model.num_heads={args.heads}", f"model.seq_length={args.seq}",
-            f"model.make_vocab_size_divisible_by={args.vocab // tp}", "tokenizer.type=byte",
+    model = [f"model.{key}={getattr(args, flag)}" for flag, key in CONFIG_KEYS.items()
+             if getattr(args, flag, None) is not None]
+    return [*model, f"model.make_vocab_size_divisible_by={args.vocab // tp}", "tokenizer.type=byte",
             f"data.paths=[{data}]", f"data.cache_dir={Path(data).parent}/cache", "data.build_demo=false",
             f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.global_batch}",
             f"train.iters={args.iters}", f"train.lr_warmup_iters={min(2, args.iters)}", f"train.seed={args.seed}",
