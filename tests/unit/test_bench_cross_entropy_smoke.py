@@ -38,3 +38,15 @@ def test_cross_entropy_tiny(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["ours_peak_bytes"] < r["torch_peak_bytes"]
         for key in ("time_ratio", "cpu_ratio", "peak_ratio"):
             assert math.isfinite(r[key]) and r[key] > 0, (key, r[key])
+
+
+def test_cross_entropy_padding(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--padding``: the loss still matches torch's on the real columns, and the one fp32 chunk temporary spans only
+    the real columns (bf16: peak = the bf16 gradient + a [tokens, real] fp32 chunk)."""
+    cross_entropy.main([*TINY[:-6], "--padding", "250", "--reps", "1", "--warmup", "0", "--threads", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["padding"] == 250 and all(r["padding"] == 250 for r in report["rows"])
+    for r in report["rows"]:
+        assert r["loss_max_abs_diff"] < 1e-4
+        if r["dtype"] == "bf16":
+            assert r["ours_peak_bytes"] <= r["logits_bytes"] + 4 * r["tokens"] * 50 + 64 * r["tokens"]

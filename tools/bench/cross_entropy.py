@@ -21,6 +21,8 @@ from megatron_sp.mpu import layers as ce
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__, seq=512, batch=2, seed=1234, reps=3, warmup=1)
     p.add_argument("--vocab-local", type=int, default=25216, help="V/t, this rank's vocabulary slice")
+    p.add_argument("--padding", type=int, default=0,
+                   help="of those, the last columns that are vocabulary padding (model.padded_vocab_size − vocab_size)")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {','.join(DTYPES)}")
     p.add_argument("--chunks", default=str(ce.CHUNK_ELEMENTS),
                    help="comma-separated CHUNK_ELEMENTS values to measure (logits per chunk)")
@@ -30,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--dtypes: choose from {', '.join(DTYPES)}")
     if min(args.seq, args.batch, args.vocab_local, args.reps, *ints(args.chunks)) < 1 or args.warmup < 0:
         raise SystemExit("--seq, --batch, --vocab-local, --reps and --chunks must be >= 1, --warmup >= 0")
+    if not 0 <= args.padding < args.vocab_local:
+        raise SystemExit("--padding must be >= 0 and below --vocab-local (at least one real column)")
     return args
 
 
@@ -54,15 +58,16 @@ def step(loss_fn: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor) 
 def measure(args: argparse.Namespace, dtype_name: str, chunk: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(args.seed)
     logits = (torch.randn(args.seq, args.batch, args.vocab_local, generator=g) * 2).to(DTYPES[dtype_name])
-    target = torch.randint(0, args.vocab_local, (args.seq, args.batch), generator=g)
+    real = args.vocab_local - args.padding  # padded columns are outside the softmax: torch gets the real ones
+    target = torch.randint(0, real, (args.seq, args.batch), generator=g)
     variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "ours": lambda x: ce.vocab_parallel_cross_entropy(x, target, None),
-        "torch": lambda x: F.cross_entropy(x.float().flatten(0, 1), target.flatten(), reduction="none"),
+        "ours": lambda x: ce.vocab_parallel_cross_entropy(x, target, None, vocab_size=real),
+        "torch": lambda x: F.cross_entropy(x[..., :real].float().flatten(0, 1), target.flatten(), reduction="none"),
     }
     with torch.no_grad(), ce.chunk_size(chunk):
         diff = (variants["ours"](logits) - variants["torch"](logits).view(args.seq, args.batch)).abs().max().item()
     row: dict[str, Any] = {"dtype": dtype_name, "tokens": args.seq * args.batch, "v_local": args.vocab_local,
-                           "chunk_elements": chunk, "logits_bytes": logits.nbytes, "loss_max_abs_diff": diff}
+                           "padding": args.padding, "chunk_elements": chunk, "logits_bytes": logits.nbytes, "loss_max_abs_diff": diff}
     with ce.chunk_size(chunk):
         for name, fn in variants.items():
             for key, value in memory(fn, logits).items():
@@ -82,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [measure(args, d, c) for d in names(args.dtypes) for c in ints(args.chunks)]
-    print(f"cross entropy, logits [s {args.seq}, b {args.batch}, V/t {args.vocab_local}], {args.threads} threads, "
+    print(f"cross entropy, logits [s {args.seq}, b {args.batch}, V/t {args.vocab_local}], {args.padding} of them "
+          f"padding, {args.threads} threads, "
           f"median of {args.reps}; MiB and ms")
     head = ("dtype", "chunk", "logits", "saved ours", "saved torch", "peak ours", "peak torch", "ms ours", "ms torch",
             "cpu ms ours", "cpu ms torch", "Δloss")
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  f"{r['ours_s'] * 1e3:.0f}", f"{r['torch_s'] * 1e3:.0f}", f"{r['ours_cpu_s'] * 1e3:.0f}",
                  f"{r['torch_cpu_s'] * 1e3:.0f}", f"{r['loss_max_abs_diff']:.1e}")
         print(" | ".join(f"{c:>12}" for c in cells))
-    result = {"seq": args.seq, "batch": args.batch, "v_local": args.vocab_local, "threads": args.threads,
+    result = {"seq": args.seq, "batch": args.batch, "v_local": args.vocab_local, "padding": args.padding,
+              "threads": args.threads,
               "reps": args.reps, "rows": rows}
     print_json("cross_entropy", **result)
     return result
