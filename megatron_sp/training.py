@@ -93,18 +93,11 @@ def setup(cfg: Config) -> Runtime:
 
     tracker = get_tracker()
     init_rng(tracker, cfg.train.seed, state.tp_rank, state.pp_rank)
-    parallel = ParallelContext.from_state(state, cfg)  # its RNG tracker: get_tracker(), seeded above
-    model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, parallel, virtual_stages=cfg.parallel.virtual_stages,
-                                   partition=cfg.parallel.pp_partition, label_smoothing=cfg.train.label_smoothing,
-                                   z_loss=cfg.train.z_loss).to(dev)  # the whole model when pp == 1
-    if cfg.train.compile:
-        model.compile_regions()  # compiled at the first step (logged after the second)
+    model, optimizer = build_model(cfg, state, dev, compiled=cfg.train.compile)
     if state.pp_size > 1:
         stages = "; ".join(f"stage {r}: " + ", ".join(f"{c.start}-{c.stop - 1}" for c in stage_chunks(
             cfg.model, p.pp, r, p.virtual_stages, p.pp_partition)) for r in range(p.pp))
         log.info("pipeline: schedule %s, partition %s, layers %s", p.pp_schedule, p.pp_partition, stages)
-    optimizer = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
-                                     precision=cfg.train.precision)
     t = cfg.train
     scaler = DynamicLossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init,
                                growth_interval=t.loss_scale_window, hysteresis=t.loss_scale_hysteresis)
@@ -128,6 +121,21 @@ def setup(cfg: Config) -> Runtime:
         log.info("resumed from %s at step %d", ckpt, rt.step)
     rt.lineage = checkpointing.Lineage.start(meta, ckpt, cfg.checkpoint.save)
     return rt
+
+
+def build_model(cfg: Config, state: ParallelState, dev: torch.device,
+                compiled: bool) -> tuple[nn.Module, DistributedOptimizer]:
+    """This rank's stage of the model (the whole model when pp == 1) on ``dev``, and its optimizer. ``compiled``:
+    the layers' regions go through torch.compile (at the first step). The RNG tracker must be seeded (``init_rng``)."""
+    p = cfg.parallel
+    parallel = ParallelContext.from_state(state, cfg)  # its RNG tracker: get_tracker()
+    model: nn.Module = build_stage(cfg.model, cfg.train.seed, state, parallel, virtual_stages=p.virtual_stages,
+                                   partition=p.pp_partition, label_smoothing=cfg.train.label_smoothing,
+                                   z_loss=cfg.train.z_loss).to(dev)
+    if compiled:
+        model.compile_regions()
+    return model, DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
+                                       precision=cfg.train.precision)
 
 
 def _rank0_first(rank: int, fn: Callable[[], Any]) -> Any:

@@ -38,3 +38,15 @@ def test_overrides_pad_the_vocabulary_per_tp_rank() -> None:
         items = compile_layouts.overrides(args, layout, "bf16", "/d/x", Path("/r"))
         assert f"model.make_vocab_size_divisible_by={multiple}" in items and "train.precision=bf16" in items
         assert items[len(items) - len(layout.split()):] == layout.split()  # the layout's own keys come last
+
+
+def test_compile_layouts_steps_dp2(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--method steps`` on two gloo ranks (dp2): train.py's setup, the eager and the compiled model side by side,
+    alternating steps; the rates after ``--skip`` of each."""
+    argv = [*TINY[:TINY.index("--layouts")], "--layouts", "dp2:parallel.dp=2", "--method", "steps"]
+    compile_layouts.main(argv)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (row,) = report["results"]
+    assert (row["layout"], row["method"], row["dtype"]) == ("dp2", "steps", "fp32")
+    for key in ("eager_tokens_per_s", "compiled_tokens_per_s", "speedup", "speedup_median"):
+        assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
