@@ -67,7 +67,8 @@ def measure(args: argparse.Namespace, dtype_name: str, chunk: int) -> dict[str, 
     with torch.no_grad(), ce.chunk_size(chunk):
         diff = (variants["ours"](logits) - variants["torch"](logits).view(args.seq, args.batch)).abs().max().item()
     row: dict[str, Any] = {"dtype": dtype_name, "tokens": args.seq * args.batch, "v_local": args.vocab_local,
-                           "padding": args.padding, "chunk_elements": chunk, "logits_bytes": logits.nbytes, "loss_max_abs_diff": diff}
+                           "padding": args.padding, "chunk_elements": chunk, "logits_bytes": logits.nbytes,
+                           "loss_max_abs_diff": diff}
     with ce.chunk_size(chunk):
         for name, fn in variants.items():
             for key, value in memory(fn, logits).items():
@@ -88,8 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     rows = [measure(args, d, c) for d in names(args.dtypes) for c in ints(args.chunks)]
     print(f"cross entropy, logits [s {args.seq}, b {args.batch}, V/t {args.vocab_local}], {args.padding} of them "
-          f"padding, {args.threads} threads, "
-          f"median of {args.reps}; MiB and ms")
+          f"padding, {args.threads} threads, median of {args.reps}; MiB and ms")
     head = ("dtype", "chunk", "logits", "saved ours", "saved torch", "peak ours", "peak torch", "ms ours", "ms torch",
             "cpu ms ours", "cpu ms torch", "Δloss")
     print(" | ".join(f"{h:>12}" for h in head))
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  f"{r['torch_cpu_s'] * 1e3:.0f}", f"{r['loss_max_abs_diff']:.1e}")
         print(" | ".join(f"{c:>12}" for c in cells))
     result = {"seq": args.seq, "batch": args.batch, "v_local": args.vocab_local, "padding": args.padding,
-              "threads": args.threads,
-              "reps": args.reps, "rows": rows}
+              "threads": args.threads, "reps": args.reps, "rows": rows}
     print_json("cross_entropy", **result)
     return result
 
