@@ -90,7 +90,8 @@ def run(args: argparse.Namespace, layout: str, dtype: str, compiled: bool, data:
 def alternating_rank(rank: int, world: int, argv: list[str], steps: int) -> dict[bool, list[float]]:
     """One rank of ``--method steps``: train.py's setup (its eager model), a compiled model and optimizer beside it,
     then ``steps`` of ``training.train_step`` with each, alternating ABBA; seconds of each step by ``compiled``."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # what train.py gives each local rank
+    if world == 1:  # run_distributed gives a rank one thread; train.py leaves one rank torch's default (setup sets
+        torch.set_num_threads(os.cpu_count() or 1)  # cores / local ranks above one rank, as train.py does)
     cfg = config_mod.load([], argv, world_size=world)
     rt = training.setup(cfg)
     models = {False: (rt.model, rt.optimizer), True: training.build_model(cfg, rt.state, rt.device, compiled=True)}
