@@ -212,6 +212,84 @@ def test_attention_kernels_agree_with_hand(n: int, g: int, monkeypatch: pytest.M
             torch.testing.assert_close(grad, ref, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [3, 4, 64])
+@pytest.mark.parametrize("n,g", [(4, 4), (4, 2), (6, 1)])
+def test_block_causal_attention_matches_hand(n: int, g: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU block kernel in fp64: blocks of 3 (uneven: 3+3+3+1), 4 and one block, with GQA; the blocks of the
+    forward are kept for backward even when ``CAUSAL_BLOCK_ROWS`` changes in between (the layer's calls)."""
+    s, b, d = 10, 2, 8
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(s, b, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(s, b, g, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(s, b, g, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    upstream = torch.randn(s, b, n, d, dtype=torch.float64, generator=gen)
+    expected = hand_attention(q, k, v)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), upstream)
+    monkeypatch.setattr(kernels, "CAUSAL_BLOCK_ROWS", rows)
+    monkeypatch.setattr(kernels, "MATH_ATTENTION_DTYPES", (torch.float64,))
+    out = kernels.dot_product_attention(q, k, v)
+    assert type(out.grad_fn).__name__ == "_BlockCausalAttentionBackward"
+    monkeypatch.setattr(kernels, "CAUSAL_BLOCK_ROWS", 5)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    for grad, ref in zip(torch.autograd.grad(out, (q, k, v), upstream), expected_grads):
+        torch.testing.assert_close(grad, ref, atol=1e-12, rtol=0)
+    assert kernels.causal_block_scores(s, rows) == sum((e - a) * e for a, e in kernels.causal_blocks(s, rows))
+    assert kernels.causal_block_scores(s, 3) == 3 * 3 + 3 * 6 + 3 * 9 + 1 * 10
+
+
+def test_block_causal_attention_dropout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With dropout the block kernel equals autograd through the same operations drawing the same random numbers
+    (one ``F.dropout`` per block, in block order), in fp64."""
+    monkeypatch.setattr(kernels, "CAUSAL_BLOCK_ROWS", 5)
+    s, b, n, g, d, p = 23, 2, 4, 2, 8, 0.3
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(s, b, heads, d, dtype=torch.float64, generator=gen, requires_grad=True)
+               for heads in (n, g, g))
+    upstream = torch.randn(s, b, n, d, dtype=torch.float64, generator=gen)
+
+    def by_autograd() -> torch.Tensor:
+        r = n // g
+        q_rows = q.reshape(s, b, g, r, d).permute(1, 2, 0, 3, 4).reshape(b * g, s * r, d)
+        k_rows, v_rows = (t.permute(1, 2, 0, 3).reshape(b * g, s, d) for t in (k, v))
+        blocks = []
+        for a, e in kernels.causal_blocks(s):
+            scores = q_rows[:, a * r:e * r] @ k_rows[:, :e].transpose(1, 2) / math.sqrt(d)
+            position = torch.arange(a, e).repeat_interleave(r)
+            scores = scores.masked_fill(torch.arange(e)[None, :] > position[:, None], float("-inf"))
+            blocks.append(F.dropout(torch.softmax(scores, -1), p) @ v_rows[:, :e])
+        return torch.cat(blocks, 1).view(b, g, s, r, d).permute(2, 0, 1, 3, 4).reshape(s, b, n, d)
+
+    torch.manual_seed(7)
+    out = kernels._BlockCausalAttention.apply(q, k, v, p, 5)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    torch.manual_seed(7)
+    expected = by_autograd()
+    expected_grads = torch.autograd.grad(expected, (q, k, v), upstream)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    for grad, ref in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, ref, atol=1e-12, rtol=0)
+    assert not torch.equal(out, hand_attention(q, k, v))  # dropout did drop
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_causal_kernel_choice(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 and bf16 run the block kernel within ``MATH_ATTENTION_MAX_SCORES`` and SDPA beyond it; both agree with
+    the fp64 hand computation to the dtype's rounding."""
+    s, b, n, g, d = 70, 2, 4, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, b, heads, d, generator=gen, dtype=torch.float64) for heads in (n, g, g))
+    expected = hand_attention(q, k, v)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for bound, kernel in ((b * n * s * s, "_BlockCausalAttentionBackward"), (b * n * s * s - 1, "FlashAttention")):
+        monkeypatch.setattr(kernels, "MATH_ATTENTION_MAX_SCORES", bound)
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = kernels.dot_product_attention(*leaves)
+        node = out.grad_fn if kernel.startswith("_") else out.grad_fn.next_functions[0][0]  # SDPA: under a permute
+        assert kernel in node.name(), node.name()
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=0)
+
+
 # --------------------------------------------------------------------------- initialisation
 
 

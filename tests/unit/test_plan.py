@@ -69,11 +69,11 @@ def test_formulas_against_hand_numbers() -> None:
     expected = {"norm inputs": 4 * x,  # one x read by both LayerNorms (parallel residual)
                 "norm statistics": 4 * 2 * 2 * 64,  # mean and rstd [s, b, 1] of two norms
                 "QKV input": 4 * x, "q,k (rotated)": 4 * 2 * x, "v": 4 * x, "attention output": 4 * x,
-                "log-sum-exp": 4 * 2 * 4 * 32,  # [b, n, s] fp32 (CPU flash kernel: no s×s scores in fp32)
+                "attention probs": 4 * 2 * 4 * 32 * 32,  # [b, n, s, s]: s = 32 is one causal block of the CPU kernel
                 "MLP input": 4 * x, "GeLU input": 4 * 4 * x, "fc2 input": 4 * 4 * x}
     D = plan.dims_of(cfg)
     assert plan.layer_terms(D) == expected
-    assert sum(expected.values()) == 247808
+    assert sum(expected.values()) == 279552
     assert plan.layer_terms(plan.dims_of(make_config("model.recompute=full"))) == {"layer input": 4 * x}
     # Table 2 as printed: sbh(34 + 5as/h), 16-bit bytes ×2 for fp32 = 4096·(34 + 5·4·32/64)·2
     assert plan.table2_layer_bytes(D) == 4096 * 44 * 2

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import DTYPES, build_layer, gpt_config, graph_nodes, ints, parser, per_rank, print_json, rope, world_group
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES
+from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES, causal_block_scores
 from megatron_sp.model.transformer import SelfAttention, TransformerLayer, head_dim
 from megatron_sp.mpu import ParallelContext
 from megatron_sp.mpu.random import checkpoint, get_tracker, init_rng
@@ -186,6 +186,9 @@ def _saved_of(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
                 yield (slot if len(values) == 1 and attr != "saved_tensors" else f"{slot}[{i}]"), t
 
 
+BLOCK_SLOT = "_BlockCausalAttentionBackward.saved["
+"""Slots of the CPU block-causal explicit-scores kernel (``kernels._BlockCausalAttention``)."""
+
 LINEAR_INPUTS = {"attention.qkv": "QKV input", "mlp.fc1": "fc1 input", "attention.out": "out-proj input",
                  "mlp.fc2": "fc2 input"}
 
@@ -215,6 +218,9 @@ def categorize(rec: SavedStorage, ctx: dict[str, Any]) -> str:
         return "V"
     if "core" in rec.tags:
         s, d = ctx["s"], ctx["head_dim"]
+        block = [int(slot[len(BLOCK_SLOT):-1]) for slot in rec.slots if slot.startswith(BLOCK_SLOT)]
+        if block and block[0] >= 3:  # the block kernel saves q, k, v, then each block's probs (and dropped probs)
+            return "attention dropout output" if ctx["dropout"] > 0 and (block[0] - 3) % 2 else "attention probs"
         if rec.shape[-2:] == (s, s):
             if any("Softmax" in slot for slot in rec.slots):
                 return "attention probs"
@@ -235,8 +241,12 @@ def scores_stored(args: argparse.Namespace, t: int, recompute: str) -> bool:
     """Whether the attention kernel keeps the [b, n/t, s, s] scores (docs/activation_memory.md)."""
     if recompute != "none":
         return False
-    explicit = args.dtype == "bf16" and args.batch * (args.heads // t) * args.seq ** 2 <= MATH_ATTENTION_MAX_SCORES
-    return explicit or args.dropout > 0
+    return explicit_kernel(args, t) or args.dropout > 0
+
+
+def explicit_kernel(args: argparse.Namespace, t: int) -> bool:
+    """Whether the layer runs the CPU block-causal explicit-scores kernel (else SDPA)."""
+    return args.dtype in ("bf16", "fp32") and args.batch * (args.heads // t) * args.seq ** 2 <= MATH_ATTENTION_MAX_SCORES
 
 
 def table2(args: argparse.Namespace, cfg: ModelConfig, t: int, sp: bool, recompute: str) -> tuple[str, dict[str, float]]:
@@ -256,16 +266,23 @@ def table2(args: argparse.Namespace, cfg: ModelConfig, t: int, sp: bool, recompu
         terms["hidden dropout masks"] = 2 * n / rep
     replicated = 8 + (2 if masks else 0)
     sharded = 8 + 4 * f
-    score_coef = 0
+    score_coef, share = 0, ""
     if scores_stored(args, t, recompute):
         scores = a * s * s * b / t
-        terms["attention probs"] = 2 * e * scores
-        score_coef = 2
-        if masks:
+        if explicit_kernel(args, t):  # the causal blocks only, about half of s²; dropout's zeros are its mask
+            fraction = causal_block_scores(s) / s ** 2
+            share = f"·{fraction:.3g}" if fraction < 1 else ""
+            terms["attention probs"] = 2 * e * scores * fraction
+            score_coef = 2
+            if args.dropout > 0:
+                terms["attention dropout output"] = 2 * e * scores * fraction
+                score_coef = 4
+        else:  # CPU SDPA with dropout: its math kernel
+            terms["attention probs"] = 2 * e * scores
             terms["attention dropout mask"] = scores
             terms["attention dropout output"] = 2 * e * scores
             score_coef = 5
-    score = f"+{score_coef}as/ht" if score_coef else ""
+    score = f"+{score_coef}{share}as/ht" if score_coef else ""
     text = f"{replicated + sharded:g}/t{score}" if sp else f"{replicated}+{sharded:g}/t{score}"
     return text, terms
 
@@ -287,7 +304,7 @@ def measure(args: argparse.Namespace, cfg: ModelConfig, parallel: ParallelContex
         else:
             y = layer(x, cos, sin)
     recorder.attribute_slots(y)
-    ctx = {"recompute": recompute, "s": s, "head_dim": head_dim(cfg)}
+    ctx = {"recompute": recompute, "s": s, "head_dim": head_dim(cfg), "dropout": args.dropout}
     measured: dict[str, float] = {}
     excluded: dict[str, float] = {}
     for rec in recorder.storages.values():
@@ -353,11 +370,12 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     e = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
     print(f"\nformula: Table 2 in {e}-byte activations (16-bit terms x{e / 2:g}; masks 1 byte/element); "
           + ("no dropout masks (dropout 0: 34 -> 32, 5as/h -> 2as/h). " if args.dropout == 0 else "")
-          + ("score term: fp32 without dropout runs torch's CPU flash SDPA, which stores no s x s scores, so the "
-             "as/h term is dropped." if args.dtype == "fp32" and args.dropout == 0 else
-             f"score term included where the kernel stores scores: bf16 uses the explicit-scores kernel while "
-             f"b·(n/t)·s² <= MATH_ATTENTION_MAX_SCORES = {MATH_ATTENTION_MAX_SCORES} (here {b * a * s * s} / t), and "
-             "dropout > 0 makes CPU SDPA fall back to its math kernel; selective/full recompute store none.")
+          + (f"score term where the kernel stores scores: bf16 and fp32 run the block-causal explicit-scores "
+             f"kernel while b·(n/t)·s² <= MATH_ATTENTION_MAX_SCORES = {MATH_ATTENTION_MAX_SCORES} (here "
+             f"{b * a * s * s} / t), which keeps the probabilities of its causal blocks "
+             f"({causal_block_scores(s) / s ** 2:.3g} of s²; with dropout the dropped copy too, whose zeros are the "
+             "mask); beyond that bound dropout > 0 makes CPU SDPA fall back to its math kernel (5as/h); "
+             "selective/full recompute store none.")
           + " full recompute keeps the layer input: 2sbh, 2sbh/t under SP (the input is the [s/t, b, h] shard).")
     mismatched = [r for r in rows if r["scores_expected"] != r["scores_stored"]]
     for r in mismatched:

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_sp.config.schema import Config
-from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES
+from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES, causal_block_scores
 from megatron_sp.model.transformer import arch_spec
 from megatron_sp.mpu.layers import CHUNK_ELEMENTS
 from megatron_sp.pipeline.schedules import build_schedule
@@ -14,13 +14,13 @@ from .dims import PlanDims, dims_of, stage_layers
 
 
 def attention_kernel(D: PlanDims) -> str:
-    """``cp`` (context-parallel / packed-document kernels), ``math`` (CPU explicit scores, 16-bit, small),
-    ``sdpa_math`` (CPU SDPA with dropout) or ``flash`` (CPU flash SDPA; flash-attn / SDPA on CUDA)."""
+    """``cp`` (context-parallel / packed-document kernels), ``math`` (CPU block-causal explicit scores, 16/32-bit,
+    small), ``sdpa_math`` (CPU SDPA with dropout) or ``flash`` (CPU flash SDPA; flash-attn / SDPA on CUDA)."""
     if D.cp > 1 or D.documents:
         return "cp"
     if D.device == "cuda":
         return "flash"
-    if D.e == 2 and D.micro_batch * D.local_heads * D.s_local ** 2 <= MATH_ATTENTION_MAX_SCORES:
+    if D.e in (2, 4) and D.micro_batch * D.local_heads * D.s_local ** 2 <= MATH_ATTENTION_MAX_SCORES:
         return "math"
     if D.attention_dropout > 0:
         return "sdpa_math"
@@ -56,10 +56,11 @@ def attention_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]
         return _nonzero({**inputs, "attention output": out, "log-sum-exp": lse})
     scores = b * n_l * s * s * e
     if kernel == "math":
+        kept = b * n_l * causal_block_scores(s) * e  # the probabilities of the causal blocks, about half of s²
         terms = {"q,k (rotated)": inputs["q,k (rotated)"], "q copy": tok * n_l * d * e if n_l > g_l else 0,
-                 "v": inputs["v"], "attention probs": scores}
+                 "v": inputs["v"], "attention probs": kept}
         if D.attention_dropout > 0:
-            terms |= {"attention dropout mask": b * n_l * s * s * D.mask_bytes, "attention dropout output": scores}
+            terms["attention dropout output"] = kept  # its zeros are the mask: no mask of its own
         return _nonzero({**terms, "attention output": out})
     if kernel == "sdpa_math":
         v = inputs["v"] if n_l == g_l else tok * n_l * d * e  # GQA: k, v expanded to every query head

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from megatron_sp import device as device_mod
 from megatron_sp.model.attention import documents, fused
@@ -402,41 +403,116 @@ def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 # ------------------------------------------ the layer's causal kernel (no LSE), and cached_attention for decoding
 
 MATH_ATTENTION_MAX_SCORES = 1 << 24
-"""CPU attention in ``MATH_ATTENTION_DTYPES`` materialises the scores when ``b · n · s²`` is at most this
-(faster than the CPU flash kernel in bf16, at most 32 MiB of probabilities per layer; docs/attention.md).
-0: always SDPA."""
+"""CPU attention in ``MATH_ATTENTION_DTYPES`` uses the block-causal explicit-scores kernel when ``b · n · s²`` is at
+most this (faster than the CPU flash kernel; it keeps about half of the ``[b, n, s, s]`` probabilities for backward:
+docs/attention.md). 0: always SDPA."""
 
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
-MATH_ATTENTION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+MATH_ATTENTION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 """Dtypes for which the explicit-scores CPU kernel is used (see ``MATH_ATTENTION_MAX_SCORES``)."""
+
+CAUSAL_BLOCK_ROWS = 64
+"""Query positions per block of the explicit-scores kernel: block ``[a, e)`` computes scores against keys ``[0, e)``
+only, so above the diagonal it computes just its own triangle (docs/attention.md)."""
+
+
+def causal_blocks(s: int, rows: int | None = None) -> list[tuple[int, int]]:
+    """The explicit-scores kernel's query blocks ``[a, e)`` of ``rows`` (default ``CAUSAL_BLOCK_ROWS``) positions,
+    the last possibly shorter; block ``[a, e)`` attends over keys ``[0, e)``."""
+    rows = rows or CAUSAL_BLOCK_ROWS
+    return [(a, min(a + rows, s)) for a in range(0, s, rows)]
+
+
+def causal_block_scores(s: int, rows: int | None = None) -> int:
+    """Scores per (sample, head) that the explicit-scores kernel computes and keeps: ``Σ (e − a)·e`` over its
+    blocks, about ``s²/2 + s·rows/2`` (``s²`` unblocked)."""
+    return sum((e - a) * e for a, e in causal_blocks(s, rows))
 
 
 @functools.lru_cache(maxsize=16)
-def _causal_bias(s: int, repeats: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-    """Additive causal mask ``[repeats·s, s]``: 0 where key j <= query i, -inf above the diagonal."""
+def _block_bias(rows: int, repeats: int, s: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """Additive causal mask of a block of ``rows`` positions ending at position ``s``, ``[rows·repeats, s]`` (each
+    position's row repeated for its ``repeats`` query heads): 0 where key ``j <= s − rows + i``, −inf above.
+    A block ``[a, e)`` of ``c`` positions uses the view ``[(rows − c)·repeats:, s − e:]``."""
     with torch.inference_mode(False):  # cached: must stay usable outside inference mode
-        bias = torch.full((s, s), float("-inf"), dtype=dtype, device=dev).triu(1)
-        return bias.repeat(repeats, 1)
+        position = torch.arange(s - rows, s, device=dev).repeat_interleave(repeats)  # [rows·repeats]
+        keys = torch.arange(s, device=dev)
+        bias = torch.zeros(rows * repeats, s, dtype=dtype, device=dev)
+        return bias.masked_fill_(keys[None, :] > position[:, None], float("-inf"))
 
 
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal attention with explicit scores; q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` → ``[s, b, n, d]``.
-    The ``n / g`` query heads of a group are stacked along the rows, so GQA needs no k/v copies."""
-    s, b, n, d = q.shape
-    g = k.shape[2]
-    r = n // g
-    q_grouped = q.permute(1, 2, 0, 3).reshape(b * g, r * s, d)  # [b·g, r·s, d]
-    # k and v made contiguous here: bmm's own copies of these strided views are slower (same bits)
-    k_grouped = k.permute(1, 2, 0, 3).reshape(b * g, s, d).contiguous()  # [b·g, s, d]
-    v_grouped = v.permute(1, 2, 0, 3).reshape(b * g, s, d).contiguous()  # [b·g, s, d]
-    bias = _causal_bias(s, r, q.dtype, q.device)  # [r·s, s]
-    scores = torch.baddbmm(bias, q_grouped, k_grouped.transpose(1, 2), alpha=1.0 / math.sqrt(d))  # [b·g, r·s, s]
-    probs = torch.softmax(scores, dim=-1)
-    if dropout_p > 0:
-        probs = F.dropout(probs, dropout_p)
-    out = torch.bmm(probs.to(v_grouped.dtype), v_grouped)  # [b·g, r·s, d]
-    return out.view(b, n, s, d).permute(2, 0, 1, 3)  # [s, b, n, d]
+class _BlockCausalAttention(torch.autograd.Function):
+    """Causal attention with explicit scores, ``rows`` query positions at a time: q ``[s, b, n, d]``,
+    k/v ``[s, b, g, d]`` → ``[s, b, n, d]`` in q's dtype (autocast off inside).
+
+    Per block ``[a, e)``: ``P = softmax(q kᵀ/√d + mask)`` against keys ``[0, e)``, ``out = dropout(P) v``. The
+    ``n/g`` query heads of a kv group are the rows of one matrix (position-major, so a block is a row range): GQA
+    needs no k/v copies. Saves the grouped q, k, v and each block's ``P`` (and ``dropout(P)``: its zeros are the
+    dropped entries wherever ``P > 0``, and where ``P = 0`` the gradient is 0 either way). Backward is the softmax
+    gradient of autograd (``_softmax_backward_data``) per block, so each block equals autograd through the same
+    ops.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                rows: int) -> torch.Tensor:
+        s, b, n, d = q.shape
+        g = k.shape[2]
+        r = n // g
+        with torch.autocast(q.device.type, enabled=False):
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            q_rows = q.reshape(s, b, g, r, d).permute(1, 2, 0, 3, 4).reshape(b * g, s * r, d)  # a view when r = 1
+            k_rows = k.permute(1, 2, 0, 3).reshape(b * g, s, d).contiguous()  # [b·g, s, d]
+            v_rows = v.permute(1, 2, 0, 3).reshape(b * g, s, d).contiguous()
+            bias = _block_bias(rows, r, s, q.dtype, q.device)
+            out = torch.empty(s, b, n, d, dtype=q.dtype, device=q.device)
+            saved: list[torch.Tensor] = []
+            for a, e in causal_blocks(s, rows):
+                c = e - a
+                scores = torch.baddbmm(bias[(rows - c) * r:, s - e:], q_rows[:, a * r:e * r],
+                                       k_rows[:, :e].transpose(1, 2), alpha=1.0 / math.sqrt(d))  # [b·g, c·r, e]
+                probs = torch.softmax(scores, dim=-1)
+                del scores
+                kept = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
+                block = torch.bmm(kept, v_rows[:, :e])  # [b·g, c·r, d]
+                out[a:e].view(c, b, g, r, d).copy_(block.view(b, g, c, r, d).permute(2, 0, 1, 3, 4))
+                saved += [probs, kept] if dropout_p > 0 else [probs]
+        ctx.save_for_backward(q_rows, k_rows, v_rows, *saved)
+        ctx.shape, ctx.dropout_p, ctx.rows = (s, b, n, d, g), dropout_p, rows
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        q_rows, k_rows, v_rows, *saved = ctx.saved_tensors
+        s, b, n, d, g = ctx.shape
+        r, p = n // g, ctx.dropout_p
+        scale = 1.0 / math.sqrt(d)
+        with torch.autocast(q_rows.device.type, enabled=False):
+            dout_rows = dout.to(q_rows.dtype).reshape(s, b, g, r, d).permute(1, 2, 0, 3, 4).reshape(b * g, s * r, d)
+            dq = torch.empty(s, b, n, d, dtype=q_rows.dtype, device=q_rows.device)
+            # [b·g, s, d]; block [a, e) adds to keys [0, e): summed in fp32, as 16-bit sums would round once per block
+            dk = torch.zeros_like(k_rows, dtype=compute_dtype(k_rows.dtype))
+            dv = torch.zeros_like(v_rows, dtype=compute_dtype(v_rows.dtype))
+            per_block = 2 if p > 0 else 1
+            for i, (a, e) in enumerate(causal_blocks(s, ctx.rows)):
+                c = e - a
+                probs, kept = saved[per_block * i], saved[per_block * i + per_block - 1]
+                block_dout = dout_rows[:, a * r:e * r]  # [b·g, c·r, d]
+                dv[:, :e] += torch.bmm(kept.transpose(1, 2), block_dout)  # fresh product, then add: bmm into a
+                grad_kept = torch.bmm(block_dout, v_rows[:, :e].transpose(1, 2))  # strided slice runs per matrix
+                if p > 0:  # dropout's gradient: the kept entries, scaled by 1/(1 − p)
+                    grad_kept.masked_fill_(kept == 0, 0.0).mul_(1.0 / (1.0 - p))
+                grad_scores = torch._softmax_backward_data(grad_kept, probs, -1, probs.dtype)  # [b·g, c·r, e]
+                del grad_kept
+                block_dq = torch.bmm(grad_scores, k_rows[:, :e])  # [b·g, c·r, d]
+                dq[a:e].view(c, b, g, r, d).copy_(block_dq.view(b, g, c, r, d).permute(2, 0, 1, 3, 4))
+                dk[:, :e] += torch.bmm(grad_scores.transpose(1, 2), q_rows[:, a * r:e * r])
+            dq.mul_(scale)
+            dk = dk.mul_(scale).to(k_rows.dtype)
+            dv = dv.to(v_rows.dtype)
+        return dq, dk.view(b, g, s, d).permute(2, 0, 1, 3), dv.view(b, g, s, d).permute(2, 0, 1, 3), None, None
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -454,8 +530,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> t
 
 def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal softmax(q kᵀ / √d) v. q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` with g | n → ``[s, b, n, d]``:
-    flash-attn on CUDA (half precision, head dim <= 256), explicit scores on CPU for short bf16 sequences
-    (``MATH_ATTENTION_MAX_SCORES``), else SDPA."""
+    flash-attn on CUDA (half precision, head dim <= 256); on CPU block-causal explicit scores
+    (``_BlockCausalAttention``) in ``MATH_ATTENTION_DTYPES`` while ``b·n·s² <= MATH_ATTENTION_MAX_SCORES``; else SDPA."""
     s, b, n, d = q.shape
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256:
         flash = device_mod.flash_attn_func()
@@ -465,7 +541,7 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
             return out_bsnd.transpose(0, 1)
     if (not q.is_cuda and q.dtype in MATH_ATTENTION_DTYPES and k.shape[0] == s
             and b * n * s * s <= MATH_ATTENTION_MAX_SCORES):
-        return _math_attention(q, k, v, dropout_p)
+        return _BlockCausalAttention.apply(q, k, v, float(dropout_p), CAUSAL_BLOCK_ROWS)
     return _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
