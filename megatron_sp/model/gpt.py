@@ -164,8 +164,9 @@ class GPTModel(nn.Module):
             param.copy_(local_shard_of(full, param, self.parallel.tp_rank, t))
 
     def compile_regions(self, enabled: bool = True) -> None:
-        """Run the pointwise regions of every layer and the final norm through ``torch.compile``
-        (``train.compile``; see ``transformer.Regions``), or eagerly again with ``enabled=False``."""
+        """Run the pointwise regions of every layer, the final norm and the loss's per-token sums and gradient
+        (``mpu.layers.token_stats``, ``logit_grad``) through ``torch.compile`` (``train.compile``; see
+        ``transformer.Regions``), or eagerly again with ``enabled=False``."""
         self.regions = compiled() if enabled else EAGER
         for layer in self.layers.values():
             layer.set_regions(self.regions)
@@ -249,7 +250,8 @@ class GPTModel(nn.Module):
             return gather_from_tp(logits, par.tp_group).transpose(0, 1)  # [b, s, V]
         # Padded vocab rows (ids >= vocab_size) are outside the softmax: the loss is the same for any padding.
         return vocab_parallel_cross_entropy(logits, labels.t(), par.tp_group, label_smoothing=self.label_smoothing,
-                                            vocab_size=self.vocab_size, z_loss=self.z_loss).t()  # [b, s]
+                                            vocab_size=self.vocab_size, z_loss=self.z_loss,
+                                            compiled=self.regions is not EAGER).t()  # [b, s]
 
     def kv_cache_unsupported(self) -> str | None:
         """Why this model cannot decode with a ``inference.KVCache`` (None when it can)."""

@@ -8,6 +8,7 @@ and ``shared_embedding``. Theory and invariants: docs/tensor_parallel.md.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -329,9 +330,45 @@ def _shifted(x: torch.Tensor, row_max: torch.Tensor, out: torch.Tensor) -> torch
     return out
 
 
+def token_stats(x: torch.Tensor, row_max: torch.Tensor, local_target: torch.Tensor,
+                smoothing: bool) -> torch.Tensor:
+    """Per-token sums of the real columns ``x [k, real]`` for the loss, as one formula (``train.compile`` runs it
+    through ``torch.compile``: one pass over the logits, no fp32 copy): ``[2 or 3, k]`` = the shifted target logit
+    (``x − max``; meaningless where the target is on another rank), ``Σ exp(x − max)`` and with ``smoothing``
+    ``Σ (x − max)``. The eager path computes the same in fp32 chunks (``_VocabParallelCrossEntropy``)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    shifted = x.to(compute) - row_max.unsqueeze(-1)  # [k, real]
+    target = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).to(compute) - row_max  # [k]
+    sums = [target, shifted.exp().sum(-1)]
+    if smoothing:
+        sums.append(shifted.sum(-1))
+    return torch.stack(sums)
+
+
+def logit_grad(x: torch.Tensor, row_max: torch.Tensor, scale: torch.Tensor, local_target: torch.Tensor,
+               on_target: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
+    """The loss gradient of the real columns ``x [k, real]`` in x's dtype, as one formula (compiled with
+    ``train.compile``): ``exp(x − max)·scale + on_target·[j = target] − smooth``; ``scale``, ``on_target`` and
+    ``smooth`` are ``[k]`` (see ``_VocabParallelCrossEntropy.backward``)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    grad = (x.to(compute) - row_max.unsqueeze(-1)).exp() * scale.unsqueeze(-1)  # [k, real]
+    columns = torch.arange(x.shape[-1], device=x.device)
+    grad = grad + torch.where(columns == local_target.unsqueeze(-1), on_target.unsqueeze(-1), 0.0)
+    if smooth is not None:
+        grad = grad - smooth.unsqueeze(-1)
+    return grad.to(x.dtype)
+
+
+@functools.cache
+def compiled_loss() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """``token_stats`` and ``logit_grad`` through ``torch.compile`` (``vocab_parallel_cross_entropy(compiled=True)``)."""
+    return torch.compile(token_stats), torch.compile(logit_grad)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross entropy of vocab-sharded logits, ``CHUNK_ELEMENTS`` logits at a time; padded columns are never
-    read (they count as exp(−inf) = 0, and get a zero gradient).
+    """Per-token cross entropy of vocab-sharded logits, ``CHUNK_ELEMENTS`` logits at a time (``compiled``: one
+    compiled kernel for the sums and one for the gradient); padded columns are never read (they count as
+    exp(−inf) = 0, and get a zero gradient).
 
     Saves ``logits`` itself (no copy) and O(tokens) fp32 vectors. Backward writes a fresh gradient, never into the
     saved logits (a soft-cap's tanh or a ``retain_graph`` second backward may still read them).
@@ -339,7 +376,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any,
-                label_smoothing: float, vocab_size: int | None, z_loss: float) -> torch.Tensor:
+                label_smoothing: float, vocab_size: int | None, z_loss: float, compiled: bool) -> torch.Tensor:
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         v_local = logits.shape[-1]
         flat = logits.reshape(-1, v_local)  # [n, V/t], a view of the contiguous output-layer result
@@ -362,18 +399,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = (target >= start) & (target < start + v_local)  # [n]; False where ignored
         local_target = torch.where(local, target - start, 0)  # [n], an index into this slice
         # [2 or 3, n]: target logit, Σ exp (and Σ shifted logits), reduced in place by one all-reduce
-        per_token = torch.empty(3 if label_smoothing > 0 else 2, n, dtype=compute_dtype)
-        rows = _chunk_rows(v_local)
-        work = torch.empty(min(rows, n), padded_from, dtype=compute_dtype)  # the one fp32 chunk temporary
-        for i in range(0, n, rows):
-            j = min(i + rows, n)
-            # Padded columns count as exp(−inf) = 0 and are never computed: exp of −inf is 3x slower than of a number
-            shifted = _shifted(flat[i:j, :padded_from], logits_max[i:j], work[:j - i])  # [k, real columns]
-            per_token[0, i:j] = shifted.gather(-1, local_target[i:j].unsqueeze(-1)).squeeze(-1) if padded_from else 0
-            if label_smoothing > 0:
-                per_token[2, i:j] = shifted.sum(dim=-1)
-            per_token[1, i:j] = shifted.exp_().sum(dim=-1)
-        del work
+        if compiled and padded_from:  # one fused pass over the real columns, no temporary
+            per_token = compiled_loss()[0](flat[:, :padded_from], logits_max, local_target, label_smoothing > 0)
+        else:
+            per_token = _token_stats_chunked(flat, logits_max, local_target, padded_from, label_smoothing > 0)
         per_token[0].masked_fill_(~local, 0.0)
         totals = comm.all_reduce(per_token, group)  # [2 or 3, n]
         log_z = totals[1].log()  # [n]
@@ -390,11 +419,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = totals[1].clone()  # [n]; not a view of totals, so the stacked buffer is freed
         ctx.save_for_backward(logits, logits_max, sum_exp, local_target, local, ignored, log_z_full)
         ctx.label_smoothing, ctx.v_full, ctx.z_loss, ctx.padded_from = label_smoothing, v_full, z_loss, padded_from
+        ctx.compiled = compiled
         return loss.view(logits.shape[:-1])
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None, None]:
         logits, logits_max, sum_exp, local_target, local, ignored, log_z_full = ctx.saved_tensors
         eps, padded_from = ctx.label_smoothing, ctx.padded_from
         compute_dtype = sum_exp.dtype
@@ -406,6 +436,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         on_target = ((1.0 - eps) * g).masked_fill_(~local, 0.0).neg_().unsqueeze(-1)  # [n, 1]
         smooth = ((eps / ctx.v_full) * g).unsqueeze(-1) if eps > 0 else None  # [n, 1]
 
+        if ctx.compiled and padded_from:  # one fused pass over the real columns, written in the logits' dtype
+            real = compiled_loss()[1](flat[:, :padded_from], logits_max, scale.squeeze(-1), local_target,
+                                      on_target.squeeze(-1), None if smooth is None else smooth.squeeze(-1))
+            grad = real if padded_from == flat.shape[-1] else F.pad(real, (0, flat.shape[-1] - padded_from))
+            return grad.view(logits.shape), None, None, None, None, None, None
         grad = torch.empty_like(flat)  # [n, V/t] in the logits' dtype (see the class docstring)
         rows = _chunk_rows(flat.shape[-1])
         same_dtype = grad.dtype == compute_dtype
@@ -423,18 +458,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 dst.copy_(real)
             if padded_from < grad.shape[-1]:
                 grad[i:j, padded_from:] = 0.0
-        return grad.view(logits.shape), None, None, None, None, None
+        return grad.view(logits.shape), None, None, None, None, None, None
+
+
+def _token_stats_chunked(flat: torch.Tensor, logits_max: torch.Tensor, local_target: torch.Tensor, padded_from: int,
+                         smoothing: bool) -> torch.Tensor:
+    """``token_stats`` of ``flat [n, V/t]``'s real columns (``[:padded_from]``) in fp32 chunks of ``CHUNK_ELEMENTS``
+    (eager: one fp32 chunk temporary, computed in place). Padded columns count as exp(−inf) = 0 and are never
+    computed: exp of −inf is 3x slower than of a number."""
+    n = flat.shape[0]
+    per_token = torch.empty(3 if smoothing else 2, n, dtype=logits_max.dtype)
+    rows = _chunk_rows(flat.shape[-1])
+    work = torch.empty(min(rows, n), padded_from, dtype=logits_max.dtype)  # the one fp32 chunk temporary
+    for i in range(0, n, rows):
+        j = min(i + rows, n)
+        shifted = _shifted(flat[i:j, :padded_from], logits_max[i:j], work[:j - i])  # [k, real columns]
+        per_token[0, i:j] = shifted.gather(-1, local_target[i:j].unsqueeze(-1)).squeeze(-1) if padded_from else 0
+        if smoothing:
+            per_token[2, i:j] = shifted.sum(dim=-1)
+        per_token[1, i:j] = shifted.exp_().sum(dim=-1)
+    return per_token
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any,
                                  label_smoothing: float = 0.0, vocab_size: int | None = None,
-                                 z_loss: float = 0.0) -> torch.Tensor:
+                                 z_loss: float = 0.0, compiled: bool = False) -> torch.Tensor:
     """Per-token cross entropy ``[..]`` of this rank's logits ``[.., V/t]`` (vocabulary rows ``[r·V/t, (r+1)·V/t)``
     over the TP ``group``), without gathering them; computed in fp32 (fp64 logits stay fp64).
 
     Equals ``F.cross_entropy(full_logits, target, reduction="none", label_smoothing=ε) + z·logsumexp(full_logits)²``
     with ε spread over the full vocabulary, ids ``>= vocab_size`` (padding) excluded, and negative (ignored)
-    targets at loss 0 with zero grad.
+    targets at loss 0 with zero grad. ``compiled`` (``train.compile``): the per-token sums and the gradient are
+    each one ``torch.compile`` kernel over the whole slice (``token_stats``, ``logit_grad``) instead of fp32
+    chunks.
     """
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"target {tuple(target.shape)} does not match logits {tuple(logits.shape)} minus the vocab dim")
@@ -442,4 +498,5 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         raise ValueError(f"label_smoothing = {label_smoothing} must be in [0, 1]")
     if not (math.isfinite(z_loss) and z_loss >= 0.0):
         raise ValueError(f"z_loss = {z_loss} must be a finite number >= 0")
-    return _VocabParallelCrossEntropy.apply(logits, target, group, float(label_smoothing), vocab_size, float(z_loss))
+    return _VocabParallelCrossEntropy.apply(logits, target, group, float(label_smoothing), vocab_size, float(z_loss),
+                                            bool(compiled))

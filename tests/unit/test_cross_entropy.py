@@ -117,6 +117,35 @@ def test_fp32_and_bf16_logits() -> None:
         assert grad_err <= tol_grad, (dtype, grad_err)
 
 
+def test_compiled_sums_and_gradient() -> None:
+    """``compiled=True`` (``train.compile``): the per-token sums and the gradient as two ``torch.compile`` kernels
+    over the real columns give the reference loss and gradient in fp64 (smoothing, z-loss, padding, ignored tokens);
+    bf16 logits get a bf16 gradient equal to the eager chunks' up to bf16 rounding."""
+    logits, target = _inputs()
+    grad_out = torch.randn(S, B, generator=torch.Generator().manual_seed(4), dtype=F64)
+    ref_in = logits.clone().requires_grad_(True)
+    ref = reference(ref_in, target, 0.1, 1e-2)
+    ref.backward(grad_out)
+    x = logits.clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(x, target, None, label_smoothing=0.1, vocab_size=VOCAB, z_loss=1e-2,
+                                        compiled=True)
+    loss.backward(grad_out)
+    torch.testing.assert_close(loss, ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad, ref_in.grad, rtol=0, atol=1e-12)
+    assert torch.count_nonzero(x.grad[..., VOCAB:]) == 0 and torch.count_nonzero(x.grad[target < 0]) == 0
+
+    grads = {}
+    for compiled in (False, True):
+        x = logits.to(torch.bfloat16).requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(x, target, None, label_smoothing=0.1, vocab_size=VOCAB, z_loss=1e-2,
+                                            compiled=compiled)
+        loss.backward(grad_out.float())
+        assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+        grads[compiled] = (loss.detach(), x.grad)
+    torch.testing.assert_close(grads[True][0], grads[False][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[True][1].float(), grads[False][1].float(), rtol=2.0 ** -7, atol=1e-6)
+
+
 def test_bad_arguments() -> None:
     logits, target = _inputs()
     for bad in (-1e-4, float("inf"), float("nan")):

@@ -450,8 +450,8 @@ class _BlockCausalAttention(torch.autograd.Function):
     ``n/g`` query heads of a kv group are the rows of one matrix (position-major, so a block is a row range): GQA
     needs no k/v copies. Saves the grouped q, k, v and each block's ``P`` (and ``dropout(P)``: its zeros are the
     dropped entries wherever ``P > 0``, and where ``P = 0`` the gradient is 0 either way). Backward is the softmax
-    gradient of autograd (``_softmax_backward_data``) per block, so each block equals autograd through the same
-    ops.
+    gradient of autograd (``_softmax_backward_data``) per block, so in fp32/fp64 it equals autograd through the
+    same ops; 16-bit ``dk``/``dv`` are summed over the blocks in fp32.
     """
 
     @staticmethod
@@ -500,8 +500,9 @@ class _BlockCausalAttention(torch.autograd.Function):
                 c = e - a
                 probs, kept = saved[per_block * i], saved[per_block * i + per_block - 1]
                 block_dout = dout_rows[:, a * r:e * r]  # [b·g, c·r, d]
-                dv[:, :e] += torch.bmm(kept.transpose(1, 2), block_dout)  # fresh product, then add: bmm into a
-                grad_kept = torch.bmm(block_dout, v_rows[:, :e].transpose(1, 2))  # strided slice runs per matrix
+                # each product into a fresh tensor, then added: bmm into a strided slice runs matrix by matrix
+                dv[:, :e] += torch.bmm(kept.transpose(1, 2), block_dout)
+                grad_kept = torch.bmm(block_dout, v_rows[:, :e].transpose(1, 2))
                 if p > 0:  # dropout's gradient: the kept entries, scaled by 1/(1 − p)
                     grad_kept.masked_fill_(kept == 0, 0.0).mul_(1.0 / (1.0 - p))
                 grad_scores = torch._softmax_backward_data(grad_kept, probs, -1, probs.dtype)  # [b·g, c·r, e]
