@@ -194,8 +194,11 @@ def test_layer_matches_hand_computation_fp64(arch: str, attention_kernel: str) -
     torch.testing.assert_close(ours, expected, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [3, 4, 64])
 @pytest.mark.parametrize("n,g", [(4, 4), (4, 2), (6, 1)])
-def test_attention_kernels_agree_with_hand(n: int, g: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attention_kernels_agree_with_hand(n: int, g: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp64: the CPU block kernel with blocks of 3 (uneven: 3+3+3+1), 4 and one block, with GQA (its forward's
+    blocks are kept for backward even when ``CAUSAL_BLOCK_ROWS`` changes in between), then SDPA."""
     s, b, d = 10, 2, 8
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(s, b, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -204,35 +207,15 @@ def test_attention_kernels_agree_with_hand(n: int, g: int, monkeypatch: pytest.M
     upstream = torch.randn(s, b, n, d, dtype=torch.float64, generator=gen)
     expected = hand_attention(q, k, v)
     expected_grads = torch.autograd.grad(expected, (q, k, v), upstream)
-    for kernel_dtypes in [(torch.float64,), ()]:  # explicit scores, then SDPA
+    for kernel_dtypes, node in [((torch.float64,), "_BlockCausalAttentionBackward"), ((), "PermuteBackward0")]:
         monkeypatch.setattr(kernels, "MATH_ATTENTION_DTYPES", kernel_dtypes)
+        monkeypatch.setattr(kernels, "CAUSAL_BLOCK_ROWS", rows)
         out = kernels.dot_product_attention(q, k, v)
+        assert type(out.grad_fn).__name__ == node
+        monkeypatch.setattr(kernels, "CAUSAL_BLOCK_ROWS", 5)
         torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
         for grad, ref in zip(torch.autograd.grad(out, (q, k, v), upstream), expected_grads):
             torch.testing.assert_close(grad, ref, atol=1e-12, rtol=0)
-
-
-@pytest.mark.parametrize("rows", [3, 4, 64])
-@pytest.mark.parametrize("n,g", [(4, 4), (4, 2), (6, 1)])
-def test_block_causal_attention_matches_hand(n: int, g: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU block kernel in fp64: blocks of 3 (uneven: 3+3+3+1), 4 and one block, with GQA; the blocks of the
-    forward are kept for backward even when ``CAUSAL_BLOCK_ROWS`` changes in between (the layer's calls)."""
-    s, b, d = 10, 2, 8
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(s, b, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
-    k = torch.randn(s, b, g, d, dtype=torch.float64, generator=gen, requires_grad=True)
-    v = torch.randn(s, b, g, d, dtype=torch.float64, generator=gen, requires_grad=True)
-    upstream = torch.randn(s, b, n, d, dtype=torch.float64, generator=gen)
-    expected = hand_attention(q, k, v)
-    expected_grads = torch.autograd.grad(expected, (q, k, v), upstream)
-    monkeypatch.setattr(kernels, "CAUSAL_BLOCK_ROWS", rows)
-    monkeypatch.setattr(kernels, "MATH_ATTENTION_DTYPES", (torch.float64,))
-    out = kernels.dot_product_attention(q, k, v)
-    assert type(out.grad_fn).__name__ == "_BlockCausalAttentionBackward"
-    monkeypatch.setattr(kernels, "CAUSAL_BLOCK_ROWS", 5)
-    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
-    for grad, ref in zip(torch.autograd.grad(out, (q, k, v), upstream), expected_grads):
-        torch.testing.assert_close(grad, ref, atol=1e-12, rtol=0)
     assert kernels.causal_block_scores(s, rows) == sum((e - a) * e for a, e in kernels.causal_blocks(s, rows))
     assert kernels.causal_block_scores(s, 3) == 3 * 3 + 3 * 6 + 3 * 9 + 1 * 10
 
