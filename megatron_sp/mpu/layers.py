@@ -346,16 +346,18 @@ def token_stats(x: torch.Tensor, row_max: torch.Tensor, local_target: torch.Tens
 
 
 def logit_grad(x: torch.Tensor, row_max: torch.Tensor, scale: torch.Tensor, local_target: torch.Tensor,
-               on_target: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
-    """The loss gradient of the real columns ``x [k, real]`` in x's dtype, as one formula (compiled with
-    ``train.compile``): ``exp(x − max)·scale + on_target·[j = target] − smooth``; ``scale``, ``on_target`` and
-    ``smooth`` are ``[k]`` (see ``_VocabParallelCrossEntropy.backward``)."""
+               on_target: torch.Tensor, smooth: torch.Tensor | None, real: int) -> torch.Tensor:
+    """The loss gradient of ``x [k, columns]`` in x's dtype, as one formula (compiled with ``train.compile``):
+    ``exp(x − max)·scale + on_target·[j = target] − smooth`` on the first ``real`` columns, 0 on the rest (vocabulary
+    padding); ``scale``, ``on_target`` and ``smooth`` are ``[k]`` (see ``_VocabParallelCrossEntropy.backward``)."""
     compute = torch.promote_types(x.dtype, torch.float32)
-    grad = (x.to(compute) - row_max.unsqueeze(-1)).exp() * scale.unsqueeze(-1)  # [k, real]
+    grad = (x.to(compute) - row_max.unsqueeze(-1)).exp() * scale.unsqueeze(-1)  # [k, columns]
     columns = torch.arange(x.shape[-1], device=x.device)
     grad = grad + torch.where(columns == local_target.unsqueeze(-1), on_target.unsqueeze(-1), 0.0)
     if smooth is not None:
         grad = grad - smooth.unsqueeze(-1)
+    if real < x.shape[-1]:
+        grad = torch.where(columns < real, grad, 0.0)  # selects: an inf or nan of a padded column never leaks
     return grad.to(x.dtype)
 
 
@@ -436,10 +438,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         on_target = ((1.0 - eps) * g).masked_fill_(~local, 0.0).neg_().unsqueeze(-1)  # [n, 1]
         smooth = ((eps / ctx.v_full) * g).unsqueeze(-1) if eps > 0 else None  # [n, 1]
 
-        if ctx.compiled and padded_from:  # one fused pass over the real columns, written in the logits' dtype
-            real = compiled_loss()[1](flat[:, :padded_from], logits_max, scale.squeeze(-1), local_target,
-                                      on_target.squeeze(-1), None if smooth is None else smooth.squeeze(-1))
-            grad = real if padded_from == flat.shape[-1] else F.pad(real, (0, flat.shape[-1] - padded_from))
+        if ctx.compiled and padded_from:  # one fused pass, written in the logits' dtype
+            # Mostly real columns: the whole width at once (padding gets 0), so no second logits-sized buffer.
+            # Mostly padding (a byte vocabulary padded far): only the real columns, then padded with zeros.
+            whole = 2 * padded_from >= flat.shape[-1]
+            grad = compiled_loss()[1](flat if whole else flat[:, :padded_from], logits_max, scale.squeeze(-1),
+                                      local_target, on_target.squeeze(-1),
+                                      None if smooth is None else smooth.squeeze(-1), padded_from)
+            if grad.shape[-1] < flat.shape[-1]:
+                grad = F.pad(grad, (0, flat.shape[-1] - padded_from))
             return grad.view(logits.shape), None, None, None, None, None, None
         grad = torch.empty_like(flat)  # [n, V/t] in the logits' dtype (see the class docstring)
         rows = _chunk_rows(flat.shape[-1])

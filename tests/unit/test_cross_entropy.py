@@ -133,6 +133,14 @@ def test_compiled_sums_and_gradient() -> None:
     torch.testing.assert_close(loss, ref.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(x.grad, ref_in.grad, rtol=0, atol=1e-12)
     assert torch.count_nonzero(x.grad[..., VOCAB:]) == 0 and torch.count_nonzero(x.grad[target < 0]) == 0
+    # mostly padding: the gradient of the real columns only, then padded (above: the whole width, padding masked)
+    x = torch.cat([logits, logits], dim=-1).requires_grad_(True)  # 37 real of 96 columns
+    loss = vocab_parallel_cross_entropy(x, target, None, label_smoothing=0.1, vocab_size=VOCAB, z_loss=1e-2,
+                                        compiled=True)
+    loss.backward(grad_out)
+    torch.testing.assert_close(loss, ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad[..., :VOCAB], ref_in.grad[..., :VOCAB], rtol=0, atol=1e-12)
+    assert torch.count_nonzero(x.grad[..., VOCAB:]) == 0
 
     grads = {}
     for compiled in (False, True):

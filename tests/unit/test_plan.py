@@ -79,6 +79,22 @@ def test_formulas_against_hand_numbers() -> None:
     assert plan.table2_layer_bytes(D) == 4096 * 44 * 2
 
 
+def test_cross_entropy_transients_eager_and_compiled() -> None:
+    """bf16: eager, the loss's gradient plus its fp32 chunk; compiled (train.compile), the gradient alone, and for a
+    slice that is mostly padding also the real columns' gradient, made apart before it is padded."""
+    buffer_terms = plan.activations.buffer_terms
+    key = "logits + cross-entropy transients"
+    for vocab, padding_heavy in ((250, False), (40, True)):
+        eager = make_config("train.precision=bf16", "train.compile=false", vocab=vocab)
+        compiled = make_config("train.precision=bf16", "train.compile=true", vocab=vocab)
+        D = plan.dims_of(eager)
+        tokens, v_local = D.tokens, D.padded_vocab
+        assert 2 * vocab < v_local if padding_heavy else 2 * vocab >= v_local
+        logits = tokens * v_local
+        assert buffer_terms(eager, 0, 1)[key] == 2 * logits + 4 * logits  # chunk = all logits here (< 2^22)
+        assert buffer_terms(compiled, 0, 1)[key] == 2 * logits + (2 * tokens * vocab if padding_heavy else 0)
+
+
 def test_tensor_parallel_communication_by_hand() -> None:
     cfg = make_config("parallel.tp=2", "parallel.sequence_parallel=true", "train.global_batch_size=2")
     # one micro-batch; a gathered [s, b, h] fp32 activation is 32·2·64·4 = 16384 bytes; an all-gather or a

@@ -251,10 +251,16 @@ def buffer_terms(cfg: Config, pp_rank: int, in_flight: int) -> dict[str, int]:
         held = in_flight if (pp_rank < D.pp - 1 or D.virtual_stages > 1) else 0
         out["pipeline receive buffers + held outputs"] = (links + held) * stage_io
     if pp_rank == D.pp - 1:
-        logits = D.tokens * (D.padded_vocab // D.tp)
-        chunk = min(logits, CHUNK_ELEMENTS) * 4  # the one fp32 chunk the chunked cross entropy works in
-        # the logits are saved (extra); backward adds their gradient (and, in bf16, the fp32 chunk)
-        forward, backward = chunk, logits * D.e + (chunk if D.e != 4 else 0)
-        out["logits + cross-entropy transients"] = max(forward, backward)
+        v_local = D.padded_vocab // D.tp
+        logits = D.tokens * v_local
+        if D.compiled:  # no fp32 chunk; a slice that is mostly padding has its real columns' gradient made apart
+            reals = [min(v_local, max(0, D.vocab - r * v_local)) for r in range(D.tp)]
+            forward = 0
+            extra = max((D.tokens * real * D.e for real in reals if 0 < 2 * real < v_local), default=0)
+        else:  # the one fp32 chunk the eager cross entropy works in (in bf16 also beside the gradient)
+            forward = min(logits, CHUNK_ELEMENTS) * 4
+            extra = forward if D.e != 4 else 0
+        # the logits are saved (extra); backward adds their gradient
+        out["logits + cross-entropy transients"] = max(forward, logits * D.e + extra)
     return out
 

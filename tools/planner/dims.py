@@ -61,6 +61,7 @@ class PlanDims:
     dp_cp: int  # the gradient-reduction group (and ZeRO-1 shard count)
     world: int
     mask_bytes: int  # a dropout mask element: CPU multiplies by one in the activation dtype; CUDA keeps a bool
+    compiled: bool  # train.compile (unset: on CUDA): the loss runs compiled, without its fp32 chunk
 
 
 def dims_of(cfg: Config) -> PlanDims:
@@ -85,7 +86,8 @@ def dims_of(cfg: Config) -> PlanDims:
                     tie=m.tie_embeddings, schedule=schedule, e=e, s_local=m.seq_length // p.cp, tokens=tokens,
                     shard_tokens=tokens // p.tp if sp else tokens, kv_split=kv_split, local_heads=m.num_heads // p.tp,
                     local_kv=m.num_kv_heads // p.tp if kv_split else 1, local_ffn=m.ffn_hidden_size // p.tp,
-                    dp_cp=p.dp * p.cp, world=p.tp * p.pp * p.cp * p.dp, mask_bytes=1 if device == "cuda" else e)
+                    dp_cp=p.dp * p.cp, world=p.tp * p.pp * p.cp * p.dp, mask_bytes=1 if device == "cuda" else e,
+                    compiled=t.compile if t.compile is not None else device == "cuda")
 
 
 def stage_layers(cfg: Config, pp_rank: int) -> list[range]:
