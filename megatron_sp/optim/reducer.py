@@ -47,6 +47,7 @@ class _Param:
     in_norm: bool  # counted in the global grad norm on this rank
     own_start: int = 0  # the owned interval [own_start, own_end) in global offsets (may be empty)
     own_end: int = 0
+    fresh: bool = True  # main_grad still holds zero_grad's zeros: the first gradient is copied, not added
 
     @property
     def end(self) -> int:
@@ -213,7 +214,11 @@ class GradReducer:
         if bucket.launched:
             raise RuntimeError(f"gradient of '{info.name}' arrived after its bucket's reduction started: set "
                                "sync_grads = False (or use no_sync()) on all but the step's last micro-batch")
-        p.main_grad.add_(p.grad)
+        if info.fresh:  # 0 + g is g: one pass, where a bf16 g added to fp32 would be converted into a temporary first
+            p.main_grad.copy_(p.grad)
+            info.fresh = False
+        else:
+            p.main_grad.add_(p.grad)
         p.grad = None
         if not self.sync_grads or self.dp_size == 1:
             return
@@ -318,6 +323,7 @@ class GradReducer:
         self.grad_buffer.zero_()
         for info in self._params:
             info.param.grad = None
+            info.fresh = True
         for bucket in self._buckets:
             if bucket.reduce is not None:  # a step abandoned mid-reduction: drain it before reuse
                 bucket.reduce.wait()
