@@ -260,7 +260,7 @@ def buffer_terms(cfg: Config, pp_rank: int, in_flight: int) -> dict[str, int]:
         else:  # the one fp32 chunk the eager cross entropy works in (in bf16 also beside the gradient)
             forward = min(logits, CHUNK_ELEMENTS) * 4
             extra = forward if D.e != 4 else 0
-        # the logits are saved (extra); backward adds their gradient
+        # the logits themselves count as saved activations; backward adds their gradient and `extra`
         out["logits + cross-entropy transients"] = max(forward, logits * D.e + extra)
     return out
 
