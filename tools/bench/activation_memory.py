@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import DTYPES, build_layer, gpt_config, graph_nodes, ints, parser, per_rank, print_json, rope, world_group
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES, causal_block_scores
+from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES, block_kernel_runs, causal_block_scores
 from megatron_sp.model.transformer import SelfAttention, TransformerLayer, head_dim
 from megatron_sp.mpu import ParallelContext
 from megatron_sp.mpu.random import checkpoint, get_tracker, init_rng
@@ -246,7 +246,7 @@ def scores_stored(args: argparse.Namespace, t: int, recompute: str) -> bool:
 
 def explicit_kernel(args: argparse.Namespace, t: int) -> bool:
     """Whether the layer runs the CPU block-causal explicit-scores kernel (else SDPA)."""
-    return args.dtype in ("bf16", "fp32") and args.batch * (args.heads // t) * args.seq ** 2 <= MATH_ATTENTION_MAX_SCORES
+    return block_kernel_runs(DTYPES[args.dtype], args.batch, args.heads // t, args.seq)
 
 
 def table2(args: argparse.Namespace, cfg: ModelConfig, t: int, sp: bool, recompute: str) -> tuple[str, dict[str, float]]:

@@ -7,13 +7,12 @@ Run from the repo root:  python tools/bench/attention.py [--seq 512 --batch 4 --
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from common import DTYPES, alternating, ints, mib, names, parser, print_json, wall_cpu
+from common import DTYPES, alternating, ints, mib, names, parser, print_json, wall_cpu, wall_cpu_stats
 from planner.measure import SavedBytes
 from megatron_sp.model.attention import kernels
 
@@ -82,9 +81,7 @@ def measure(args: argparse.Namespace, dtype_name: str) -> list[dict[str, Any]]:
     times = alternating({name: lambda fn=fn: wall_cpu(lambda: fwd_bwd(fn, inputs, dout))
                          for name, fn in variants.items()}, args.warmup, args.reps)
     for row, name in zip(rows, variants):
-        row["s"] = statistics.median(w for w, _ in times[name])
-        row["best_s"] = min(w for w, _ in times[name])
-        row["cpu_s"] = statistics.median(c for _, c in times[name])
+        row.update(wall_cpu_stats(times[name]))
     flash = rows[0]
     for row in rows:
         row["speedup_vs_flash"] = flash["s"] / row["s"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import weakref
@@ -183,6 +184,14 @@ def alternating(steps: dict[str, Callable[[], Any]], warmup: int, reps: int) -> 
             if rep >= warmup:
                 out[name].append(result)
     return out
+
+
+def wall_cpu_stats(samples: list[tuple[float, float]], prefix: str = "") -> dict[str, float]:
+    """``{prefix}s`` (median wall), ``{prefix}best_s`` (fastest wall) and ``{prefix}cpu_s`` (median CPU seconds) of
+    ``wall_cpu`` results."""
+    walls = [w for w, _ in samples]
+    return {f"{prefix}s": statistics.median(walls), f"{prefix}best_s": min(walls),
+            f"{prefix}cpu_s": statistics.median(c for _, c in samples)}
 
 
 def opt(x: float | None, spec: str = ".3f") -> str:

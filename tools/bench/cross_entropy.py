@@ -6,14 +6,13 @@ Run from the repo root:  python tools/bench/cross_entropy.py [--seq 2048 --batch
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from common import DTYPES, LiveBytes, alternating, ints, mib, names, parser, print_json, wall_cpu
+from common import DTYPES, LiveBytes, alternating, ints, mib, names, parser, print_json, wall_cpu, wall_cpu_stats
 from planner.measure import SavedBytes
 from megatron_sp.mpu import layers as ce
 
@@ -76,8 +75,7 @@ def measure(args: argparse.Namespace, dtype_name: str, chunk: int) -> dict[str, 
         times = alternating({name: lambda fn=fn: step(fn, logits) for name, fn in variants.items()},
                             args.warmup, args.reps)
     for name in variants:
-        row[f"{name}_s"] = statistics.median(w for w, _ in times[name])
-        row[f"{name}_cpu_s"] = statistics.median(c for _, c in times[name])
+        row.update(wall_cpu_stats(times[name], prefix=f"{name}_"))
     row["time_ratio"] = row["ours_s"] / row["torch_s"]
     row["cpu_ratio"] = row["ours_cpu_s"] / row["torch_cpu_s"]
     row["peak_ratio"] = row["ours_peak_bytes"] / row["torch_peak_bytes"]

@@ -5,9 +5,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_sp.config.schema import Config
-from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES, causal_block_scores
+from megatron_sp.model.attention.kernels import block_kernel_runs, causal_block_scores
 from megatron_sp.model.transformer import arch_spec
 from megatron_sp.mpu.layers import CHUNK_ELEMENTS
+from megatron_sp.optim.reducer import PRECISIONS
 from megatron_sp.pipeline.schedules import build_schedule
 
 from .dims import PlanDims, dims_of, stage_layers
@@ -20,7 +21,7 @@ def attention_kernel(D: PlanDims) -> str:
         return "cp"
     if D.device == "cuda":
         return "flash"
-    if D.e in (2, 4) and D.micro_batch * D.local_heads * D.s_local ** 2 <= MATH_ATTENTION_MAX_SCORES:
+    if block_kernel_runs(PRECISIONS[D.precision], D.micro_batch, D.local_heads, D.s_local):
         return "math"
     if D.attention_dropout > 0:
         return "sdpa_math"

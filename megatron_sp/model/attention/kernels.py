@@ -417,6 +417,13 @@ CAUSAL_BLOCK_ROWS = 64
 only, so above the diagonal it computes just its own triangle (docs/attention.md)."""
 
 
+def block_kernel_runs(dtype: torch.dtype, batch: int, heads: int, s: int) -> bool:
+    """Whether the layer's CPU causal attention is the block-causal explicit-scores kernel for ``batch`` samples of
+    ``heads`` local heads and ``s`` tokens (else SDPA): the rule ``dot_product_attention``, the planner and the
+    activation bench share."""
+    return dtype in MATH_ATTENTION_DTYPES and batch * heads * s * s <= MATH_ATTENTION_MAX_SCORES
+
+
 def causal_blocks(s: int, rows: int | None = None) -> list[tuple[int, int]]:
     """The explicit-scores kernel's query blocks ``[a, e)`` of ``rows`` (default ``CAUSAL_BLOCK_ROWS``) positions,
     the last possibly shorter; block ``[a, e)`` attends over keys ``[0, e)``."""
@@ -540,8 +547,7 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
             out_bsnd = flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                              dropout_p=dropout_p, causal=True)  # [b, s, n, d]
             return out_bsnd.transpose(0, 1)
-    if (not q.is_cuda and q.dtype in MATH_ATTENTION_DTYPES and k.shape[0] == s
-            and b * n * s * s <= MATH_ATTENTION_MAX_SCORES):
+    if not q.is_cuda and k.shape[0] == s and block_kernel_runs(q.dtype, b, n, s):
         return _BlockCausalAttention.apply(q, k, v, float(dropout_p), CAUSAL_BLOCK_ROWS)
     return _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
 
