@@ -2,6 +2,7 @@
 and the CPU peak FLOP/s for MFU (docs/metrics.md)."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import logging
@@ -52,6 +53,25 @@ def check_device_config(cfg: Config) -> None:
     if cfg.train.compile and p.device == "cpu" and not any(map(shutil.which, (os.environ.get("CXX", "g++"), "clang++"))):
         raise ConfigError("train.compile=true on CPU needs a C++ compiler for torch.compile (g++, clang++ or $CXX): "
                           "install one, or set train.compile=false")
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MALLOPT_MAX = 2**31 - 1  # mallopt takes a C int
+
+
+def cache_host_memory() -> bool:
+    """Keep the memory this process frees for its next allocations: glibc's malloc neither maps blocks of up to
+    2 GiB on their own (``M_MMAP_THRESHOLD``; by default it does from 32 MiB, e.g. fp32 logits) nor returns the
+    heap's free top to the system (``M_TRIM_THRESHOLD``). Otherwise every step page-faults such tensors back in,
+    zero-filled by the kernel (~17 ms per 64 MiB here). The CPU counterpart of CUDA's caching allocator: the
+    resident size stays at its peak. Returns False, changing nothing, off glibc (macOS, musl)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MALLOPT_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _MALLOPT_MAX))
 
 
 def local_device(device_type: str, local_rank: int = 0) -> torch.device:

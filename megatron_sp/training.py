@@ -75,10 +75,14 @@ class Runtime:
 def setup(cfg: Config) -> Runtime:
     """Everything before the first step, on every rank."""
     p = cfg.parallel
+    host_cached = cfg.train.cache_host_memory and device_mod.cache_host_memory()  # before the large allocations
     if not dist.is_initialized():  # from torchrun's environment (train.py at world size 1: launcher.single_rank_env)
         init_default_group(p.backend, p.timeout_s)  # type: ignore[arg-type]
     rank = dist.get_rank()
     metrics_mod.setup_logging(cfg.logging.level, rank)
+    if cfg.train.cache_host_memory:
+        log.info("train.cache_host_memory: %s", "freed memory is kept for reuse (glibc malloc: no mmap up to 2 GiB, "
+                 "no trim)" if host_cached else "not glibc, so the system allocator is left as it is")
     state = initialize(ParallelDims(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, world_size=p.world_size,  # type: ignore[arg-type]
                                     cp_ulysses=p.cp_ulysses if p.cp_algo == "usp" else 1),  # type: ignore[arg-type]
                        timeout_s=p.timeout_s)

@@ -113,6 +113,9 @@ class TrainConfig:
                              "averaged like the cross entropy; the logged loss and val_loss include it.")
     compile: bool | None = doc(None, "Derived unless set: true on CUDA, false on CPU. Run each layer's pointwise "
                                      "regions through torch.compile (first step includes compile time). docs/compile.md.")
+    cache_host_memory: bool = doc(True, "Keep the memory the process frees for reuse (glibc malloc: no mmap of "
+                                        "blocks up to 2 GiB, no heap trim) instead of page-faulting large tensors "
+                                        "back every step; the resident size stays at its peak. No effect off glibc.")
     eval_interval: int = doc(0, "Run validation every this many steps (0: never).")
     eval_iters: int = doc(4, "Global batches per validation run.")
     sample_prompt: str | None = doc(None, "If set, print a greedy sample continuing this prompt at the end.")

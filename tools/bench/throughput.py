@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-hf", action="store_true", help="only time our model")
     p.add_argument("--compile", action="store_true", help="also time both models compiled (torch.compile)")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="leave glibc malloc as it is (train.cache_host_memory=false); by default the process keeps "
+                        "freed memory for reuse, as train.py does, for every model timed")
     return p.parse_args(argv)
 
 
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run every (arch, dtype) pair, print the table and the JSON line."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    args.host_memory_cached = not args.system_malloc and device.cache_host_memory()  # in the JSON's config
     results = [bench_one(args, arch, dt) for arch in args.arch.split(",") for dt in args.dtype.split(",")]
     columns = [("ours", "ours tok/s"), ("hf", "HF tok/s")]
     if args.compile:
