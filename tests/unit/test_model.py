@@ -223,7 +223,6 @@ def test_attention_kernels_agree_with_hand(n: int, g: int, rows: int, monkeypatc
 def test_block_causal_attention_dropout(monkeypatch: pytest.MonkeyPatch) -> None:
     """With dropout the block kernel equals autograd through the same operations drawing the same random numbers
     (one ``F.dropout`` per block, in block order), in fp64."""
-    monkeypatch.setattr(kernels, "CAUSAL_BLOCK_ROWS", 5)
     s, b, n, g, d, p = 23, 2, 4, 2, 8, 0.3
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(s, b, heads, d, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -235,7 +234,7 @@ def test_block_causal_attention_dropout(monkeypatch: pytest.MonkeyPatch) -> None
         q_rows = q.reshape(s, b, g, r, d).permute(1, 2, 0, 3, 4).reshape(b * g, s * r, d)
         k_rows, v_rows = (t.permute(1, 2, 0, 3).reshape(b * g, s, d) for t in (k, v))
         blocks = []
-        for a, e in kernels.causal_blocks(s):
+        for a, e in kernels.causal_blocks(s, 5):
             scores = q_rows[:, a * r:e * r] @ k_rows[:, :e].transpose(1, 2) / math.sqrt(d)
             position = torch.arange(a, e).repeat_interleave(r)
             scores = scores.masked_fill(torch.arange(e)[None, :] > position[:, None], float("-inf"))

@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import DTYPES, build_layer, gpt_config, graph_nodes, ints, parser, per_rank, print_json, rope, world_group
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.attention.kernels import MATH_ATTENTION_MAX_SCORES, block_kernel_runs, causal_block_scores
+from megatron_sp.model.attention.kernels import (MATH_ATTENTION_MAX_SCORES, block_kernel_runs, causal_block_rows,
+                                                causal_block_scores)
 from megatron_sp.model.transformer import SelfAttention, TransformerLayer, head_dim
 from megatron_sp.mpu import ParallelContext
 from megatron_sp.mpu.random import checkpoint, get_tracker, init_rng
@@ -270,7 +271,7 @@ def table2(args: argparse.Namespace, cfg: ModelConfig, t: int, sp: bool, recompu
     if scores_stored(args, t, recompute):
         scores = a * s * s * b / t
         if explicit_kernel(args, t):  # the causal blocks only, about half of s²; dropout's zeros are its mask
-            fraction = causal_block_scores(s) / s ** 2
+            fraction = causal_block_scores(s, causal_block_rows(DTYPES[args.dtype])) / s ** 2
             share = f"·{fraction:.3g}" if fraction < 1 else ""
             terms["attention probs"] = 2 * e * scores * fraction
             score_coef = 2
@@ -368,13 +369,14 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         print(f"{r['tp']:>3} {'on' if r['sp'] else 'off':>3} {r['recompute']:>9} {r['measured_bytes']:>12,.0f} "
               f"{r['formula_bytes']:>12,.0f} {r['ratio']:>9.3f}  {r['table2_terms']}{flag}")
     e = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
+    kept = causal_block_scores(s, causal_block_rows(DTYPES[args.dtype])) / s ** 2
     print(f"\nformula: Table 2 in {e}-byte activations (16-bit terms x{e / 2:g}; masks 1 byte/element); "
           + ("no dropout masks (dropout 0: 34 -> 32, 5as/h -> 2as/h). " if args.dropout == 0 else "")
           + (f"score term where the kernel stores scores: bf16 and fp32 run the block-causal explicit-scores "
              f"kernel while b·(n/t)·s² <= MATH_ATTENTION_MAX_SCORES = {MATH_ATTENTION_MAX_SCORES} (here "
              f"{b * a * s * s} / t), which keeps the probabilities of its causal blocks "
-             f"({causal_block_scores(s) / s ** 2:.3g} of s²; with dropout the dropped copy too, whose zeros are the "
-             "mask); beyond that bound dropout > 0 makes CPU SDPA fall back to its math kernel (5as/h); "
+             f"({kept:.3g} of s²; with dropout the dropped copy too, whose zeros are the mask); beyond that bound "
+             "dropout > 0 makes CPU SDPA fall back to its math kernel (5as/h); "
              "selective/full recompute store none.")
           + " full recompute keeps the layer input: 2sbh, 2sbh/t under SP (the input is the [s/t, b, h] shard).")
     mismatched = [r for r in rows if r["scores_expected"] != r["scores_stored"]]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from common import DTYPES, alternating, ints, mib, names, parser, print_json, wall_cpu, wall_cpu_stats
+from common import DTYPES, alternating, host_memory, ints, mib, names, parser, print_json, wall_cpu, wall_cpu_stats
 from planner.measure import SavedBytes
 from megatron_sp.model.attention import kernels
 
@@ -20,12 +20,12 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, seq=512, batch=4, heads=8, kv_heads=None, seed=1234, reps=6, warmup=2)
+    p = parser(__doc__, seq=512, batch=4, heads=8, kv_heads=None, seed=1234, reps=6, warmup=2, system_malloc=False)
     p.add_argument("--head-dim", type=int, default=64, help="d, the size of one head")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {','.join(DTYPES)}")
-    p.add_argument("--rows", default=str(kernels.CAUSAL_BLOCK_ROWS),
-                   help="comma-separated CAUSAL_BLOCK_ROWS values of the block kernel (rows >= seq: one block, "
-                        "the unblocked explicit-scores kernel)")
+    p.add_argument("--rows", default=f"{kernels.CAUSAL_BLOCK_ROWS},{kernels.CAUSAL_BLOCK_ROWS_16BIT}",
+                   help="comma-separated query rows per block of the block kernel (rows >= seq: one block, the "
+                        "unblocked explicit-scores kernel); default: the fp32 and the 16-bit choice")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
@@ -92,6 +92,7 @@ def measure(args: argparse.Namespace, dtype_name: str) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    host_memory(args)
     rows = [row for dtype_name in names(args.dtypes) for row in measure(args, dtype_name)]
     print(f"causal attention forward + backward, s {args.seq}, b {args.batch}, heads {args.heads} (kv "
           f"{args.kv_heads}), d {args.head_dim}, {args.threads} threads, median (best) of {args.reps}")
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  f"{r['speedup_vs_flash']:.2f} ({r['best_speedup_vs_flash']:.2f})", f"{r['max_rel_error']:.1e}")
         print(" | ".join(f"{c:>11}" for c in cells))
     result = {"seq": args.seq, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
-              "head_dim": args.head_dim, "threads": args.threads, "reps": args.reps, "rows": rows}
+              "head_dim": args.head_dim, "threads": args.threads, "reps": args.reps,
+              "host_memory_cached": args.host_memory_cached, "rows": rows}
     print_json("attention", **result)
     return result
 

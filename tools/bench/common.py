@@ -27,7 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_sp import config
+from megatron_sp import config, device
 from megatron_sp.config import Config
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention.layout import required_divisor
@@ -52,6 +52,8 @@ MODEL_FLAGS: dict[str, tuple[type, str]] = {
     "reps": (int, "timed repetitions (the median is reported)"),
     "steps": (int, "timed steps (the median is reported)"),
     "verbose": (bool, "print the per-rank / per-op detail of every row"),
+    "system_malloc": (bool, "leave glibc malloc as it is (train.cache_host_memory=false); by default the process "
+                            "keeps freed memory for reuse, as train.py does"),
 }
 """The flags most benchmarks take: ``name: (type, help)``; each script picks its own defaults."""
 
@@ -68,6 +70,13 @@ def parser(doc: str, **defaults: Any) -> argparse.ArgumentParser:
             choices = ("neox", "llama") if name == "arch" else None
             p.add_argument(flag, type=kind, default=default, choices=choices, help=text)
     return p
+
+
+def host_memory(args: argparse.Namespace) -> bool:
+    """Keep freed host memory for reuse as train.py does (``train.cache_host_memory``) unless
+    ``--system-malloc``; records the outcome as ``args.host_memory_cached`` (the JSON's config) and returns it."""
+    args.host_memory_cached = not args.system_malloc and device.cache_host_memory()
+    return args.host_memory_cached
 
 
 CONFIG_KEYS = {"arch": "arch", "layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from common import DTYPES, gpt_config, parser, print_json, wall_cpu
+from common import DTYPES, gpt_config, host_memory, parser, print_json, wall_cpu
 from megatron_sp import device
 from megatron_sp.config.schema import ModelConfig, TrainConfig
 from megatron_sp.model import GPTModel, flops_per_token
@@ -23,7 +23,8 @@ LR = 1e-4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(__doc__, layers=4, hidden=256, heads=8, kv_heads=None, seq=256, batch=4, vocab=4096, seed=1234)
+    p = parser(__doc__, layers=4, hidden=256, heads=8, kv_heads=None, seq=256, batch=4, vocab=4096, seed=1234,
+               system_malloc=False)
     p.add_argument("--arch", default="neox,llama", help="comma-separated: neox,llama")
     p.add_argument("--dtype", default="fp32,bf16", help="comma-separated: fp32,bf16")
     p.add_argument("--ffn", type=int, default=None, help="MLP width (default: the config's derived value)")
@@ -33,9 +34,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-hf", action="store_true", help="only time our model")
     p.add_argument("--compile", action="store_true", help="also time both models compiled (torch.compile)")
-    p.add_argument("--system-malloc", action="store_true",
-                   help="leave glibc malloc as it is (train.cache_host_memory=false); by default the process keeps "
-                        "freed memory for reuse, as train.py does, for every model timed")
     return p.parse_args(argv)
 
 
@@ -149,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run every (arch, dtype) pair, print the table and the JSON line."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    args.host_memory_cached = not args.system_malloc and device.cache_host_memory()  # in the JSON's config
+    host_memory(args)  # for every model timed
     results = [bench_one(args, arch, dt) for arch in args.arch.split(",") for dt in args.dtype.split(",")]
     columns = [("ours", "ours tok/s"), ("hf", "HF tok/s")]
     if args.compile:

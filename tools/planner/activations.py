@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_sp.config.schema import Config
-from megatron_sp.model.attention.kernels import block_kernel_runs, causal_block_scores
+from megatron_sp.model.attention.kernels import block_kernel_runs, causal_block_rows, causal_block_scores
 from megatron_sp.model.transformer import arch_spec
 from megatron_sp.mpu.layers import CHUNK_ELEMENTS
 from megatron_sp.optim.reducer import PRECISIONS
@@ -57,7 +57,8 @@ def attention_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]
         return _nonzero({**inputs, "attention output": out, "log-sum-exp": lse})
     scores = b * n_l * s * s * e
     if kernel == "math":
-        kept = b * n_l * causal_block_scores(s) * e  # the probabilities of the causal blocks, about half of s²
+        rows = causal_block_rows(PRECISIONS[D.precision])
+        kept = b * n_l * causal_block_scores(s, rows) * e  # the probabilities of the causal blocks, about half of s²
         terms = {"q,k (rotated)": inputs["q,k (rotated)"], "q copy": tok * n_l * d * e if n_l > g_l else 0,
                  "v": inputs["v"], "attention probs": kept}
         if D.attention_dropout > 0:
