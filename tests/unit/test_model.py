@@ -220,7 +220,7 @@ def test_attention_kernels_agree_with_hand(n: int, g: int, rows: int, monkeypatc
     assert kernels.causal_block_scores(s, 3) == 3 * 3 + 3 * 6 + 3 * 9 + 1 * 10
 
 
-def test_block_causal_attention_dropout(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_block_causal_attention_dropout() -> None:
     """With dropout the block kernel equals autograd through the same operations drawing the same random numbers
     (one ``F.dropout`` per block, in block order), in fp64."""
     s, b, n, g, d, p = 23, 2, 4, 2, 8, 0.3
