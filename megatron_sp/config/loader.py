@@ -251,7 +251,8 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
               "data.prefetch_factor")
     _positive(cfg, "train.lr", "train.min_lr", "train.lr_warmup_iters", "train.weight_decay", "train.clip_grad",
               "train.eval_interval", "checkpoint.interval", "checkpoint.keep", "logging.dump_grads_step", "logging.peak_tflops",
-              "model.hidden_dropout", "model.attention_dropout", "data.num_workers", allow_zero=True)
+              "model.hidden_dropout", "model.attention_dropout", "model.cpu_attention_max_scores", "data.num_workers",
+              allow_zero=True)
     for key in ("hidden_dropout", "attention_dropout"):
         if getattr(m, key) >= 1.0:
             raise ConfigError(f"model.{key}: {getattr(m, key)} must be below 1")

@@ -34,6 +34,11 @@ class ModelConfig:
     norm_eps: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.")
     hidden_dropout: float = doc(0.0, "Dropout on the attention and MLP outputs before the residual add.")
     attention_dropout: float = doc(0.0, "Dropout on the attention probabilities.")
+    cpu_attention_max_scores: int | None = doc(None, "CPU causal attention without CP or packed documents: the "
+                                                     "block-causal explicit-scores kernel (faster; keeps about half "
+                                                     "of the b·(n/tp)·s² probabilities per layer) while b·(n/tp)·s² is "
+                                                     "at most this, torch's O(s)-memory flash kernel beyond. 0: "
+                                                     "always flash. Unset: 2^24 (kernels.MATH_ATTENTION_MAX_SCORES).")
     tie_embeddings: bool = doc(False, "Share the input embedding with the output layer (llama option).")
     recompute: str = doc("none", "Activation recomputation: none | selective (the attention core: scores, "
                                  "softmax, dropout) | full (each layer keeps only its input).")

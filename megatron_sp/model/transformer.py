@@ -357,7 +357,9 @@ class SelfAttention(nn.Module):
                                      sequence_parallel=parallel.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
         self.regions = EAGER  # pointwise work: EAGER or compiled()
-        self.attention_fn: Callable[..., torch.Tensor] = dot_product_attention
+        self.attention_fn: Callable[..., torch.Tensor] = (
+            dot_product_attention if cfg.cpu_attention_max_scores is None
+            else functools.partial(dot_product_attention, max_scores=cfg.cpu_attention_max_scores))
         self._kernel_hooks: OrderedDict[int, KernelHook] = OrderedDict()  # weak-referenceable, for RemovableHandle
 
     def register_kernel_hook(self, hook: KernelHook) -> RemovableHandle:

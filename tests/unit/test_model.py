@@ -272,6 +272,21 @@ def test_cpu_causal_kernel_choice(dtype: torch.dtype, monkeypatch: pytest.Monkey
         torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=0)
 
 
+@pytest.mark.parametrize("bound,kernel", [(None, "_BlockCausalAttention"), (2 * 4 * 70 * 70 - 1, "FlashAttention"),
+                                          (0, "FlashAttention")])
+def test_cpu_attention_max_scores_config(bound: int | None, kernel: str) -> None:
+    """``model.cpu_attention_max_scores`` is the layer's bound: unset, the kernels' default (b·n·s² = 39200 is
+    within it); below b·n·s², or 0, torch's flash kernel."""
+    attention = GPTModel(make_cfg("llama", cpu_attention_max_scores=bound), seed=1).layers["0"].attention
+    s, b, n, g, d = 70, 2, 4, 2, 16
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(s, b, heads, d, generator=gen, requires_grad=True) for heads in (n, g, g))
+    out = attention.attention_fn(q, k, v, 0.0)
+    node = out.grad_fn if kernel.startswith("_") else out.grad_fn.next_functions[0][0]  # SDPA: under a permute
+    assert kernel in node.name(), node.name()
+    torch.testing.assert_close(out.double(), hand_attention(q.double(), k.double(), v.double()), atol=1e-5, rtol=0)
+
+
 # --------------------------------------------------------------------------- initialisation
 
 

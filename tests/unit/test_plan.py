@@ -75,6 +75,8 @@ def test_formulas_against_hand_numbers() -> None:
     assert plan.layer_terms(D) == expected
     assert sum(expected.values()) == 279552
     assert plan.layer_terms(plan.dims_of(make_config("model.recompute=full"))) == {"layer input": 4 * x}
+    flash = plan.layer_terms(plan.dims_of(make_config("model.cpu_attention_max_scores=0")))  # torch's flash kernel
+    assert flash == {k: v for k, v in expected.items() if k != "attention probs"} | {"log-sum-exp": 4 * 2 * 4 * 32}
     # Table 2 as printed: sbh(34 + 5as/h), 16-bit bytes ×2 for fp32 = 4096·(34 + 5·4·32/64)·2
     assert plan.table2_layer_bytes(D) == 4096 * 44 * 2
 

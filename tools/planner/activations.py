@@ -21,7 +21,7 @@ def attention_kernel(D: PlanDims) -> str:
         return "cp"
     if D.device == "cuda":
         return "flash"
-    if block_kernel_runs(PRECISIONS[D.precision], D.micro_batch, D.local_heads, D.s_local):
+    if block_kernel_runs(PRECISIONS[D.precision], D.micro_batch, D.local_heads, D.s_local, D.cpu_attention_max_scores):
         return "math"
     if D.attention_dropout > 0:
         return "sdpa_math"

@@ -62,6 +62,7 @@ class PlanDims:
     world: int
     mask_bytes: int  # a dropout mask element: CPU multiplies by one in the activation dtype; CUDA keeps a bool
     compiled: bool  # train.compile (unset: on CUDA): the loss runs compiled, without its fp32 chunk
+    cpu_attention_max_scores: int | None  # model.cpu_attention_max_scores: the CPU block kernel's bound
 
 
 def dims_of(cfg: Config) -> PlanDims:
@@ -87,7 +88,8 @@ def dims_of(cfg: Config) -> PlanDims:
                     shard_tokens=tokens // p.tp if sp else tokens, kv_split=kv_split, local_heads=m.num_heads // p.tp,
                     local_kv=m.num_kv_heads // p.tp if kv_split else 1, local_ffn=m.ffn_hidden_size // p.tp,
                     dp_cp=p.dp * p.cp, world=p.tp * p.pp * p.cp * p.dp, mask_bytes=1 if device == "cuda" else e,
-                    compiled=t.compile if t.compile is not None else device == "cuda")
+                    compiled=t.compile if t.compile is not None else device == "cuda",
+                    cpu_attention_max_scores=m.cpu_attention_max_scores)
 
 
 def stage_layers(cfg: Config, pp_rank: int) -> list[range]:

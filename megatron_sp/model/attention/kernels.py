@@ -405,7 +405,7 @@ def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 MATH_ATTENTION_MAX_SCORES = 1 << 24
 """CPU attention in ``MATH_ATTENTION_DTYPES`` uses the block-causal explicit-scores kernel when ``b · n · s²`` is at
 most this (faster than the CPU flash kernel; it keeps about half of the ``[b, n, s, s]`` probabilities for backward:
-docs/attention.md). 0: always SDPA."""
+docs/attention.md). 0: always SDPA. The default of ``model.cpu_attention_max_scores``."""
 
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -426,11 +426,13 @@ def causal_block_rows(dtype: torch.dtype) -> int:
     return CAUSAL_BLOCK_ROWS_16BIT if dtype.itemsize == 2 else CAUSAL_BLOCK_ROWS
 
 
-def block_kernel_runs(dtype: torch.dtype, batch: int, heads: int, s: int) -> bool:
+def block_kernel_runs(dtype: torch.dtype, batch: int, heads: int, s: int, max_scores: int | None = None) -> bool:
     """Whether the layer's CPU causal attention is the block-causal explicit-scores kernel for ``batch`` samples of
-    ``heads`` local heads and ``s`` tokens (else SDPA): the rule ``dot_product_attention``, the planner and the
-    activation bench share."""
-    return dtype in MATH_ATTENTION_DTYPES and batch * heads * s * s <= MATH_ATTENTION_MAX_SCORES
+    ``heads`` local heads and ``s`` tokens (else SDPA), with the bound ``max_scores`` (``model.cpu_attention_max_scores``;
+    None: ``MATH_ATTENTION_MAX_SCORES``): the rule ``dot_product_attention``, the planner and the activation bench
+    share."""
+    bound = MATH_ATTENTION_MAX_SCORES if max_scores is None else max_scores
+    return dtype in MATH_ATTENTION_DTYPES and batch * heads * s * s <= bound
 
 
 def causal_blocks(s: int, rows: int) -> list[tuple[int, int]]:
@@ -544,10 +546,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> t
     return out_bnsd.permute(2, 0, 1, 3)
 
 
-def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                          max_scores: int | None = None) -> torch.Tensor:
     """Causal softmax(q kᵀ / √d) v. q ``[s, b, n, d]``, k/v ``[s, b, g, d]`` with g | n → ``[s, b, n, d]``:
     flash-attn on CUDA (half precision, head dim <= 256); on CPU block-causal explicit scores
-    (``_BlockCausalAttention``) in ``MATH_ATTENTION_DTYPES`` while ``b·n·s² <= MATH_ATTENTION_MAX_SCORES``; else SDPA."""
+    (``_BlockCausalAttention``) in ``MATH_ATTENTION_DTYPES`` while ``b·n·s² <= max_scores`` (None:
+    ``MATH_ATTENTION_MAX_SCORES``); else SDPA."""
     s, b, n, d = q.shape
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256:
         flash = device_mod.flash_attn_func()
@@ -555,7 +559,7 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
             out_bsnd = flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                              dropout_p=dropout_p, causal=True)  # [b, s, n, d]
             return out_bsnd.transpose(0, 1)
-    if not q.is_cuda and k.shape[0] == s and block_kernel_runs(q.dtype, b, n, s):
+    if not q.is_cuda and k.shape[0] == s and block_kernel_runs(q.dtype, b, n, s, max_scores):
         return _BlockCausalAttention.apply(q, k, v, float(dropout_p), causal_block_rows(q.dtype))
     return _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
 
