@@ -357,9 +357,9 @@ class SelfAttention(nn.Module):
                                      sequence_parallel=parallel.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
         self.regions = EAGER  # pointwise work: EAGER or compiled()
-        self.attention_fn: Callable[..., torch.Tensor] = (
-            dot_product_attention if cfg.cpu_attention_max_scores is None
-            else functools.partial(dot_product_attention, max_scores=cfg.cpu_attention_max_scores))
+        self.max_scores = cfg.cpu_attention_max_scores  # the CPU block kernel's bound (None: the kernels' default)
+        self.attention_fn: Callable[..., torch.Tensor] = functools.partial(dot_product_attention,
+                                                                           max_scores=self.max_scores)
         self._kernel_hooks: OrderedDict[int, KernelHook] = OrderedDict()  # weak-referenceable, for RemovableHandle
 
     def register_kernel_hook(self, hook: KernelHook) -> RemovableHandle:
@@ -399,7 +399,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.regions.rotary_qkv(qkv, cos, sin, self.q_per_kv, self.head_dim)  # [s, b, n/t | g_local, d]
         if kv_cache is not None:
             k_all, v_all = kv_cache.append(k, v)  # [past + s, b, g, d]
-            return self.out(cached_attention(q, k_all, v_all).reshape(s, b, -1))
+            return self.out(cached_attention(q, k_all, v_all, self.max_scores).reshape(s, b, -1))
         if self.parallel.recompute == "selective" and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core, q, k, v, meta, tracker=self.parallel.tracker)  # [s, b, n/t, d]
         else:
