@@ -3,6 +3,7 @@ tools); programming errors stay ordinary exceptions."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
 
@@ -61,6 +62,17 @@ class LaunchError(UserError):
     """A launcher option, hostfile, environment or layout problem (deepy.py). Exit code 2."""
 
     exit_code = 2
+
+
+def refuse_existing_outputs(paths: Iterable[str | Path], instead: str) -> None:
+    """The tools' rule for outputs: one ``DataError`` naming the first of ``paths`` that exists (and how many more
+    do), the opt-in ``--overwrite`` and ``instead``, the other way out (e.g. ``choose another --output``)."""
+    existing = [Path(p) for p in paths if Path(p).exists()]
+    if existing:
+        first = existing[0]
+        what = f"{first.stat().st_size} bytes" if first.is_file() else "not a file"
+        more = f"; {len(existing) - 1} more output file(s) too" if len(existing) > 1 else ""
+        raise DataError(f"output '{first}' already exists ({what}{more}); pass --overwrite to replace it, or {instead}")
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -5,9 +5,13 @@
     python tools/convert_checkpoint.py --input export/hf --output runs/from_hf --to megatron_sp --tp 2
     python tools/convert_checkpoint.py --input runs/ckpt --output runs/ckpt_pp2 --to megatron_sp --pp 2
 
-The input format is detected. Ours to ours: our files are layout-free, so --tp/--pp is a
-validated rewrite (tensors copied unchanged). The output is written under a temporary name and
-renamed when complete. Details: docs/checkpoints.md, "Converting".
+The input format is detected. Converting is needed only between formats: checkpoints are layout-free,
+so train.py (checkpoint.load) and tools/generate.py load any of ours at any layout, unconverted. Ours to
+ours only records another layout in the copied config (meta.json), checked against the model, tensors
+copied unchanged: --tp/--pp (or --set parallel.KEY=VALUE) change those values, every other one (cp, dp,
+virtual stages, schedule, ZeRO, ...) stays the source's; the tool prints the whole target layout, naming
+what came from the source. The output is written under a temporary name and renamed when complete.
+Details: docs/checkpoints.md, "Converting".
 """
 from __future__ import annotations
 
@@ -37,12 +41,34 @@ from megatron_sp.config import Config
 from megatron_sp.config.loader import _apply_section, apply_override, finalize, set_vocab, to_dict
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.data.tokenizer import SPACE_SYMBOL
-from megatron_sp.errors import ConfigError, DataError, UserError
+from megatron_sp.errors import ConfigError, DataError, OneLineArgumentParser, UserError
 from megatron_sp.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 
 log = logging.getLogger("megatron_sp")
 
 HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama"}
+LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "virtual_stages", "pp_schedule", "pp_partition", "sequence_parallel", "cp_algo",
+               "cp_ulysses", "zero")  # the parallel.* values a checkpoint's config records as its layout
+
+
+def layout_line(cfg: Config, tp: int | None, pp: int | None, overrides: list[str], rest: str) -> str:
+    """The whole target layout of ``cfg`` in one line: values given by ``--tp``/``--pp``/``--set parallel.KEY``
+    marked with their flag, the others said to come from ``rest`` (the source checkpoint, or the defaults)."""
+    given = {"tp": "--tp" if tp is not None else "", "pp": "--pp" if pp is not None else ""}
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key.startswith("parallel."):
+            given[key.removeprefix("parallel.")] = "--set"
+    p = cfg.parallel
+
+    def show(key: str) -> str:
+        value = getattr(p, key)
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        return f"{key} {text}" + (f" [{given[key]}]" if given.get(key) else "")
+    values = [show(k) for k in LAYOUT_KEYS if not (k == "cp_ulysses" and p.cp_algo != "usp")]
+    kept = [k for k in LAYOUT_KEYS if not given.get(k) and not (k == "cp_ulysses" and p.cp_algo != "usp")]
+    return (f"target layout recorded: {', '.join(values)} = world {p.world_size}; from {rest}: {', '.join(kept)} "
+            "(any layout loads this checkpoint: train.py runs the layout of its own config)")
 
 
 def detect_format(path: Path) -> str:
@@ -172,10 +198,11 @@ def relayout(src: Path, out: Path, iteration: int | None, tp: int | None, pp: in
     for item in overrides:
         apply_override(cfg, item)
     cfg = validated(cfg, f"--tp {cfg.parallel.tp} --pp {cfg.parallel.pp}")
+    log.info("%s", layout_line(cfg, tp, pp, overrides, f"the source {ckpt}"))
     meta = {**meta, "config": to_dict(cfg), "converted_from": str(ckpt.resolve())}
     with staging(out) as tmp:
         write_ours(tmp, meta, None, copy_from=ckpt)
-    log.info("wrote %s (tp %d, pp %d; weights%s copied unchanged)", out, cfg.parallel.tp, cfg.parallel.pp,
+    log.info("wrote %s (weights%s copied unchanged)", out,
              " and optimizer state" if checkpointing.Reader(ckpt).names("optim/") else "")
     return out / f"iter_{int(meta['step']):07d}"
 
@@ -361,6 +388,7 @@ def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: lis
             if cfg.tokenizer.model is None:
                 cfg.tokenizer.model = str(out.resolve() / "tokenizer.model")
         cfg = validated(cfg, f"'{src}' at --tp {cfg.parallel.tp} --pp {cfg.parallel.pp}")
+        log.info("%s", layout_line(cfg, tp, pp, overrides, "the defaults (a Hugging Face model has no layout)"))
         meta = {"format_version": checkpointing.FORMAT_VERSION, "step": 0, "consumed_samples": 0,
                 "world_size": cfg.parallel.world_size, "config": to_dict(cfg), "converted_from": str(src.resolve())}
         ckpt = write_ours(tmp, meta, weights)
@@ -370,20 +398,22 @@ def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: lis
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, type=Path, metavar="DIR",
                         help="an HF model directory, a checkpoint.save directory or one iter_NNNNNNN directory")
     parser.add_argument("--output", required=True, type=Path, metavar="DIR",
                         help="directory to create (must not exist or be empty)")
     parser.add_argument("--to", required=True, choices=("megatron_sp", "hf"), help="target format")
     parser.add_argument("--tp", type=int, metavar="N",
-                        help="--to megatron_sp: tensor-parallel size recorded in the output (default: the input's)")
+                        help="--to megatron_sp: tensor-parallel size recorded in the output's config (default: the "
+                             "input's; any layout loads the checkpoint, so this only records one)")
     parser.add_argument("--pp", type=int, metavar="N",
                         help="--to megatron_sp: pipeline-parallel size recorded in the output (default: the input's)")
     parser.add_argument("--iteration", type=int, metavar="STEP",
                         help="megatron_sp input: convert iter_STEP instead of the one 'latest' names")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="--to megatron_sp: a config override for the output's meta.json (repeatable)")
+                        help="--to megatron_sp: a config override for the output's meta.json (repeatable), e.g. "
+                             "parallel.dp=4 or parallel.virtual_stages=1 for a layout value --tp/--pp do not set")
     args = parser.parse_args(argv)
     for flag in ("tp", "pp"):
         value = getattr(args, flag)

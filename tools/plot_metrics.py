@@ -6,13 +6,15 @@
 
 Panels against the step: training loss (validation dashed), tokens/s and, with ``--mfu``, the MFU;
 one line per input (a file, or the run directory holding one), labelled by its run directory.
-An earlier run's ``metrics.jsonl.1`` compares with the latest. Needs matplotlib.
+An earlier run's ``metrics.jsonl.1`` compares with the latest. An existing --output is kept unless
+--overwrite (the image is written under a temporary name, then renamed). Needs matplotlib.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from typing import Any
 if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_sp.errors import DataError, OneLineArgumentParser, UserError
+from megatron_sp.errors import DataError, OneLineArgumentParser, UserError, refuse_existing_outputs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="metrics.jsonl files (or run directories holding one); one curve each")
     parser.add_argument("--output", "-o", default="curves.png", metavar="FILE",
                         help="image to write; the format follows the suffix (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (refused by default)")
     parser.add_argument("--mfu", action="store_true", help="add a panel with the MFU (%%)")
     parser.add_argument("--title", help="figure title")
     return parser.parse_args(argv)
@@ -111,9 +114,20 @@ def _import_pyplot() -> Any:
     return plt
 
 
-def plot(runs: list[Run], output: str | Path, mfu: bool = False, title: str | None = None) -> Path:
-    """Draw the panels for ``runs`` into ``output``; returns its path."""
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse a directory, and unless ``overwrite`` an existing file, as ``--output``."""
+    if out.is_dir():
+        raise UserError(f"--output '{out}' is a directory; give an image file name such as {out / 'curves.png'}")
+    if not overwrite:
+        refuse_existing_outputs([out], "choose another --output")
+
+
+def plot(runs: list[Run], output: str | Path, mfu: bool = False, title: str | None = None, *,
+         overwrite: bool = True) -> Path:
+    """Draw the panels for ``runs`` into ``output`` (a temporary name, renamed when complete; unless ``overwrite``
+    an existing ``output`` is refused); returns its path."""
     out = Path(output)
+    check_output(out, overwrite)
     plt = _import_pyplot()
     panels = [("loss", "loss"), ("tokens_per_s", "tokens/s")] + ([("mfu", "MFU (%)")] if mfu else [])
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), sharex=True, squeeze=False)
@@ -145,17 +159,26 @@ def plot(runs: list[Run], output: str | Path, mfu: bool = False, title: str | No
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, dpi=100, format=out.suffix.lstrip(".").lower())
+        check_output(out, overwrite)  # created meanwhile: still never replaced
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise UserError(f"--output '{out}': cannot be written ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_output(Path(args.output), args.overwrite)  # before any input is read
         runs = [read_metrics(p) for p in args.metrics]  # every input is checked before matplotlib loads
-        out = plot(runs, args.output, mfu=args.mfu, title=args.title)
+        out = plot(runs, args.output, mfu=args.mfu, title=args.title, overwrite=args.overwrite)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

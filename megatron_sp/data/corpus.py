@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sp.data.index_cache import atomic_file
-from megatron_sp.errors import DataError
+from megatron_sp.errors import DataError, refuse_existing_outputs
 
 log = logging.getLogger("megatron_sp")
 
@@ -43,13 +43,19 @@ def demo_source_files(stdlib: Path | None = None) -> list[tuple[str, Path]]:
     return files
 
 
-def make_demo_corpus(out_path: str | Path, max_bytes: int = 4_000_000) -> Path:
+def make_demo_corpus(out_path: str | Path, max_bytes: int = 4_000_000, *, overwrite: bool = True) -> Path:
     """Write the demo JSONL corpus (``{"text": source}`` per line) of at most ``max_bytes`` bytes, atomically:
     files in ``demo_source_files`` order (empty, non-UTF-8 and overflowing ones skipped), written in a second
-    fixed shuffle so the validation split is not biased towards small files."""
+    fixed shuffle so the validation split is not biased towards small files. Unless ``overwrite``, an existing
+    ``out_path`` is refused (before and just before the rename)."""
     out_path = Path(out_path)
     if max_bytes <= 0:
         raise DataError(f"max_bytes must be positive, got {max_bytes}")
+
+    def refuse() -> None:
+        if not overwrite:
+            refuse_existing_outputs([out_path], "choose another --output")
+    refuse()
     start = time.perf_counter()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     written = undecodable = 0
@@ -73,6 +79,7 @@ def make_demo_corpus(out_path: str | Path, max_bytes: int = 4_000_000) -> Path:
     docs = len(chosen)
     if docs == 0:
         raise DataError(f"no standard-library file fits in {max_bytes} bytes for {out_path}; raise --max-bytes")
+    refuse()  # created meanwhile: still never replaced
     with atomic_file(out_path) as f:
         for _, line in chosen:
             f.write(line)

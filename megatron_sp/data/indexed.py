@@ -16,7 +16,7 @@ from typing import Any, Self
 import numpy as np
 
 from megatron_sp.data.index_cache import temp_path
-from megatron_sp.errors import DataError
+from megatron_sp.errors import DataError, refuse_existing_outputs
 
 log = logging.getLogger("megatron_sp")
 
@@ -57,11 +57,7 @@ def data_file_paths(prefix: str | Path) -> tuple[Path, Path]:
 
 def refuse_existing(prefixes: Iterable[str | Path]) -> None:
     """``DataError`` when a ``.bin`` or ``.idx`` of ``prefixes`` exists (outputs without ``--overwrite``)."""
-    existing = [p for prefix in prefixes for p in data_file_paths(prefix) if p.exists()]
-    if existing:
-        raise DataError(f"output '{existing[0]}' already exists ({existing[0].stat().st_size} bytes"
-                        + (f"; {len(existing) - 1} more output file(s) too" if len(existing) > 1 else "")
-                        + "); pass --overwrite to replace it, or choose another --output-prefix")
+    refuse_existing_outputs((p for prefix in prefixes for p in data_file_paths(prefix)), "choose another --output-prefix")
 
 
 @contextlib.contextmanager

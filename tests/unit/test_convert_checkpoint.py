@@ -139,6 +139,32 @@ def test_relayout_records_target_layout_and_validates_it(tmp_path: Path, capsys:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary leftovers
 
 
+def test_relayout_prints_the_whole_target_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--tp 2 on a pp 2 checkpoint keeps pp 2: one line shows every layout value, the given ones marked by their flag
+    and the others named as the source's; an HF import names the defaults instead."""
+    ckpt, _ = save_ours(tmp_path, "llama")
+    assert run("--input", ckpt, "--output", tmp_path / "pp2", "--to", "megatron_sp", "--pp", "2",
+               "--set", "train.global_batch_size=2", "--set", "parallel.zero=1") == 0
+    caplog.clear()
+    with caplog.at_level("INFO", logger="megatron_sp"):
+        assert run("--input", tmp_path / "pp2", "--output", tmp_path / "tp2", "--to", "megatron_sp", "--tp", "2") == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("target layout")]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    line = lines[0]
+    assert "tp 2 [--tp], pp 2, cp 1, dp 1, virtual_stages 1, pp_schedule 1f1b" in line and "zero 1" in line
+    assert "= world 4" in line and f"from the source {tmp_path / 'pp2' / 'iter_0000003'}: pp, cp, dp, virtual_stages" in line
+    assert "sequence_parallel false" in line and "any layout loads this checkpoint" in line
+    meta = checkpointing.read_meta(checkpointing.resolve(tmp_path / "tp2"))
+    assert {k: meta["config"]["parallel"][k] for k in ("tp", "pp", "zero")} == {"tp": 2, "pp": 2, "zero": 1}
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="megatron_sp"):
+        assert run("--input", tmp_path / "pp2", "--output", tmp_path / "zero0", "--to", "megatron_sp",
+                   "--set", "parallel.zero=0") == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("target layout"))
+    assert "tp 1, pp 2" in line and "zero 0 [--set]" in line and "iter_0000003: tp, pp," in line
+
+
 def test_refuses_existing_output_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ckpt, _ = save_ours(tmp_path, "neox")
     out = tmp_path / "taken"
@@ -193,5 +219,6 @@ def test_help_exits_zero() -> None:
     p = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0
-    for flag in ("--input", "--output", "--to", "--tp", "--pp", "--iteration", "--set", "layout-free"):
+    for flag in ("--input", "--output", "--to", "--tp", "--pp", "--iteration", "--set", "layout-free",
+                 "Converting is needed only between formats", "any layout"):
         assert flag in p.stdout

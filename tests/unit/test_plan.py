@@ -341,6 +341,17 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert plan.factorizations(2**40)[:2] == [(1, 1, 1, 2**40), (1, 1, 2, 2**39)]  # no O(n) divisor scan
 
 
+@pytest.fixture(autouse=True)
+def cpu_peak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> float:
+    """The CLI ranks CPU plans by this host's measured peak: a fixed 50 GFLOP/s here (no 1 s measurement), cached
+    in a temporary directory (not the user's)."""
+    from megatron_sp import device
+
+    monkeypatch.setenv(device.PEAK_CACHE_ENV, str(tmp_path / "peak_cache"))
+    monkeypatch.setattr(device, "measured_peak_flops", lambda dtype: 5e10)
+    return 5e10
+
+
 def _json_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("{")]
 
@@ -374,6 +385,74 @@ def test_cli_prints_the_breakdown_and_a_json_line(tmp_path: Path, capsys: pytest
     assert fits == sorted(fits, reverse=True)
     layouts = {(r["tp"], r["pp"], r["cp"], r["dp"]) for r in report["layouts"]}
     assert (1, 1, 1, 4) in layouts and all(math.prod(k) == 4 for k in layouts)
+
+
+def _table(out: str) -> list[list[str]]:
+    """The rows of the ranking table, split into columns."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "tp"])
+    return [line.split() for line in lines[start + 1:] if line.split() and line.split()[0].isdigit()]
+
+
+def test_cli_breakdown_is_of_a_layout_at_devices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The breakdown is the config's layout only when its world size is --devices; else the best-ranked layout
+    that fits, named. The config's layout is marked in the table (* exact, + its tp·pp·cp at another dp)."""
+    conf = str(_write_conf(tmp_path / "tiny.yml"))
+    base = ["--conf", conf, "--memory", "1GiB", "--json", "--set", "parallel.pp=2", "train.global_batch_size=8"]
+    assert plan_cli.main([*base, "--devices", "2"]) == 0  # the config's world: pp 2 · dp 1
+    out = capsys.readouterr().out
+    report = json.loads(_json_lines(out)[0])
+    assert "breakdown of the config's layout (tp 1, pp 2, cp 1, dp 1 = 2 devices)" in out
+    assert report["breakdown_layout"]["tp"] == 1 and report["breakdown_layout"]["pp"] == 2
+    marked = [row for row in _table(out) if row[-1] in ("*", "+")]
+    assert [row[1:5] for row in marked] == [["1", "2", "1", "1"]] and marked[0][-1] == "*"
+    assert "(* = the config's layout)" in out
+
+    assert plan_cli.main([*base, "--devices", "1"]) == 0  # pp 2 cannot run on one device
+    out = capsys.readouterr().out
+    report = json.loads(_json_lines(out)[0])
+    assert "stage 1" not in out.split("ranking:")[0]  # not the config's two-stage breakdown
+    assert "breakdown of tp 1, pp 1, cp 1, dp 1: the best-ranked layout that fits at --devices 1" in out
+    assert "has 2 ranks, not 1" in out and "tp·pp·cp = 2 does not divide 1 devices" in out
+    assert {k: report["breakdown_layout"][k] for k in ("tp", "pp", "cp", "dp")} == {"tp": 1, "pp": 1, "cp": 1, "dp": 1}
+    assert report["config_layout"]["layout"]["pp"] == 2  # the JSON keeps the config's own plan
+
+    assert plan_cli.main([*base, "--devices", "4"]) == 0  # pp 2 at dp 2: marked +
+    out = capsys.readouterr().out
+    assert [row[1:5] + row[-1:] for row in _table(out) if row[-1] == "+"] == [["1", "2", "1", "2", "+"]]
+    assert "(+ = the config's tp 1, pp 2, cp 1 at dp 2 (the config: dp 1, world 2))" in out
+    assert plan_cli.main([*base, "--devices", "4", "--top", "1"]) == 0  # ranked lower: shown below the table
+    table = _table(capsys.readouterr().out)
+    assert table[-1][1:5] == ["1", "2", "1", "2"] and table[-1][-1] == "+" and int(table[-1][0]) > 1
+
+
+def test_cli_peak_follows_the_device(tmp_path: Path, capsys: pytest.CaptureFixture[str], cpu_peak: float) -> None:
+    """--device cpu ranks by this host's measured CPU peak (the MFU denominator train.py uses), --device cuda by
+    312 TFLOP/s unless --peak-tflops; the header names the peak and its source; without --device one line says
+    which device was modelled."""
+    conf = str(_write_conf(tmp_path / "tiny.yml"))
+    base = ["--conf", conf, "--devices", "2", "--memory", "1GiB", "--json"]
+
+    def run(*extra: str) -> tuple[str, dict]:
+        assert plan_cli.main([*base, *extra]) == 0
+        out = capsys.readouterr().out
+        return out, json.loads(_json_lines(out)[0])
+
+    out, report = run("--device", "cpu")
+    header = next(line for line in out.splitlines() if line.startswith("ranking:"))
+    assert report["peak_tflops"] == pytest.approx(cpu_peak / 1e12) and "at 0.05 TFLOP/s per device" in header
+    assert "this host's CPU fp32 matmul peak" in header and str(tmp_path / "peak_cache") in header
+    assert "device modelled: cpu (--device cpu)" in out
+    slow = {(r["tp"], r["pp"], r["cp"], r["dp"]): r["step_s"] for r in report["layouts"]}
+    out, report = run("--device", "cpu", "--peak-tflops", "5")
+    assert report["peak_tflops"] == 5 and report["peak_source"] == "--peak-tflops"
+    fast = {(r["tp"], r["pp"], r["cp"], r["dp"]): r["step_s"] for r in report["layouts"]}
+    assert all(fast[k] < slow[k] for k in slow)
+    out, report = run("--device", "cuda")
+    assert report["peak_tflops"] == plan.DEFAULT_PEAK_TFLOPS and "an A100's" in report["peak_source"]
+    out, report = run()
+    line = next(line for line in out.splitlines() if line.startswith("device modelled:"))
+    assert "parallel.device unset" in line and "--device" in line
 
 
 def test_verify_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

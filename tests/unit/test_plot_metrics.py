@@ -143,3 +143,24 @@ def test_missing_matplotlib_names_the_fix(tmp_path, capsys, monkeypatch):
     assert rc != 0 and "\n" not in err
     assert err.startswith("error: ") and "pip install matplotlib" in err
     assert not (tmp_path / "c.png").exists()
+
+
+def test_existing_output_is_kept_unless_overwrite(tmp_path, capsys, monkeypatch):
+    """The default ./curves.png of an earlier plot is refused in one line naming it and --overwrite, before any
+    input is read; --overwrite replaces it (renamed into place, no temporary left); a directory is refused."""
+    pytest.importorskip("matplotlib")
+    tool = load_tool()
+    monkeypatch.chdir(tmp_path)
+    metrics = str(write_metrics(tmp_path / "r" / "metrics.jsonl"))
+    Path("curves.png").write_bytes(b"mine")
+    assert tool.main([metrics, str(tmp_path / "missing.jsonl")]) != 0  # the output is named first
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: output 'curves.png' already exists (4 bytes)")
+    assert "pass --overwrite" in err and "--output" in err and Path("curves.png").read_bytes() == b"mine"
+    assert tool.main([metrics, "--overwrite"]) == 0
+    assert png_size(tmp_path / "curves.png")[0] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "r"]
+    (tmp_path / "dir.png").mkdir()
+    assert tool.main([metrics, "--output", "dir.png", "--overwrite"]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --output 'dir.png' is a directory")

@@ -85,8 +85,8 @@ def test_help_documents_every_flag(tool: str) -> None:
     result = run_tool(tool, "--help")
     assert result.returncode == 0
     flags = {
-        "make_demo_corpus.py": ["--output", "--max-bytes"],
-        "train_tokenizer.py": ["--input", "--model-prefix", "--vocab-size", "--json-key"],
+        "make_demo_corpus.py": ["--output", "--max-bytes", "--overwrite"],
+        "train_tokenizer.py": ["--input", "--model-prefix", "--vocab-size", "--json-key", "--overwrite"],
         "preprocess_data.py": ["--input", "--output-prefix", "--tokenizer-type", "--tokenizer-model",
                                "--json-keys", "--append-eod", "--workers"],
     }[tool]
@@ -113,6 +113,41 @@ def test_user_errors_are_one_line(tmp_path: Path) -> None:
     assert_one_line_error(run_tool("preprocess_data.py", "--input", corpus, "--output-prefix", tmp_path / "x",
                                    "--tokenizer-type", "byte", "--workers", 2), f"{corpus}:3", "invalid JSON")
     assert not list(tmp_path.glob("x*"))  # a failed run leaves no (partial) outputs
+
+
+def load_tool(name: str):
+    """``tools/<name>`` as a module, to call its ``main(argv)`` in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{Path(name).stem}_tool", ROOT / "tools" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_existing_outputs_are_kept_unless_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """make_demo_corpus.py and train_tokenizer.py refuse an existing output in one line naming it and
+    --overwrite, before any work and leaving it byte for byte; --overwrite replaces it, no temporary left."""
+    make_corpus, train_tok = load_tool("make_demo_corpus.py"), load_tool("train_tokenizer.py")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("old\n")
+    assert make_corpus.main(["--output", str(corpus), "--max-bytes", "30000"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: output '{corpus}' already exists (4 bytes)")
+    assert "pass --overwrite" in err and "--output" in err and corpus.read_text() == "old\n"
+    assert make_corpus.main(["--output", str(corpus), "--max-bytes", "30000", "--overwrite"]) == 0
+    assert corpus.read_text().startswith('{"text": ')
+
+    vocab = tmp_path / "tok.vocab"  # only one of the two outputs exists: still refused, and nothing trained
+    vocab.write_text("mine\n")
+    args = ["--input", str(corpus), "--model-prefix", str(tmp_path / "tok"), "--vocab-size", "400"]
+    assert train_tok.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"'{vocab}' already exists" in err and "--overwrite" in err
+    assert vocab.read_text() == "mine\n" and not (tmp_path / "tok.model").exists()
+    assert train_tok.main([*args, "--overwrite"]) == 0
+    assert (tmp_path / "tok.model").stat().st_size > 0 and vocab.read_text() != "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "tok.model", "tok.vocab"]
 
 
 def test_demo_corpus_is_a_fixed_shuffle_so_its_validation_tail_is_like_the_rest(tmp_path: Path) -> None:

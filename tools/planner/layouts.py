@@ -13,7 +13,7 @@ from megatron_sp.model.gpt import parameter_parts
 from megatron_sp.pipeline.schedules import theory_bubble
 
 from .activations import ChunkActivations, SchedulePeak, buffer_terms, chunk_activations, schedule_peak
-from .dims import DEFAULT_BUCKET_BYTES, PlanDims, dims_of, stage_layers
+from .dims import DEFAULT_BUCKET_BYTES, DEFAULT_PEAK_TFLOPS, PlanDims, dims_of, stage_layers
 from .state import StateBytes, state_bytes
 from .traffic import comm_per_step
 
@@ -122,6 +122,27 @@ def estimate_step_time(lp: LayoutPlan, peak_tflops: float, bandwidth_gbs: float)
     model_flops = sum(stage_flops(lp.cfg, r.pp_rank, "none") for r in lp.stages) * D.tp * D.cp * D.dp
     return {"step_s": step, "compute_s": compute, "comm_s": exposed, "bubble": bubble,
             "tokens_per_s": D.global_batch * D.seq / step, "mfu": model_flops / (step * peak * D.world)}
+
+
+def ranking_peak(cfg: Config, given: float | None = None) -> tuple[float, str]:
+    """The per-device peak TFLOP/s to rank layouts by, and where it came from: ``given`` (``--peak-tflops``),
+    else ``logging.peak_tflops``, else on CPU (``parallel.device``) this host's dense-matmul peak for
+    ``train.precision`` — the MFU denominator of train.py (``device.cpu_peak_flops``: measured now, the best
+    of this host kept in its cache) — else ``DEFAULT_PEAK_TFLOPS``, an A100's."""
+    if given:
+        return given, "--peak-tflops"
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops, "logging.peak_tflops"
+    if (cfg.parallel.device or "cpu") == "cpu":
+        import torch
+
+        from megatron_sp import device
+
+        precision = cfg.train.precision
+        best, now = device.cpu_peak_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
+        return best / 1e12, (f"this host's CPU {precision} matmul peak, as train.py's MFU takes it: the best seen here, "
+                             f"measured now {now / 1e9:.1f} GFLOP/s, cache {device.peak_cache_path()}")
+    return DEFAULT_PEAK_TFLOPS, "the default: an A100's dense bf16 peak"
 
 
 def factorizations(devices: int) -> list[tuple[int, int, int, int]]:
