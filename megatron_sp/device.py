@@ -110,6 +110,27 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def host_memory_available() -> int:
+    """Bytes of RAM this host can give new processes now (Linux ``MemAvailable``), else its physical memory; 0 when
+    the OS does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def accelerator_memory_bytes(local_rank: int = 0) -> int:
+    """Total memory of this host's CUDA device ``local_rank`` (0 without one)."""
+    return int(torch.cuda.get_device_properties(local_rank).total_memory) if cuda_available() else 0
+
+
 def memory_bytes(device: torch.device) -> int:
     """Memory in use for metrics: CUDA max allocated on GPU, peak resident set size on CPU."""
     if device.type == "cuda":

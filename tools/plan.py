@@ -7,14 +7,17 @@
     python tools/plan.py --conf configs/demo.yml --verify --set parallel.dp=1 parallel.tp=2 \\
         parallel.sequence_parallel=true
 
-Prints the config's own layout per rank, then every tp·pp·cp·dp = --devices layout the config loader
-accepts, fitting and fastest first; --verify measures the config on CPU gloo ranks. See docs/planner.md.
+Prints the device modelled, a layout per rank (the config's own when its world size is --devices, else the
+best-ranked layout that fits, named), then every tp·pp·cp·dp = --devices layout the config loader accepts,
+fitting and fastest first, the config's own marked; --verify measures the config on CPU gloo ranks.
+See docs/planner.md.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -27,6 +30,7 @@ if str(HERE) not in sys.path:  # the planner package beside this script (also fo
     sys.path.insert(0, str(HERE))
 
 import planner as plan  # noqa: E402
+from planner.layouts import ranking_peak  # noqa: E402
 from megatron_sp import config as config_mod  # noqa: E402
 from megatron_sp.config import Config  # noqa: E402
 from megatron_sp.errors import OneLineArgumentParser, UserError  # noqa: E402
@@ -46,9 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, metavar="N",
                    help="vocabulary size (default: model.vocab_size, else the tokenizer's, else tokenizer.vocab_size)")
     p.add_argument("--device", choices=("cpu", "cuda"),
-                   help="kernels to model (default: parallel.device): cuda = fused attention, 1-byte dropout masks")
+                   help="kernels (and, unless --peak-tflops, peak) to model (default: parallel.device): cuda = fused "
+                        "attention, 1-byte dropout masks; cpu = this host's measured peak")
     p.add_argument("--peak-tflops", type=float, metavar="T",
-                   help=f"per-device peak for the ranking (default: logging.peak_tflops or {plan.DEFAULT_PEAK_TFLOPS:g})")
+                   help="per-device peak for the ranking (default: logging.peak_tflops, else on CPU this host's "
+                        f"measured matmul peak, as train.py's MFU takes it, else {plan.DEFAULT_PEAK_TFLOPS:g})")
     p.add_argument("--bandwidth", type=float, default=plan.DEFAULT_BANDWIDTH_GBS, metavar="GB/s",
                    help="per-rank communication bandwidth for the ranking (default: %(default)g GB/s)")
     p.add_argument("--bucket-bytes", type=int, default=plan.DEFAULT_BUCKET_BYTES, metavar="B",
@@ -75,18 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_vocab(cfg: Config, given: int | None) -> tuple[int, str]:
-    """The vocabulary size to plan with, and where it came from."""
+    """The vocabulary size to plan with, and where it came from (``--vocab``, else as the pre-flight takes it)."""
     if given:
         return given, "--vocab"
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size, "model.vocab_size"
-    tok = cfg.tokenizer
-    if tok.type == "byte":
-        return 258, "byte tokenizer"
-    if tok.model and Path(tok.model).is_file():
-        from megatron_sp.data.tokenizer import build_tokenizer
-        return build_tokenizer(tok).vocab_size, f"tokenizer {tok.model}"
-    return tok.vocab_size, f"tokenizer.vocab_size: {tok.model or 'no tokenizer model'} not found, pass --vocab N"
+    vocab, source = plan.plan_vocab(cfg)
+    return vocab, source + ("; pass --vocab N" if source.endswith("no tokenizer file yet") else "")
 
 
 def load_config(args: argparse.Namespace, extra: list[str], vocab: int | None) -> Config:
@@ -168,23 +167,52 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
         print("  outside the layers: " + ", ".join(f"{k} {B(v)}" for k, v in extras.items()))
 
 
-def print_layouts(cands: list[plan.Candidate], top: int, memory: int) -> None:
+def config_mark(layout: tuple[int, int, int, int], own: tuple[int, int, int, int]) -> str:
+    """``*`` on the config's own layout, ``+`` on its tp, pp, cp at another dp (another device count)."""
+    return "*" if layout == own else "+" if layout[:3] == own[:3] else ""
+
+
+def config_note(cands: list[plan.Candidate], own: tuple[int, int, int, int]) -> str:
+    """What the table's mark means, or why the config's layout is not in the table."""
+    tp, pp, cp, dp = own
+    devices = math.prod(cands[0].layout)
+    same = next((c for c in cands if c.layout[:3] == own[:3]), None)
+    if same is None:
+        return f"the config's tp·pp·cp = {tp * pp * cp} does not divide {devices} devices: none of these is its layout"
+    if same.plan is None:
+        return f"the config's tp {tp}, pp {pp}, cp {cp} at {devices} devices is refused: {same.error.split(';')[0]}"
+    if same.layout == own:
+        return "* = the config's layout"
+    return f"+ = the config's tp {tp}, pp {pp}, cp {cp} at dp {same.layout[3]} (the config: dp {dp}, world {tp * pp * cp * dp})"
+
+
+def print_layouts(cands: list[plan.Candidate], top: int, memory: int, own: tuple[int, int, int, int] | None = None) -> None:
+    """The ranking table; ``own`` (the config's tp, pp, cp, dp) is marked, and shown below the table when ranked lower."""
     valid = [c for c in cands if c.plan is not None]
     fits = [c for c in valid if c.fits]
     refused = [c for c in cands if c.plan is None]
     print(f"\nlayouts: {len(cands)} of tp·pp·cp·dp; {len(refused)} refused by the config checks, {len(valid)} valid, "
           f"{len(fits)} fit in {B(memory)}")
     print(f"  {'#':>3} {'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'peak/rank':>11} {'fits':>5} {'step s':>9} {'tokens/s':>11} "
-          f"{'MFU':>6} {'bubble':>7} {'comm/step':>11}")
-    for i, c in enumerate(valid[:top], 1):
+          f"{'MFU':>6} {'bubble':>7} {'comm/step':>11} config")
+
+    def row(i: int, c: plan.Candidate) -> None:
         assert c.plan is not None
         t = c.plan.time
         comm = max(r.comm_bytes() for r in c.plan.stages)
+        mark = config_mark(c.layout, own) if own else ""
         print(f"  {i:>3} {c.layout[0]:>3} {c.layout[1]:>3} {c.layout[2]:>3} {c.layout[3]:>4} {B(c.plan.peak_bytes):>11} "
               f"{'yes' if c.fits else 'no':>5} {t['step_s']:>9.3f} {t['tokens_per_s']:>11,.0f} {100 * t['mfu']:>5.1f}% "
-              f"{100 * t['bubble']:>6.1f}% {B(comm):>11}")
+              f"{100 * t['bubble']:>6.1f}% {B(comm):>11} {mark}".rstrip())
+    for i, c in enumerate(valid[:top], 1):
+        row(i, c)
     if len(valid) > top:
         print(f"  ... {len(valid) - top} more")
+    mine = [(i, c) for i, c in enumerate(valid, 1) if own and config_mark(c.layout, own)]
+    if mine and mine[0][0] > top:
+        row(*mine[0])
+    if own and cands:
+        print(f"  ({config_note(cands, own)})")
     print("  (step time, tokens/s and MFU take every FLOP at the peak and every byte at the bandwidth: they rank "
           "layouts, they do not predict throughput)")
     for reason, n in Counter(c.error.split(";")[0] for c in refused).most_common(4):
@@ -219,6 +247,33 @@ def print_verify(rows: list[dict[str, Any]]) -> None:
     print(f"  {len(rows) - len(off)} of {len(rows)} within {100 * GOAL:.0f}%" + ("" if not off else "; * = outside"))
 
 
+def device_line(args: argparse.Namespace, cfg: Config) -> str:
+    """Which device's kernels (and, unless given, peak) the plan models, and why."""
+    device = cfg.parallel.device
+    if args.device:
+        return f"device modelled: {device} (--device {args.device})"
+    own = config_mod.load(args.conf, args.set, finalize_config=False).parallel.device
+    why = "parallel.device of the config" if own else "parallel.device unset: " + (
+        "a GPU is visible here" if device == "cuda" else "no GPU visible here")
+    return f"device modelled: {device} ({why}); --device cpu|cuda models the other one's kernels and peak"
+
+
+def breakdown_layout(own: plan.LayoutPlan, cands: list[plan.Candidate], devices: int) -> tuple[plan.LayoutPlan | None, str]:
+    """The layout whose breakdown to print, and a line saying which it is: the config's own when its world size is
+    ``devices``, else the best-ranked layout of ``devices`` that fits (else the best-ranked valid one)."""
+    t, pp, cp, dp = own.layout
+    if own.dims.world == devices:
+        return own, f"the config's layout (tp {t}, pp {pp}, cp {cp}, dp {dp} = {devices} devices):"
+    mine = f"the config's own layout, tp {t}·pp {pp}·cp {cp}·dp {dp}, has {own.dims.world} ranks, not {devices}"
+    valid = [c for c in cands if c.plan is not None]
+    best = next((c for c in valid if c.fits), valid[0] if valid else None)
+    if best is None or best.plan is None:
+        return None, f"no layout: every layout of {devices} devices is refused by the config checks ({mine})"
+    layout = ", ".join(f"{k} {v}" for k, v in zip(("tp", "pp", "cp", "dp"), best.layout, strict=True))
+    rank = "the best-ranked layout that fits" if best.fits else "the best-ranked layout (none fits)"
+    return best.plan, f"{layout}: {rank} at --devices {devices} ({mine})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -234,21 +289,31 @@ def main(argv: list[str] | None = None) -> int:
             base = load_config(args, [], None)
             vocab, source = resolve_vocab(base, args.vocab)
             config_mod.set_vocab(base, vocab)
-            peak = args.peak_tflops or base.logging.peak_tflops or plan.DEFAULT_PEAK_TFLOPS
-            if not args.verify:
-                own = plan.plan_layout(base, args.bucket_bytes)
-                own.time = plan.estimate_step_time(own, peak, args.bandwidth)
-                print("\n".join(describe(base, source)))
-                print_breakdown(own, memory)
-                report["config_layout"] = plan_json(own)
+            peak, peak_source = ranking_peak(base, args.peak_tflops)
+            own = plan.plan_layout(base, args.bucket_bytes)
+            own.time = plan.estimate_step_time(own, peak, args.bandwidth)
             cands = plan.search(lambda extra: load_config(args, extra, vocab), base, args.devices, memory, peak,
                                 args.bandwidth, args.bucket_bytes)
-            print(f"\nranking: estimated step time = busiest stage's FLOPs at {peak:g} TFLOP/s ÷ (1 − bubble) + exposed "
-                  f"communication at {args.bandwidth:g} GB/s (docs/planner.md)")
-            print_layouts(cands, args.top, memory)
-            report |= {"devices": args.devices, "memory_bytes": memory, "peak_tflops": peak,
+            if not args.verify:
+                print("\n".join(describe(base, source)))
+                print(device_line(args, base))
+                shown, why = breakdown_layout(own, cands, args.devices)
+                print(f"\nbreakdown of {why}")
+                if shown is not None:
+                    if shown is not own:
+                        print(describe(shown.cfg, source)[1])
+                    print_breakdown(shown, memory)
+                report["config_layout"] = plan_json(own)
+                report["breakdown_layout"] = {**dict(zip(("tp", "pp", "cp", "dp"), shown.layout, strict=True)),
+                                              "why": why} if shown is not None else None
+            print(f"\nranking: estimated step time = busiest stage's FLOPs at {peak:.4g} TFLOP/s per device ({peak_source}"
+                  f"{'' if args.peak_tflops else '; --peak-tflops sets it'}) ÷ (1 − bubble) + exposed communication at "
+                  f"{args.bandwidth:g} GB/s (docs/planner.md)")
+            print_layouts(cands, args.top, memory, own.layout)
+            report |= {"devices": args.devices, "memory_bytes": memory, "peak_tflops": peak, "peak_source": peak_source,
                        "bandwidth_gbs": args.bandwidth, "vocab": vocab,
-                       "layouts": [layout_json(c) for c in cands if c.plan is not None],
+                       "layouts": [{**layout_json(c), "config": config_mark(c.layout, own.layout)}
+                                   for c in cands if c.plan is not None],
                        "refused": [{"layout": c.layout, "error": c.error} for c in cands if c.plan is None]}
         if args.json == "-":
             print(json.dumps(report, default=float))

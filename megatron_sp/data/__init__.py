@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_sp.config.schema import Config
+from megatron_sp.config.schema import Config, TokenizerConfig
 from megatron_sp.data.blending import SURPLUS, BlendedDataset, parse_blend, samples_per_dataset
 from megatron_sp.data.corpus import make_demo_corpus
 from megatron_sp.data.gpt_dataset import GPTDataset, split_documents
@@ -55,6 +55,15 @@ def ensure_demo_data(cfg: Config) -> None:
     need_tokenizer = model_path is not None and not model_path.is_file()
     if not need_tokenizer and all(p.is_file() for p in data_file_paths(prefix)):
         return
+    outside = [f"{key} {path}" for key, path, needed in (("data.paths", prefix, True), ("tokenizer.model", model_path,
+               need_tokenizer)) if needed and not _inside(Path(path), demo_dir)]  # type: ignore[arg-type]
+    if outside:  # the demo never lands where a config keeps its real data (a corpus named as if it were the Pile)
+        raise ConfigError(f"data.build_demo writes only under data.demo_dir ({demo_dir}), but {' and '.join(outside)} "
+                          f"{'is' if len(outside) == 1 else 'are'} outside it and missing: drop data.build_demo and "
+                          f"give your own data, or train on the demo with `data.paths=[{demo_dir / 'demo_text_document'}] "
+                          f"tokenizer.type=sentencepiece tokenizer.model={demo_dir / 'tokenizer.model'}"
+                          f"{'' if cfg.tokenizer.vocab_size == DEMO_VOCAB else f' tokenizer.vocab_size={DEMO_VOCAB}'}`")
+    log.info("data.build_demo: building what is missing of the demo corpus, tokenizer and dataset in %s", demo_dir)
     corpus = demo_dir / "corpus.jsonl"
     if not corpus.is_file():
         make_demo_corpus(corpus)
@@ -63,6 +72,13 @@ def ensure_demo_data(cfg: Config) -> None:
             raise ConfigError(f"tokenizer.model {model_path} must end in .model for build_demo to create it")
         train_sentencepiece([corpus], model_path.with_suffix(""), cfg.tokenizer.vocab_size)
     tokenize_jsonl_to([corpus], {"text": prefix}, build_tokenizer(cfg.tokenizer), append_eod=True)
+
+
+DEMO_VOCAB = TokenizerConfig().vocab_size  # the demo tokenizer's vocabulary (4096)
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    return path.resolve().is_relative_to(directory.resolve())
 
 
 def check_index_memory(num_samples: int, seq_length: int, indexed: IndexedDataset, documents: np.ndarray) -> None:

@@ -18,7 +18,7 @@ from megatron_sp.config.loader import check_tokenizer_keys
 from megatron_sp.config.schema import TokenizerConfig
 from megatron_sp.data.corpus import iter_jsonl_texts
 from megatron_sp.data.index_cache import atomic_file
-from megatron_sp.errors import ConfigError, DataError
+from megatron_sp.errors import ConfigError, DataError, refuse_existing_outputs
 
 log = logging.getLogger("megatron_sp")
 
@@ -252,12 +252,28 @@ TOKENIZER_TYPES = ("sentencepiece", "hf", "byte")
 _ALIASES = {"sentencepiecetokenizer": "sentencepiece", "huggingfacetokenizer": "hf", "bytetokenizer": "byte"}
 
 
+def _tokenizer_file(path: Path, kind: str) -> Path:
+    return path / "tokenizer.json" if kind == "hf" and path.is_dir() else path
+
+
+def _missing_tokenizer(cfg: TokenizerConfig, kind: str) -> str:
+    """What a config whose tokenizer file is absent needs: its type and vocabulary, how to make one, the demo."""
+    model = Path(cfg.model)  # type: ignore[arg-type]
+    make = (f"train one: `python tools/train_tokenizer.py --input CORPUS.jsonl --model-prefix "
+            f"{model.with_suffix('') if model.suffix == '.model' else model} --vocab-size {cfg.vocab_size}`"
+            if kind == "sentencepiece" else "give the tokenizer.json (or its directory)")
+    return (f"tokenizer.model {model} not found: this config needs the {kind} tokenizer of its data "
+            f"({cfg.vocab_size} tokens); put it there or {make}; or try the config on the demo data: data.build_demo=true")
+
+
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     """The tokenizer ``cfg`` describes: ``sentencepiece`` (loads ``cfg.model``), ``hf`` (a tokenizer.json) or ``byte``."""
     kind = _ALIASES.get(cfg.type.lower(), cfg.type.lower())
     if kind not in TOKENIZER_TYPES:
         raise ConfigError(f"tokenizer.type: unknown tokenizer '{cfg.type}'; choose one of {', '.join(TOKENIZER_TYPES)}")
     check_tokenizer_keys(cfg, kind)
+    if kind in ("sentencepiece", "hf") and not _tokenizer_file(Path(cfg.model), kind).is_file():  # type: ignore[arg-type]
+        raise DataError(_missing_tokenizer(cfg, kind))
     if kind == "sentencepiece":
         return SentencePieceTokenizer(cfg.model, cfg.eod_token, cfg.pad_token)  # type: ignore[arg-type]
     if kind == "hf":
@@ -292,12 +308,20 @@ def training_lines(texts: Iterable[str], max_lines: int = 2_000_000, seed: int =
 
 def train_sentencepiece(jsonl_paths: Sequence[str | Path], model_prefix: str | Path, vocab_size: int,
                         json_key: str = "text", *, max_lines: int = 2_000_000, seed: int = 1234,
-                        character_coverage: float = 0.9999) -> Path:
+                        character_coverage: float = 0.9999, overwrite: bool = True) -> Path:
     """Train a BPE SentencePiece model on the text lines of JSONL files; writes ``PREFIX.model`` / ``.vocab``
     atomically and returns the ``.model`` path. Deterministic (seeded, one thread). Ids: 0 ``<unk>``,
-    1 ``<s>``, 2 ``</s>`` (EOD), 3 ``<pad>``, then 256 byte pieces and the merges.
+    1 ``<s>``, 2 ``</s>`` (EOD), 3 ``<pad>``, then 256 byte pieces and the merges. Unless ``overwrite``,
+    existing outputs are refused (before training and again before the rename).
     """
     model_prefix = Path(model_prefix)
+    model_path = Path(f"{model_prefix}.model")
+    vocab_path = Path(f"{model_prefix}.vocab")
+
+    def refuse() -> None:
+        if not overwrite:
+            refuse_existing_outputs([model_path, vocab_path], "choose another --model-prefix")
+    refuse()
     start = time.perf_counter()
     lines, total_lines, too_long = training_lines(iter_jsonl_texts(jsonl_paths, json_key), max_lines, seed)
     if not lines:
@@ -340,11 +364,10 @@ def train_sentencepiece(jsonl_paths: Sequence[str | Path], model_prefix: str | P
         raise DataError(f"SentencePiece training for {model_prefix}.model failed: {message}") from None
 
     proto = buffer.getvalue()
-    model_path = Path(f"{model_prefix}.model")
-    vocab_path = Path(f"{model_prefix}.vocab")
     sp = spm.SentencePieceProcessor(model_proto=proto)
     vocab_text = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
     model_path.parent.mkdir(parents=True, exist_ok=True)
+    refuse()  # created meanwhile: still never replaced
     with atomic_file(vocab_path) as f:
         f.write(vocab_text.encode("utf-8"))
     with atomic_file(model_path) as f:

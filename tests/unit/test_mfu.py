@@ -154,6 +154,34 @@ def test_measured_peak_below_the_achieved_rate_is_raised(caplog: pytest.LogCaptu
     assert device.record_peak_flops(torch.float32, 0.0) == pytest.approx(120e9)
 
 
+def test_bf16_on_a_cpu_without_native_bf16_warns_and_takes_the_fp32_peak(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU: bf16 matmuls at 1.3 GFLOP/s against 150 in fp32. One warning naming fp32; MFU against the
+    fp32 peak, so a run at 5 GFLOP/s is 3.3 %, not 100 % of a peak raised to match it."""
+    from megatron_sp import config as config_mod
+    from megatron_sp.mpu import ParallelDims, ParallelState
+
+    peaks = {torch.bfloat16: 1.3e9, torch.float32: 150e9}
+    monkeypatch.setattr(device, "cpu_peak_flops", lambda dtype: (peaks[dtype], peaks[dtype]))
+    st = ParallelState(ParallelDims(world_size=1), rank=0)
+    cpu = ["parallel.device=cpu", "parallel.backend=gloo", "tokenizer.type=byte", "data.paths=[d]"]
+    for precision, slow in (("bf16", True), ("fp32", False)):
+        cfg = config_mod.load(None, [f"train.precision={precision}", *cpu])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megatron_sp"):
+            peak = metrics.peak_flops_total(cfg, st, torch.device("cpu"))
+        warnings = [r.getMessage() for r in caplog.records]
+        assert peak.flops == 150e9
+        assert len(warnings) == int(slow) and (not slow or "use train.precision=fp32" in warnings[0]), warnings
+        assert metrics.throughput(1000, 1.0, 5e6, peak)["mfu"] == pytest.approx(5 / 150)
+    peaks[torch.bfloat16] = 400e9  # native bf16: its own peak, no warning
+    cfg = config_mod.load(None, ["train.precision=bf16", *cpu])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_sp"):
+        assert metrics.peak_flops_total(cfg, st, torch.device("cpu")).flops == 400e9
+    assert not caplog.records
+
+
 def test_given_peak_is_kept_and_mfu_capped(caplog: pytest.LogCaptureFixture) -> None:
     peak = metrics.Peak(0.1e12, given=True)  # logging.peak_tflops=0.1
     with caplog.at_level(logging.WARNING, logger="megatron_sp"):

@@ -6,11 +6,12 @@ from .dims import DEFAULT_BANDWIDTH_GBS, DEFAULT_BUCKET_BYTES, DEFAULT_PEAK_TFLO
 from .layouts import Candidate, LayoutPlan, estimate_step_time, factorizations, format_bytes, layout_overrides
 from .layouts import parse_memory, plan_layout, search, stage_flops
 from .measure import SavedBytes, measure_state, parameter_exclusions, run_verify
+from .preflight import plan_vocab
 from .state import stage_parameters, state_bytes
 from .traffic import comm_per_step
 
 __all__ = ["DEFAULT_BANDWIDTH_GBS", "DEFAULT_BUCKET_BYTES", "DEFAULT_PEAK_TFLOPS", "Candidate", "LayoutPlan", "SavedBytes",
            "attention_kernel", "chunk_activations", "comm_per_step", "dims_of", "estimate_step_time", "factorizations",
            "format_bytes", "layer_terms", "layout_overrides", "measure_state", "megatron_in_flight", "parameter_exclusions",
-           "parse_memory", "plan_layout", "run_verify", "search", "stage_flops", "stage_layers", "stage_parameters",
+           "parse_memory", "plan_layout", "plan_vocab", "run_verify", "search", "stage_flops", "stage_layers", "stage_parameters",
            "state_bytes", "table2_layer_bytes"]
