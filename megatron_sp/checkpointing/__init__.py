@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import device as device_mod
 from ..config import Config, to_dict
 from ..errors import DataError, TrainingError
 from ..mpu import ParallelState, comm
@@ -28,6 +27,7 @@ from . import store
 from .ownership import (FORMAT_VERSION, LOCK_FILE, Lineage, SaveDirLock, _peek_meta, _step_of,  # noqa: F401
                         check_output_dir, check_save_dir, claim_save_dir, expired, lineage_of, read_meta, resolve,
                         resume_source)
+from .rng import restore as restore_rng, rng_tensors
 from .store import INDEX, Reader
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
@@ -76,13 +76,6 @@ def rank_boxes(model: nn.Module, optimizer: DistributedOptimizer, state: Paralle
 
 def _global(name: str, key: str) -> str:
     return f"model/{name}" if key == "param" else f"optim/{name}/{key}"
-
-
-def _rng_tensors(dev: torch.device, tracker: RNGTracker | None) -> dict[str, torch.Tensor]:
-    states = dict(device_mod.rng_state(dev))
-    if tracker is not None:
-        states.update({f"tracker/{k}": v for k, v in tracker.get_states().items()})
-    return {f"rng/{k}": v.detach().cpu().contiguous().clone() for k, v in states.items()}
 
 
 @dataclass
@@ -143,7 +136,7 @@ class Checkpointer:
                 "world_size": self.world, "layout": writer_layout(self.cfg), "optimizer_step": optimizer.step_count,
                 "config": to_dict(self.cfg), **self.lineage.to_meta(), **(extra or {})}
         job = _Pending(step, tmp, final, meta, index)
-        rng = _rng_tensors(self.dev, tracker)
+        rng = rng_tensors(self.dev, tracker)  # now, not when the thread writes
 
         def write() -> None:
             try:
@@ -303,25 +296,15 @@ def _load_optimizer(model: nn.Module, optimizer: DistributedOptimizer, reader: R
 def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None,
          dev: torch.device, seed: int, tracker: RNGTracker | None = None,
          layout: dict[str, int] | None = None) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG (only when ``layout`` is the writer's, else reseeded from seed,
-    step and rank); return the meta. A converted checkpoint may hold weights only (fresh optimizer)."""
+    """Restore model, optimizer and this rank's RNG streams (``rng.restore``: those that map from the writer's layout
+    to ``layout``, the others reseeded from ``seed`` and the step); return the meta. A converted checkpoint may hold
+    weights only (fresh optimizer)."""
     meta = read_meta(ckpt)
     reader = Reader(ckpt)
-    rank, world_size = (state.rank, state.dims.world_size) if state is not None else (0, 1)
     load_model_state(model, ckpt, state, reader)
     if reader.names("optim/") or not meta.get("converted_from"):
         _load_optimizer(model, optimizer, reader, meta, state)
     else:
         log.info("%s has no optimizer state (converted weights only): starting with a fresh optimizer", ckpt)
-    same = meta.get("world_size") == world_size and (layout is None or meta.get("layout") == layout)
-    states = reader.read_extra(store.rank_file(rank), "rng/") if same and store.rank_file(rank) in \
-        reader.index["files"] else {}
-    if states:
-        device_mod.set_rng_state({k: v for k, v in states.items() if not k.startswith("tracker/")}, dev)
-        if tracker is not None:
-            tracker.set_states({k[len("tracker/"):]: v for k, v in states.items() if k.startswith("tracker/")})
-    else:
-        log.warning("no RNG state for rank %d in %s (written by another layout); reseeding from seed and step",
-                    rank, ckpt)
-        device_mod.manual_seed_all(seed + 1_000_003 * meta["step"] + rank)
+    restore_rng(reader, meta, state, dev, seed, tracker, layout)
     return meta

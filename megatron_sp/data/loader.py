@@ -56,7 +56,9 @@ def _unwrap(batch: Any) -> Any:
 
 class BatchLoader:
     """Iterator over this rank's collated share of global batches from ``start_sample`` (``consumed_samples``)
-    to the last whole global batch of ``dataset``; ``next_sample`` is the first sample of the next batch."""
+    to the last whole global batch of ``dataset``; ``next_sample`` is the first sample of the next batch. It never
+    draws from torch's default generator (dropout's stream): ``iter(DataLoader)`` draws the workers' base seed from
+    the loader's own ``generator``, else a loader rebuilt at a resume would shift the restored RNG state."""
 
     def __init__(self, dataset: Any, start_sample: int, global_batch_size: int, dp_rank: int, dp_size: int,
                  collate_fn: Callable[[list[np.ndarray]], dict[str, torch.Tensor]], num_workers: int = 1,
@@ -74,7 +76,8 @@ class BatchLoader:
             sampler=range(first_step, first_step + num_steps), batch_size=None, collate_fn=_unwrap,
             num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
             pin_memory=pin_memory, persistent_workers=False,
-            worker_init_fn=functools.partial(_init_worker, os.getpid()) if num_workers else None)
+            worker_init_fn=functools.partial(_init_worker, os.getpid()) if num_workers else None,
+            generator=torch.Generator())
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
 
     def __iter__(self) -> BatchLoader:

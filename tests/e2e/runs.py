@@ -19,6 +19,9 @@ BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "mode
 # What the parity standard runs: 5 steps, every step logged, step-1 gradients dumped.
 PARITY = ["train.iters=5", "logging.dump_grads_step=1"]
 
+# Dropout on both RNG streams: the default generator (hidden states) and the tracker's tp-different (attention).
+DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+
 
 def make_byte_dataset(directory: Path) -> str:
     """A ~400 kB slice of the demo corpus tokenized to bytes; returns the dataset prefix."""

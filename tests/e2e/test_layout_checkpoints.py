@@ -9,18 +9,23 @@ LLAMA = ["model.arch=llama", "model.num_heads=4", "model.num_kv_heads=2", "model
 
 
 def test_tp_checkpoint_resumes_bitwise_and_at_another_layout(tmp_path, byte_data):
-    """tp2+SP: 5 steps + resume + 5 steps is bitwise the 10-step run; the same checkpoint resumes at tp1."""
-    tp2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    """tp2 with hidden dropout: 5 steps + resume + 5 steps is bitwise the 10-step run; the same checkpoint resumes
+    at tp1 on the same trajectory (reduction order only): the TP-same stream that hidden dropout draws from maps
+    to any tp and is restored, the tp-different one is reseeded, in one log line."""
+    tp2 = ["parallel.tp=2", "model.hidden_dropout=0.1"]
     full, first, again, other = (tmp_path / n for n in ("full", "first", "again", "tp1"))
     train(full, byte_data, "train.iters=10", *tp2)
     train(first, byte_data, "train.iters=5", f"checkpoint.save={first}/ckpt", *tp2)
     train(again, byte_data, "train.iters=10", f"checkpoint.load={first}/ckpt", *tp2)
-    train(other, byte_data, "train.iters=10", f"checkpoint.load={first}/ckpt", "parallel.tp=1")
+    out = train(other, byte_data, "train.iters=10", f"checkpoint.load={first}/ckpt", "model.hidden_dropout=0.1")
     ref, same, moved = metrics(full), metrics(again), metrics(other)
     assert sorted(same) == sorted(moved) == [6, 7, 8, 9, 10]
     for s in same:
         assert same[s]["loss"] == ref[s]["loss"], s                                 # same layout: bitwise
         assert abs(moved[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], s   # tp2 → tp1: reduction order only
+    reseeded = [line for line in (out.stdout + out.stderr).splitlines() if "reseeded" in line]
+    assert len(reseeded) == 1 and "RNG streams tracker/tp-different reseeded" in reseeded[0], reseeded
+    assert reseeded[0].endswith("restored: cpu"), reseeded
 
 
 def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path, byte_data):

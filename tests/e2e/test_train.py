@@ -5,15 +5,19 @@ import torch
 
 from megatron_sp import checkpointing
 
-from .runs import metrics, train
+from .runs import DROPOUT, metrics, train
+
 
 def test_same_seed_same_losses_and_resume_is_bitwise(tmp_path, byte_data):
+    """With dropout on both RNG streams: every stream is saved at step 5 and restored, so the resumed run
+    (whose data loader starts at step 6) draws the masks of the uninterrupted one."""
     full, again, first, second = (tmp_path / n for n in ("full", "again", "first", "second"))
     train(full, byte_data, "train.iters=10", f"checkpoint.save={full}/ckpt", "checkpoint.interval=5",
-          "checkpoint.async_save=true")  # the files written in the background are the same
-    train(again, byte_data, "train.iters=10")
-    train(first, byte_data, "train.iters=5", f"checkpoint.save={first}/ckpt")
-    train(second, byte_data, "train.iters=10", f"checkpoint.load={first}/ckpt", f"checkpoint.save={second}/ckpt")
+          "checkpoint.async_save=true", *DROPOUT)  # the files written in the background are the same
+    train(again, byte_data, "train.iters=10", *DROPOUT)
+    train(first, byte_data, "train.iters=5", f"checkpoint.save={first}/ckpt", *DROPOUT)
+    train(second, byte_data, "train.iters=10", f"checkpoint.load={first}/ckpt", f"checkpoint.save={second}/ckpt",
+          *DROPOUT)
 
     ref, rep = metrics(full), metrics(again)
     assert sorted(ref) == list(range(1, 11))

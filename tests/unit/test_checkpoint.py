@@ -1,12 +1,15 @@
 """Checkpoint files: atomic layout, keep-last-N, safe loading and clear errors for bad files."""
 import json
+import logging
 
 import pytest
 import torch
 
 from megatron_sp import checkpointing, config
+from megatron_sp.checkpointing import rng
 from megatron_sp.errors import DataError
 from megatron_sp.model import GPTModel
+from megatron_sp.mpu.random import TP_DIFFERENT, RNGTracker, init_rng
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 
 OVR = ["data.paths=[x]", "tokenizer.type=byte", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
@@ -196,3 +199,41 @@ def test_killing_a_save_midway_keeps_the_previous_checkpoint(tmp_path):
     assert (root / "latest").read_text().strip() == "iter_0000002"
     assert not list(root.glob(".tmp*")) and not list(root.glob(".old*"))
     assert checkpointing.load(checkpointing.resolve(root), model, opt, None, torch.device("cpu"), seed=1)["step"] == 2
+
+
+def test_rng_streams_are_restored_where_they_map_and_reseeded_otherwise(tmp_path, caplog):
+    """Same layout: every stream comes back; only tp changed: the default generator (the writer rank's at tp 0 of
+    this rank's cp, dp, pp) comes back and the tracker is reseeded; any other change: all are reseeded from the
+    seed and step. A reseed is one log line naming the streams."""
+    writer = {"tp": 2, "pp": 1, "cp": 1, "dp": 2, "virtual_stages": 1}
+    at = {"tp": 1, "cp": 0, "dp": 1, "pp": 0}  # rank 3
+    assert rng.sources(writer, writer, at, 3) == (3, 3)
+    assert rng.sources(writer, {**writer, "tp": 4}, {**at, "tp": 3}, 7) == (2, None)
+    for change in ({"dp": 1}, {"cp": 2}, {"pp": 2}, {"virtual_stages": 2}):
+        assert rng.sources(writer, {**writer, **change}, at, 3) == (None, None), change
+    assert rng.sources(None, writer, at, 3) == (None, None)  # a checkpoint without its layout
+
+    cfg, model, opt = _setup(tmp_path)
+    cpu, tracker = torch.device("cpu"), RNGTracker("cpu")
+    init_rng(tracker, 5, 0, 0)
+    torch.rand(3)
+    with tracker.fork(TP_DIFFERENT):
+        torch.rand(3)
+    saved = {"cpu": torch.get_rng_state(), **{f"tracker/{k}": v for k, v in tracker.get_states().items()}}
+    ckpt = checkpointing.save(cfg, 3, 12, model, opt, None, cpu, tracker, lineage=RUN)
+    fresh = RNGTracker("cpu")
+    init_rng(fresh, 1 + rng.STEP_SEED_STRIDE * 3, 0, 0)  # what a reseed at step 3 with seed 1 gives rank 0
+    reseeded = {"cpu": torch.get_rng_state(), **{f"tracker/{k}": v for k, v in fresh.get_states().items()}}
+    layout = checkpointing.writer_layout(cfg)
+    for where, restored in ((layout, {"cpu", f"tracker/{TP_DIFFERENT}"}), ({**layout, "tp": 2}, {"cpu"}),
+                            ({**layout, "dp": 2}, set())):
+        init_rng(tracker, 99, 0, 0)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megatron_sp"):
+            checkpointing.load(ckpt, model, opt, None, cpu, 1, tracker, layout=where)
+        now = {"cpu": torch.get_rng_state(), **{f"tracker/{k}": v for k, v in tracker.get_states().items()}}
+        for name in now:
+            assert torch.equal(now[name], (saved if name in restored else reseeded)[name]), (where, name)
+        lines = [r.getMessage() for r in caplog.records if "reseeded" in r.getMessage()]
+        assert len(lines) == (where != layout), lines
+        assert all(f"RNG streams {', '.join(n for n in now if n not in restored)} reseeded" in x for x in lines)

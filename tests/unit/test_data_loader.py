@@ -46,10 +46,13 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_workers_do_not_change_the_batches(dataset: GPTDataset) -> None:
+    """Nor do they, or the loader, draw from the default generator (dropout's stream; a resume rebuilds the loader)."""
     steps = len(dataset) // GBS
     for workers in (0, 2):
+        rng = torch.get_rng_state()
         loader = BatchLoader(dataset, 0, GBS, 0, 1, COLLATE, num_workers=workers, prefetch_factor=2)
         batches = list(loader)
+        assert torch.equal(torch.get_rng_state(), rng)
         assert len(batches) == steps and loader.next_sample == steps * GBS
         assert all(_same(batch, _expected(dataset, step)) for step, batch in enumerate(batches))
         loader.close()
