@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_sp import checkpointing, config as config_mod, launcher, metrics as metrics_mod, training
+from megatron_sp import checkpointing, config as config_mod, faults, launcher, metrics as metrics_mod, training
 from megatron_sp.errors import OneLineArgumentParser, UserError
 
 
@@ -30,6 +30,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides like parallel.dp=2 train.iters=50")
     return parser.parse_args(argv)
+
+
+def preflight(cfg: config_mod.Config, args: argparse.Namespace) -> str | None:
+    """The planner's memory per rank against this host's (one line refusing a layout that cannot fit, before any
+    data is built or rank started); the note a rank killed later is reported with. Off: ``train.preflight=false``."""
+    if not cfg.train.preflight:
+        return None
+    from tools.planner import preflight as preflight_mod
+
+    def build(extra: list[str]) -> config_mod.Config:
+        return config_mod.load(args.conf, [*args.overrides, *extra])
+
+    return preflight_mod.check(cfg, build, preflight_mod.local_ranks(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpointing.check_output_dir(cfg.logging.dir, "logging.dir")  # a file there: one line, not after training
         if rank == 0:  # checkpoint.save: a file, in use by a run now, or another run's checkpoints: one line now
             checkpointing.check_save_dir(cfg)
+        memory_note = preflight(cfg, args) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
         if not torchrun:
             training.prepare_inputs(cfg)  # build the demo data once, check files, before any rank starts
             if cfg.checkpoint.load and not (cfg.checkpoint.auto_resume and cfg.checkpoint.save
@@ -57,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 checkpointing.read_meta(checkpointing.resolve(cfg.checkpoint.load))  # a bad path: one line now
             if cfg.parallel.world_size > 1:
                 return launcher.start_local(cfg.parallel.world_size, argv, Path(cfg.logging.dir) / "ranks",
-                                            cfg.checkpoint.save, cpu=cfg.parallel.device == "cpu")
+                                            cfg.checkpoint.save, cpu=cfg.parallel.device == "cpu",
+                                            memory_note=memory_note)
             launcher.single_rank_env()
         # Global rank 0 locks checkpoint.save for the whole run (released on any exit) and checks it again
         with checkpointing.claim_save_dir(cfg) if rank == 0 else contextlib.nullcontext():
@@ -65,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if cfg is not None or rank == 0:  # every rank reads the same config and fails alike: rank 0 says it
             print(f"error: {exc}", file=sys.stderr)
+        faults.record_error(f"error: {exc}")  # under torchrun: its failure report shows the line as the root cause
         return exc.exit_code
-    except KeyboardInterrupt as exc:  # Ctrl-C: a first one saves (faults.Preemption), a second one lands here at once
+    except KeyboardInterrupt as exc:  # Ctrl-C: a first one saves (faults.Preemption; a second one exits at once)
         if rank == 0:
             print("interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
         return 130

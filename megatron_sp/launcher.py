@@ -32,6 +32,7 @@ LAUNCHERS = ("ssh", "pdsh", "slurm", "local")
 DEFAULT_MASTER_PORT = 29500
 ENV_FILE = ".deepy_env"
 STOP_GRACE_S = 30.0  # after SIGTERM, how long a launched process may take to stop before SIGKILL
+LOCAL_STOP_WAIT_S = 24 * 3600  # train.py's local ranks: time to finish the step and save after a stop signal
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 _OVERRIDE_RE = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*=")
@@ -471,43 +472,100 @@ def single_rank_env() -> None:
                        "MASTER_PORT": str(free_port())})
 
 
-def start_local(nproc: int, argv: list[str], log_dir: Path, save_dir: str | None, cpu: bool) -> int:
+def start_local(nproc: int, argv: list[str], log_dir: Path, save_dir: str | None, cpu: bool,
+                memory_note: str | None = None) -> int:
     """Run ``nproc`` local ranks of this script (else the repository's train.py) with torch.distributed.run in this
-    process; return the exit code (docs/launcher.md, "train.py run plainly")."""
+    process; return the exit code (docs/launcher.md, "train.py run plainly"). ``memory_note``: the planner's memory
+    estimate, named when a rank is killed by SIGKILL."""
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from .faults import StopRelay, last_checkpoint, watch_stop_signals
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc) if cpu else 1))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # the ranks write to files shown on the console: line by line
     main_script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else ""
     script = os.path.abspath(main_script) if main_script else str(Path(__file__).resolve().parents[1] / "train.py")
-    command = [script, *argv]
-    extra = ("--log-dir", str(log_dir), "--redirects", "0", "--tee", "0")
-    log.info("starting %d local ranks (torch.distributed.run --standalone --nproc-per-node %d)", nproc, nproc)
+    # --standalone spelled out (a c10d store on a free port), with a readable id: it names the per-rank log directory
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+                  "--rdzv-id", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"]
+    args = torch_run.parse_args(torchrun_args(1, nproc, rendezvous, [script, *argv],
+                                              extra=("--log-dir", str(log_dir), "--shutdown-timeout",
+                                                     str(LOCAL_STOP_WAIT_S))))
+    config, entrypoint, entry_args = torch_run.config_from_args(args)
+    logs = _rank_logs(log_dir)
+    config.logs_specs = logs
+    log.info("starting %d local ranks (torch.distributed.run --standalone --nproc-per-node %d; their output also in "
+             "%s)", nproc, nproc, log_dir)
     for name in [n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)  # our one line names the failure (each sets its own level)
-    started = time.time()
+    relay = StopRelay()
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        watch_stop_signals(relay)
     try:
-        torch_run.main(torchrun_args(1, nproc, ["--standalone"], command, extra=extra))
+        try:
+            elastic_launch(config, entrypoint)(*entry_args)
+            return 0
+        finally:
+            logs.close()  # the ranks' last lines reach the console before our own
+            if in_main:
+                watch_stop_signals(None)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
-        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        if code == -signal.SIGKILL:
+            how = ("was killed by signal SIGKILL, probably out of memory ("
+                   + (f"the kernel's OOM killer; {memory_note})" if memory_note else "killed by the kernel)"))
+        else:
+            how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         print(f"error: rank {rank} of {nproc} {how}; the other ranks were stopped"
               + ("" if code < 0 else " (its message is above)"), file=sys.stderr)
         return code if code > 0 else 1
     except SignalException as exc:
+        first = relay.first or signal.Signals(exc.sigval)
+        kept = last_checkpoint(save_dir) if save_dir else None
+        if relay.at_once:
+            print("interrupted: the ranks were stopped at once without saving"
+                  + (f"; the last checkpoint is {kept}" if kept else ""), file=sys.stderr)
+            return 130
         latest = Path(save_dir) / "latest" if save_dir else None
-        if exc.sigval in (signal.SIGTERM, signal.SIGINT) and latest is not None and latest.is_file() \
-                and latest.stat().st_mtime >= started:
-            from .checkpointing import resolve
-
-            log.info("stopped by %s; the ranks saved %s", exc.sigval.name, resolve(latest.parent))
-            return 0 if exc.sigval == signal.SIGTERM else 130
-        print(f"error: stopped by signal {signal.Signals(exc.sigval).name} without a new checkpoint"
+        if kept and latest is not None and latest.stat().st_mtime >= relay.first_at:
+            log.info("stopped by %s; the ranks saved %s", first.name, kept)
+            return 0 if first == signal.SIGTERM else 130
+        print(f"error: stopped by signal {first.name} without a new checkpoint"
               + ("" if save_dir else " (set checkpoint.save to save one on SIGTERM or Ctrl-C)"), file=sys.stderr)
-        return 128 + int(exc.sigval)
-    return 0
+        return 128 + int(first)
+
+
+def _rank_logs(log_dir: Path) -> Any:
+    """Each rank's stdout and stderr in files under ``log_dir`` (torchrun's ``<rdzv id>_<random>/attempt_<n>/<local
+    rank>/stdout.log, stderr.log``), shown on the console as they grow, like torchrun's ``--tee 3`` but without its
+    ``[default0]:`` line prefixes: rank 0 logs plainly and the other ranks tag their own lines (``[rank N]``), so the
+    console reads as if the ranks wrote to it. ``close()`` (after the launch) prints what is left."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, Std
+    from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+    class RankLogs(DefaultLogsSpecs):
+        def __init__(self) -> None:
+            super().__init__(log_dir=str(log_dir), redirects=Std.ALL, tee=Std.NONE)
+            self.tails: list[TailLog] = []
+
+        def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+            dest = super().reify(envs)
+            self.close()  # a restart's new attempt: the previous attempt's files are complete
+            self.tails = [TailLog("rank", files, stream, dict.fromkeys(files, "")).start()
+                          for files, stream in ((dest.stdouts, sys.stdout), (dest.stderrs, sys.stderr))]
+            return dest
+
+        def close(self) -> None:
+            for tail in self.tails:
+                tail.stop()
+            self.tails = []
+
+    return RankLogs()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from megatron_sp import checkpointing
 
-from .runs import BASE, ROOT, metrics, train
+from .runs import BASE, DROPOUT, ROOT, metrics, train
 
 DP2 = ["parallel.dp=2"]
+DP2_DROPOUT = [*DP2, *DROPOUT]  # the resumed ranks draw the uninterrupted run's masks: bitwise with dropout
 STEPS = 20
 
 
@@ -58,12 +59,12 @@ def _same_trajectory(got: dict, ref: dict, steps: range) -> None:
 
 def test_sigterm_saves_then_auto_resume_and_torchrun_restarts_continue(tmp_path, byte_data):
     reference = tmp_path / "reference"
-    train(reference, byte_data, f"train.iters={STEPS}", *DP2)
+    train(reference, byte_data, f"train.iters={STEPS}", *DP2_DROPOUT)
     ref = metrics(reference)
 
     # SIGTERM to train.py (the local launcher passes it on): every rank saves the same step, exit 0
     pre = tmp_path / "preempted"
-    proc = _start(pre, byte_data, "train.iters=400", f"checkpoint.save={pre}/ckpt", *DP2)
+    proc = _start(pre, byte_data, "train.iters=400", f"checkpoint.save={pre}/ckpt", *DP2_DROPOUT)
     _wait_steps(proc, pre, 3)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -72,7 +73,7 @@ def test_sigterm_saves_then_auto_resume_and_torchrun_restarts_continue(tmp_path,
     k = checkpointing.read_meta(ckpt)["step"]
     assert 3 <= k < STEPS - 2 and "SIGTERM: saving a checkpoint" in out
     # auto_resume picks checkpoint.save's latest and continues on the uninterrupted trajectory
-    train(pre, byte_data, f"train.iters={STEPS}", f"checkpoint.save={pre}/ckpt", "checkpoint.auto_resume=true", *DP2)
+    train(pre, byte_data, f"train.iters={STEPS}", f"checkpoint.save={pre}/ckpt", "checkpoint.auto_resume=true", *DP2_DROPOUT)
     _same_trajectory(metrics(pre), ref, range(1, STEPS + 1))
     meta = checkpointing.read_meta(checkpointing.resolve(pre / "ckpt"))  # the resumed run continues the lineage
     assert [start for _, start in meta["lineage"]] == [0, k] and meta["lineage"][-1][0] == meta["run_id"]
@@ -80,7 +81,7 @@ def test_sigterm_saves_then_auto_resume_and_torchrun_restarts_continue(tmp_path,
     # torchrun --max-restarts 1: rank 1 is killed after a checkpoint, the restarted ranks auto-resume
     res = tmp_path / "restarted"
     proc = _start(res, byte_data, f"train.iters={STEPS}", f"checkpoint.save={res}/ckpt", "checkpoint.interval=2",
-                  "checkpoint.auto_resume=true", *DP2,
+                  "checkpoint.auto_resume=true", *DP2_DROPOUT,
                   torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"])
     _wait_steps(proc, res, 5)
     os.kill(_rank_pid(res, 1), signal.SIGKILL)
@@ -107,6 +108,10 @@ def test_ctrl_c_saves_the_agreed_step_then_exits_130(tmp_path, byte_data):
         assert f"interrupted: saved a checkpoint of step {k}" in err.splitlines() and "Traceback" not in err
         assert max(metrics(runs[n])) == k
     assert "stopped by SIGINT; the ranks saved" in out
+    # train.py's launcher keeps each rank's output in logging.dir/ranks (and shows it unprefixed, as asserted above)
+    logs = {f.parent.name: f.read_text() for f in (runs[2] / "log" / "ranks").glob("*/attempt_0/*/stdout.log")}
+    assert sorted(logs) == ["0", "1"] and f"SIGINT: saving a checkpoint at step {k}, then exiting" in logs["0"]
+    assert f"interrupted: saved a checkpoint of step {k}" in next((runs[2] / "log" / "ranks").glob("*/*/0/stderr.log")).read_text()
 
 
 def test_dead_and_hung_ranks_end_the_run_with_one_line_naming_them(tmp_path, byte_data):
@@ -118,7 +123,9 @@ def test_dead_and_hung_ranks_end_the_run_with_one_line_naming_them(tmp_path, byt
     t = time.monotonic()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and time.monotonic() - t < 5
-    assert err.strip().splitlines()[-1] == "error: rank 1 of 2 was killed by signal SIGKILL; the other ranks were stopped"
+    last = err.strip().splitlines()[-1]  # with the planner's estimate when train.preflight is on
+    assert last.startswith("error: rank 1 of 2 was killed by signal SIGKILL, probably out of memory (") \
+        and last.endswith("); the other ranks were stopped"), last
     assert "Traceback" not in err
 
     # SIGSTOP (hung): rank 0's collective times out after parallel.timeout_s and names rank 1

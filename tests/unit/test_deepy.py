@@ -471,3 +471,15 @@ def test_ssh_interrupt_stops_every_host(work: Path, fake_ssh: dict[str, str]) ->
     for host in ("h1", "h2"):
         with pytest.raises(ProcessLookupError):
             os.kill(int((work / f"pid_{host}").read_text()), 0)
+
+
+def test_torchrun_reports_a_config_error_as_its_root_cause(tmp_path: Path) -> None:
+    """Under plain torchrun a rank's one ``error:`` line also goes to torchelastic's error file, so torchrun's
+    ChildFailedError report names it as the root cause instead of "To enable traceback see: ..."."""
+    env = {k: v for k, v in os.environ.items() if k not in (*launcher.TORCHRUN_ENV, "TORCHELASTIC_ERROR_FILE")}
+    p = subprocess.run([sys.executable, *TORCHRUN, "--nproc-per-node", "1", "--log-dir", str(tmp_path), "train.py",
+                        "--conf", "configs/demo.yml", "bad.key=1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=env)
+    line = "error: override 'bad.key=1': unknown section 'bad'; known keys: checkpoint, data, logging"
+    assert p.returncode == 1 and any(s.startswith(line) for s in p.stderr.splitlines()), p.stderr
+    assert f"  traceback : {line}" in p.stderr and "To enable traceback" not in p.stderr, p.stderr

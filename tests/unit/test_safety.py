@@ -8,7 +8,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import train as cli  # train.py: its main() is the command line
-from megatron_sp import checkpointing, config, faults, launcher, training
+from megatron_sp import checkpointing, config, launcher, training
 from megatron_sp.checkpointing import Lineage, SaveDirLock
 from megatron_sp.errors import ConfigError, TrainingError
 from megatron_sp.model import GPTModel
@@ -193,34 +192,6 @@ def test_outputs_that_are_files_are_refused_before_training(tmp_path):
             with pytest.raises(ConfigError, match=f"{key} '{path}' {where}"):
                 checkpointing.check_output_dir(path, key)
     assert a_file.read_text() == "mine"
-
-
-# ------------------------------------------------------------------------------------- Ctrl-C
-
-
-def test_first_sigint_is_a_preemption_and_a_second_stop_signal_aborts():
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground process
-    try:
-        p = faults.Preemption(enabled=True)
-        os.kill(os.getpid(), signal.SIGINT)
-        assert p.agreed(torch.device("cpu")) and p.signal_name == "SIGINT"
-        for second in (signal.SIGINT, signal.SIGTERM):  # torchrun turns a second Ctrl-C into SIGTERM
-            with pytest.raises(KeyboardInterrupt, match="second stop signal"):
-                os.kill(os.getpid(), second)
-        with pytest.raises(KeyboardInterrupt, match="saved a checkpoint of step 7"):
-            p.finish(7)  # exit code 130 in train.py
-
-        p = faults.Preemption(enabled=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)  # changes nothing
-        assert p.agreed(torch.device("cpu")) and p.signal_name == "SIGTERM"
-        p.finish(7)  # returns: exit code 0
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
 
 
 # ------------------------------------------------------------------------------- plot_metrics
