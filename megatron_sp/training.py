@@ -276,13 +276,20 @@ def _loop(rt: Runtime) -> None:
     params = metrics_mod.parameter_summary(count_parameters(cfg.model, exclude_embeddings=False),
                                            rt.model.num_parameters(), st.tp_size, st.pp_size, cfg.model.vocab_size,
                                            cfg.model.padded_vocab_size)  # type: ignore[arg-type]
-    peak = metrics_mod.peak_flops_total(cfg, st, rt.device)
+    done_before = rt.step >= cfg.train.iters  # resumed at or past the end: no step, so no peak to measure
+    peak = metrics_mod.Peak(0.0) if done_before else metrics_mod.peak_flops_total(cfg, st, rt.device)
     fpt = flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # type: ignore[operator]
     log.info("model: %s, %s; layout tp%d pp%d cp%d dp%d (world %d, %s/%s); global batch %d × %d tokens, "
              "%d micro-batches per rank", cfg.model.arch, params, st.tp_size, st.pp_size, st.cp_size,
              st.dp_size, st.dims.world_size, cfg.parallel.device, cfg.parallel.backend, cfg.train.global_batch_size,
              cfg.model.seq_length, cfg.train.grad_accum_steps)
+    if done_before:
+        log.info("step %d of the checkpoint is at or past train.iters %d: nothing to train (raise train.iters to go on)",
+                 rt.step, cfg.train.iters)
+    elif cfg.train.lr_warmup_fraction is not None:
+        log.info("lr warm-up: %d steps (train.lr_warmup_fraction %g of train.lr_decay_iters %d)", cfg.train.lr_warmup_iters,
+                 cfg.train.lr_warmup_fraction, cfg.train.lr_decay_iters)
     window: list[dict[str, float]] = []
     t_window = time.perf_counter()
     start_step = rt.step
@@ -290,8 +297,9 @@ def _loop(rt: Runtime) -> None:
     paused = 0.0  # seconds of validation and checkpointing inside the current window (not training)
     first_step = 0.0  # seconds, with warm-up (and compiling under train.compile)
     saver = checkpointing.Checkpointer(cfg, st, rt.device, rt.lineage)
-    preemption = faults.Preemption(enabled=bool(cfg.checkpoint.save))
+    preemption = faults.Preemption(enabled=bool(cfg.checkpoint.save), save_dir=cfg.checkpoint.save)
     while rt.step < cfg.train.iters:
+        preemption.step_started(rt.step + 1, float(np.median(step_seconds)) if step_seconds else first_step or None)
         t_step = time.perf_counter()
         out = train_step(rt)
         saver.poll()  # finishes an asynchronous save once every rank has written its part

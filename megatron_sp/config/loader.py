@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -17,7 +18,7 @@ import yaml
 from ..errors import ConfigError, read_utf8
 from .registry import choice, did_you_mean, run_checks
 from .registry import show as _show
-from .schema import SECTIONS, Config, TokenizerConfig
+from .schema import SECTIONS, Config, TokenizerConfig, TrainConfig
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
@@ -234,6 +235,44 @@ def check_tokenizer_keys(tk: TokenizerConfig, kind: str) -> None:
                           "(EOD 256, pad 257); drop these keys")
 
 
+def _warmup(t: TrainConfig) -> None:
+    """Derive ``lr_warmup_iters`` (0, or ``lr_warmup_fraction`` of ``lr_decay_iters``, rounded); refuse both set
+    unless they agree (a resolved config holds both, and finalizing it again must pass)."""
+    f = t.lr_warmup_fraction
+    if f is None:
+        t.lr_warmup_iters = 0 if t.lr_warmup_iters is None else t.lr_warmup_iters
+        return
+    if not 0.0 <= f <= 1.0:
+        raise ConfigError(f"train.lr_warmup_fraction: {f} must be in [0, 1] (a share of train.lr_decay_iters)")
+    derived = round(f * t.lr_decay_iters)  # type: ignore[operator]
+    if t.lr_warmup_iters is not None and t.lr_warmup_iters != derived:
+        raise ConfigError(f"train.lr_warmup_iters {t.lr_warmup_iters} and train.lr_warmup_fraction {f} are both set "
+                          f"(the fraction gives {derived} of {t.lr_decay_iters} steps); set one of them, e.g. "
+                          "train.lr_warmup_fraction=null")
+    t.lr_warmup_iters = derived
+
+
+_PLACEHOLDER = re.compile(r"\{[^{}]*\}")
+_RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _name_paths(cfg: Config) -> None:
+    """Substitute ``logging.name`` for '{name}' in ``logging.dir``, ``checkpoint.save`` and ``checkpoint.load``."""
+    name = cfg.logging.name
+    if not _RUN_NAME.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(f"logging.name: '{_show(name)}' must be letters, digits, '.', '_' or '-' (it names the "
+                          "run's directories), e.g. logging.name=tp2")
+    for section, key in (("logging", "dir"), ("checkpoint", "save"), ("checkpoint", "load")):
+        value = getattr(getattr(cfg, section), key)
+        if value is None:
+            continue
+        other = [m for m in _PLACEHOLDER.findall(value) if m != "{name}"]
+        if other:
+            raise ConfigError(f"{section}.{key}: '{_show(value)}' holds {other[0]}; only {{name}} (logging.name) is "
+                              "substituted")
+        setattr(getattr(cfg, section), key, value.replace("{name}", name))
+
+
 def finalize(cfg: Config, world_size: int | None = None) -> Config:
     """Fill the derived values, check the config's own rules, then run every registered check. Idempotent."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
@@ -342,6 +381,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         t.lr_decay_iters = t.iters
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr {t.min_lr} must not exceed train.lr {t.lr}")
+    _warmup(t)
     if t.lr_warmup_iters > t.lr_decay_iters:
         raise ConfigError(f"train.lr_warmup_iters {t.lr_warmup_iters} must not exceed train.lr_decay_iters "
                           f"{t.lr_decay_iters}{' (= train.iters)' if derived else ''}; set train.lr_warmup_iters "
@@ -355,6 +395,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         if cfg.tokenizer.type == "sentencepiece" and cfg.tokenizer.model is None:
             cfg.tokenizer.model = str(demo / "tokenizer.model")
     check_tokenizer_keys(cfg.tokenizer, cfg.tokenizer.type)
+    _name_paths(cfg)
     if cfg.checkpoint.save is None and cfg.checkpoint.interval:
         raise ConfigError("checkpoint.interval is set but checkpoint.save is not; set checkpoint.save=DIR")
     if cfg.checkpoint.save is None and cfg.checkpoint.auto_resume:

@@ -104,7 +104,11 @@ class TrainConfig:
     loss_scale_hysteresis: int = doc(2, "fp16: overflows tolerated before the loss scale is halved.")
     lr: float = doc(3e-4, "Peak learning rate.")
     min_lr: float = doc(3e-5, "Learning rate at the end of the decay.")
-    lr_warmup_iters: int = doc(0, "Linear warm-up steps from 0 to lr.")
+    lr_warmup_iters: int | None = doc(None, "Derived unless set: linear warm-up steps from 0 to lr; 0, or "
+                                            "round(lr_warmup_fraction · lr_decay_iters) when that is set.")
+    lr_warmup_fraction: float | None = doc(None, "Warm-up as a fraction in [0, 1] of lr_decay_iters (Megatron "
+                                                 "--lr-warmup-fraction), so a shortened run keeps a fitting warm-up. "
+                                                 "Set this or lr_warmup_iters, not both.")
     lr_decay_style: str = doc("cosine", "cosine | linear | constant, from lr to min_lr after warm-up.")
     lr_decay_iters: int | None = doc(None, "Derived (= iters) unless set: the step at which the decay reaches min_lr.")
     weight_decay: float = doc(0.1, "AdamW weight decay (not applied to biases and norm weights).")
@@ -121,6 +125,9 @@ class TrainConfig:
     cache_host_memory: bool = doc(True, "Keep the memory the process frees for reuse (glibc malloc: no mmap of "
                                         "blocks up to 2 GiB, no heap trim) instead of page-faulting large tensors "
                                         "back every step; the resident size stays at its peak. No effect off glibc.")
+    preflight: bool = doc(True, "Before any data is built or any rank starts, hold the planner's per-rank memory "
+                                "against this host (RAM shared by the local ranks on CPU, one GPU's memory) and "
+                                "refuse a layout that cannot fit, naming one that does (docs/planner.md).")
     eval_interval: int = doc(0, "Run validation every this many steps (0: never).")
     eval_iters: int = doc(4, "Global batches per validation run.")
     sample_prompt: str | None = doc(None, "If set, print a greedy sample continuing this prompt at the end.")
@@ -159,7 +166,8 @@ class TokenizerConfig:
                                      "UTF-8 bytes, 256 ids + EOD + pad).")
     model: str | None = doc(None, "The SentencePiece .model file (type sentencepiece), or the tokenizer.json (or its "
                                   "directory) of type hf.")
-    vocab_size: int = doc(4096, "Vocabulary size when build_demo trains the tokenizer.")
+    vocab_size: int = doc(4096, "Vocabulary size: of the tokenizer build_demo trains, and what the pre-flight "
+                                  "and the missing-tokenizer hint use while the tokenizer file is absent.")
     eod_token: str | None = doc(None, "The end-of-document token. Default: sentencepiece's eos piece; hf: the first of "
                                       "<|endoftext|>, </s>, <|end_of_text|>, <eos> in the vocabulary.")
     pad_token: str | None = doc(None, "The padding token. Default: the tokenizer's pad piece (<pad>, <|padding|>, "
@@ -170,8 +178,10 @@ class TokenizerConfig:
 class CheckpointConfig:
     """Saving and resuming."""
 
-    save: str | None = doc(None, "Directory to save checkpoints into (none: no checkpoints).")
-    load: str | None = doc(None, "Directory to resume from (its 'latest' checkpoint).")
+    save: str | None = doc(None, "Directory to save checkpoints into (none: no checkpoints); '{name}' in it becomes "
+                                 "logging.name.")
+    load: str | None = doc(None, "Directory to resume from (its 'latest' checkpoint); '{name}' in it becomes "
+                                 "logging.name.")
     interval: int = doc(0, "Save every this many steps (0: only at the end).")
     keep: int = doc(0, "Keep only the newest this many checkpoints (0: keep all).")
     save_at_end: bool = doc(True, "Save a checkpoint after the last step (needs save).")
@@ -187,7 +197,10 @@ class CheckpointConfig:
 class LoggingConfig:
     """Run directory, console and metrics."""
 
-    dir: str = doc("runs/default", "Run directory: receives config.yml and metrics.jsonl.")
+    name: str = doc("default", "The run's name (letters, digits, '.', '_', '-'): '{name}' in logging.dir, "
+                               "checkpoint.save and checkpoint.load becomes it, so one override names a run's "
+                               "directories, e.g. logging.name=tp2.")
+    dir: str = doc("runs/{name}", "Run directory: receives config.yml and metrics.jsonl ('{name}': logging.name).")
     interval: int = doc(10, "Log a progress line and a metrics record every this many steps.")
     wandb: bool = doc(False, "Also log to Weights & Biases (needs the 'logging' extra; WANDB_MODE=offline works).")
     wandb_project: str = doc("megatron_sp", "wandb project name.")

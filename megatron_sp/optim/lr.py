@@ -10,7 +10,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     """The learning rate for optimizer step ``step`` (0-based: the first update uses step 0). Warm-up: ``lr · (step +
     1) / warmup`` for the first ``lr_warmup_iters`` steps, so no step has lr 0. Then decay from ``lr`` to ``min_lr``
     until ``lr_decay_iters``, and ``min_lr`` after it."""
-    warmup = cfg.lr_warmup_iters
+    warmup = cfg.lr_warmup_iters or 0  # None before finalize derives it
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     if cfg.lr_decay_style == "constant":

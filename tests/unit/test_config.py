@@ -1,7 +1,9 @@
 """Config tree: load, merge, overrides, strictness, cross-field validation, derived values."""
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -11,6 +13,7 @@ from megatron_sp import config
 from megatron_sp.errors import ConfigError
 
 BASE = ["data.paths=[d/x]", "tokenizer.type=byte"]
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yml"
 
 
 def test_defaults_and_derived_values():
@@ -234,3 +237,38 @@ def test_loss_options_load_and_are_range_checked():
         with pytest.raises(ConfigError) as exc:
             config.load(overrides=BASE + [override])
         assert needle in str(exc.value) and "\n" not in str(exc.value), (override, str(exc.value))
+
+
+def test_warmup_fraction_derives_the_warmup_from_the_decay():
+    assert config.load(overrides=BASE).train.lr_warmup_iters == 0  # neither set
+    assert config.load(overrides=BASE + ["train.lr_warmup_iters=3"]).train.lr_warmup_iters == 3
+    demo = config.load([DEMO])  # 0.1 of its 150 steps: the 15 it had before
+    assert (demo.train.lr_warmup_fraction, demo.train.lr_warmup_iters) == (0.1, 15)
+    assert config.load([DEMO], ["train.iters=10"]).train.lr_warmup_iters == 1  # shortened: a tenth
+    t = config.load(overrides=BASE + ["train.iters=40", "train.lr_decay_iters=30", "train.lr_warmup_fraction=0.25"]).train
+    assert t.lr_warmup_iters == 8  # of lr_decay_iters, rounded (7.5 → 8)
+    assert config.finalize(demo).train.lr_warmup_iters == 15  # the resolved config holds both, and they agree
+    with pytest.raises(ConfigError, match=r"train.lr_warmup_iters 3 and train.lr_warmup_fraction 0.1 are both set.*"
+                                          r"train.lr_warmup_fraction=null"):
+        config.load([DEMO], ["train.lr_warmup_iters=3"])
+    assert config.load([DEMO], ["train.lr_warmup_iters=3", "train.lr_warmup_fraction=null"]
+                       ).train.lr_warmup_iters == 3
+    with pytest.raises(ConfigError, match=r"train.lr_warmup_fraction: 1.5 must be in \[0, 1\]"):
+        config.load(overrides=BASE + ["train.lr_warmup_fraction=1.5"])
+
+
+def test_run_name_fills_the_run_directories(tmp_path):
+    assert config.load(overrides=BASE).logging.dir == "runs/default"
+    demo = config.load([DEMO])
+    assert (demo.logging.dir, demo.checkpoint.save, demo.checkpoint.auto_resume) == ("runs/demo", "checkpoints/demo", True)
+    tp2 = config.load([DEMO], ["logging.name=tp2", "checkpoint.load=ckpt/{name}-base"])
+    assert (tp2.logging.dir, tp2.checkpoint.save, tp2.checkpoint.load) == ("runs/tp2", "checkpoints/tp2", "ckpt/tp2-base")
+    assert config.load([DEMO], ["logging.name=x", "logging.dir=logs/fixed"]).logging.dir == "logs/fixed"
+    config.save(tp2, tmp_path / "config.yml")  # the resolved config shows the paths, and loads as it is
+    assert "dir: runs/tp2" in (tmp_path / "config.yml").read_text()
+    assert config.to_dict(config.load([tmp_path / "config.yml"])) == config.to_dict(tp2)
+    for override, needle in [("logging.name=a/b", "logging.name: 'a/b' must be letters"),
+                             ("logging.name=..", "logging.name: '..'"),
+                             ("checkpoint.save=ckpt/{nmae}", "checkpoint.save: 'ckpt/{nmae}' holds {nmae}")]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            config.load([DEMO], [override])

@@ -159,8 +159,9 @@ def run_verify(conf: list[str], overrides: list[str], steps: int, bucket_bytes: 
     log_dir = tempfile.mkdtemp(prefix="plan_verify_")
     try:
         overrides = [*overrides, "parallel.device=cpu", "parallel.backend=gloo", f"train.iters={steps}",  # a short CPU run
-                     "train.lr_warmup_iters=0", "train.eval_interval=0", "checkpoint.load=none", "checkpoint.save=none",
-                     "checkpoint.interval=0", f"logging.dir={log_dir}", "train.sample_prompt=none",
+                     "train.lr_warmup_iters=0", "train.lr_warmup_fraction=none", "train.eval_interval=0", "checkpoint.load=none",
+                     "checkpoint.save=none", "checkpoint.auto_resume=false", "checkpoint.interval=0", f"logging.dir={log_dir}",
+                     "train.sample_prompt=none",
                      "logging.level=warning", "data.num_workers=0"]  # the ranks are daemons: no loader workers
         cfg = config_mod.load(conf, overrides)
         training.prepare_inputs(cfg)  # builds the demo data if asked; sets the vocabulary

@@ -1,0 +1,172 @@
+"""Every shell command of README.md and docs/*.md runs verbatim, in order, on a fresh copy of the repository.
+
+The commands come from the fenced ``bash``/``sh`` blocks (and from indented code blocks that start with a command),
+backslash continuations joined, comments dropped, ``a && b`` split. Each is classified by ``RULES``: it runs (a
+training run with the overrides of ``QUICK`` appended) or it is skipped for a stated reason. A command that matches
+no rule fails the test, so a new command in the docs gets classified when it is written. The runs share one copy
+of the tracked files (no data/, runs/, checkpoints/), so a command that needs another's output (convert_checkpoint
+needs checkpoints/demo) must come after it in the docs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+QUICK = ("train.iters=1", "train.eval_interval=0", "logging.peak_tflops=1")
+"""Appended to every training run: one step, no validation, and a given peak FLOP/s instead of the ~1 s measurement
+at start-up; the commands' own settings otherwise (the sample included)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A command matching ``pattern`` (re.search on the command line) runs with ``append`` added to its arguments,
+    or is skipped when ``append`` is None; ``reason`` says why."""
+
+    pattern: str
+    reason: str
+    append: tuple[str, ...] | None = ()
+
+
+RULES = [  # first match wins
+    Rule(r"^pip install ", "installs packages: CI's environment has them (pip install -e '.[test]')", None),
+    Rule(r"^python -m pytest\b", "the test suite itself, which holds this test", None),
+    Rule(r"(^| )--hostfile |--launcher (pdsh|slurm)", "multi-host launch: needs ssh/pdsh/slurm hosts", None),
+    Rule(r"path/to/|corpus\.jsonl\.gz|--input packed\.jsonl", "placeholder paths for the user's own files", None),
+    Rule(r"\[launcher options\]|\[script args\]", "a synopsis with placeholders", None),
+    Rule(r"^python tools/bench/", "a benchmark (minutes); each has its own smoke test in tests/unit", None),
+    Rule(r"train\.compile=true", "compiling takes 20-130 s on CPU; tests/e2e/test_compile.py trains compiled", None),
+    Rule(r"^python train\.py --help-config$", "prints the keys"),
+    Rule(r"^(python (train|deepy)\.py|torchrun) .*--conf ", "a training run: shortened", QUICK),
+    Rule(r"^python tools/plan\.py ", "the planner (meta device; --verify runs 2 steps)"),
+    Rule(r"^python tools/(make_demo_corpus|train_tokenizer|preprocess_data)\.py ", "data preparation"),
+    Rule(r"^python tools/(convert_checkpoint|generate|plot_metrics)\.py ", "reads what earlier commands wrote"),
+]
+
+
+@dataclass(frozen=True)
+class Command:
+    source: str  # FILE:LINE
+    line: str  # the arguments joined by spaces (unquoted): what RULES match
+    argv: tuple[str, ...]
+
+
+def block_commands(text: str, source: str) -> list[Command]:
+    """The commands of ``text``'s shell blocks: fenced ``bash``/``sh``/``shell`` blocks, and indented code blocks
+    (outside fences, after a blank line) whose first line starts with python, torchrun or pip."""
+    lines = text.splitlines()
+    blocks: list[tuple[int, list[str]]] = []
+    i = 0
+    while i < len(lines):
+        fence = re.match(r"^\s*(```+)\s*(\w*)", lines[i])
+        if fence:
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip().startswith(fence.group(1))), len(lines))
+            if fence.group(2) in ("bash", "sh", "shell"):
+                blocks.append((i + 2, lines[i + 1:end]))
+            i = end + 1
+            continue
+        if lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()) \
+                and re.match(r"(python|torchrun|pip) ", lines[i].strip()):
+            end = next((j for j in range(i, len(lines)) if not lines[j].startswith("    ")), len(lines))
+            blocks.append((i + 1, lines[i:end]))
+            i = end
+            continue
+        i += 1
+    out = []
+    for first, body in blocks:
+        logical, start = "", first
+        for n, raw in enumerate(body):
+            if not logical:
+                start = first + n
+            logical += raw.strip()
+            if logical.endswith("\\"):
+                logical = logical[:-1] + " "
+                continue
+            argv = shlex.split(logical, comments=True)
+            segments: list[list[str]] = [[]]
+            for arg in argv:
+                if arg == "&&":
+                    segments.append([])
+                else:
+                    segments[-1].append(arg)
+            for seg in segments:
+                if seg:
+                    out.append(Command(f"{source}:{start}", " ".join(seg), tuple(seg)))
+            logical = ""
+    return out
+
+
+def all_commands() -> list[Command]:
+    return [c for path in DOCS for c in block_commands(path.read_text(encoding="utf-8"), path.relative_to(ROOT).as_posix())]
+
+
+def classify(command: Command) -> Rule | None:
+    return next((r for r in RULES if re.search(r.pattern, command.line)), None)
+
+
+def test_every_command_is_classified() -> None:
+    commands = all_commands()
+    assert len(commands) > 30, "the extractor found too few commands"
+    unknown = [f"{c.source}: {c.line}" for c in commands if classify(c) is None]
+    assert not unknown, "commands matching no rule of RULES (say whether and how each runs):\n" + "\n".join(unknown)
+
+
+def test_extractor_and_rules() -> None:
+    text = ("x\n```bash\npython train.py --conf a.yml \\\n    train.iters=3   # note\n"
+            "pip install -e . && python -m pytest -q tests\n```\n\n    python tools/bench/x.py --n 1\n\n"
+            "```yaml\npython not.py\n```\n- item\n  ```bash\n  python tools/generate.py --load c  # c\n  ```\n")
+    got = [(c.source, c.argv) for c in block_commands(text, "F")]
+    assert got == [("F:3", ("python", "train.py", "--conf", "a.yml", "train.iters=3")),
+                   ("F:5", ("pip", "install", "-e", ".")), ("F:5", ("python", "-m", "pytest", "-q", "tests")),
+                   ("F:8", ("python", "tools/bench/x.py", "--n", "1")),
+                   ("F:15", ("python", "tools/generate.py", "--load", "c"))]
+    assert classify(Command("F:1", "rm -rf data", ("rm", "-rf", "data"))) is None
+
+
+def fresh_copy(dest: Path) -> Path:
+    """The repository's tracked (and new, unignored) files under ``dest``: what a fresh clone holds."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in files:
+        src = ROOT / name
+        if name and src.is_file() and name.split("/")[0] not in ("data", "runs", "checkpoints", "hf"):
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def test_readme_commands_run_in_order(tmp_path: Path) -> None:
+    if not (ROOT / ".git").exists():
+        pytest.skip("needs the git checkout to know its tracked files")
+    commands = all_commands()
+    rules = [classify(c) for c in commands]
+    assert all(rules), "unclassified commands: see test_every_command_is_classified"
+    repo = fresh_copy(tmp_path / "repo")
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    timings = []
+    for command, rule in zip(commands, rules):
+        if rule.append is None:  # type: ignore[union-attr]
+            continue
+        argv = [*command.argv, *rule.append]  # type: ignore[union-attr]
+        if argv[0] == "python":
+            argv[0] = sys.executable
+        elif argv[0] == "torchrun":
+            argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
+        t0 = time.perf_counter()
+        p = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+        timings.append((time.perf_counter() - t0, command.source))
+        assert p.returncode == 0, (f"{command.source}: `{command.line}` (+ {' '.join(rule.append)}) exited "  # type: ignore[union-attr]
+                                   f"{p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    print("slowest:", ", ".join(f"{s} {t:.1f}s" for t, s in sorted(timings, reverse=True)[:5]))
