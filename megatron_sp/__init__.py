@@ -8,6 +8,7 @@ def _import_config_checks() -> None:
     """Each part checks its own config keys (``config.registry.check``); the first ``finalize`` imports them."""
     from .pipeline import partition  # noqa: F401  parallel.pp_schedule, virtual_stages, pp_partition, micro-batches
     from .model.attention import layout  # noqa: F401  parallel.cp*, attention dropout
+    from .model import moe  # noqa: F401  model.num_experts, model.moe_*
     from . import device  # noqa: F401  parallel.device, parallel.backend
     from .optim import reducer  # noqa: F401  parallel.zero, train.precision
     from .data import gpt_dataset, blending  # noqa: F401  data.split, data.paths

@@ -33,6 +33,7 @@ from .optim import DistributedOptimizer, lr_at, named_trainable
 from .parity import full_main_grads
 from .pipeline.executor import ScheduleStats, agree_costs, forward_backward, forward_only
 from .model import count_parameters, flops_per_token, generate
+from .model.moe import set_aux_loss_scale
 from .model.transformer import compile_cache_dir
 from .pipeline.partition import build_stage, stage_chunks, tied_embedding_params
 
@@ -174,9 +175,12 @@ def train_step(rt: Runtime) -> dict[str, float]:
     # The pipeline schedule (plain accumulation when pp == 1); the optimizer reduces gradients over dp_cp from the
     # last gradient-producing action on. Zero-bubble: list-scheduled on the action costs of the previous step.
     stats = ScheduleStats()
+    grad_scale = rt.scaler.scale if rt.scaler.enabled else 1.0
+    if cfg.model.num_experts:  # each micro-batch's MoE aux losses weigh mbs / gbs of the objective (docs/moe.md)
+        set_aux_loss_scale(rt.model, grad_scale * cfg.train.micro_batch_size / cfg.train.global_batch_size)  # type: ignore[operator]
     loss_sum = forward_backward(rt.model, _micro_batches(batch, cfg), st, loss_fn, cfg.parallel.pp_schedule,
                                 lambda on: setattr(opt, "sync_grads", on),
-                                grad_scale=rt.scaler.scale if rt.scaler.enabled else 1.0,
+                                grad_scale=grad_scale,
                                 forward_context=lambda: _autocast(cfg, rt.device), stats=stats,
                                 costs=rt.pipeline_costs)
     if cfg.parallel.pp_schedule == "zero_bubble" and st.pp_size > 1:

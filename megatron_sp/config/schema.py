@@ -48,6 +48,27 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = doc(128, "The embedding rows are padded to a multiple of this × tp.")
     vocab_size: int | None = doc(None, "Derived from the tokenizer: its number of tokens (unpadded).")
     padded_vocab_size: int | None = doc(None, "Derived: vocab_size padded to make_vocab_size_divisible_by × tp.")
+    num_experts: int = doc(0, "Mixture of experts: routed experts per MoE layer (0: a dense model, every other moe_* "
+                              "key left at its default). docs/moe.md.")
+    moe_top_k: int = doc(2, "MoE: experts each token is routed to (1..num_experts).")
+    moe_ffn_hidden_size: int | None = doc(None, "MoE: hidden width of each expert (and of each shared expert). "
+                                                "Derived (= ffn_hidden_size) unless set.")
+    moe_shared_experts: int = doc(0, "MoE: always-on shared experts, one MLP of moe_shared_experts · "
+                                     "moe_ffn_hidden_size added to the routed output (DeepSeek, Qwen2-MoE).")
+    moe_layer_freq: int = doc(1, "MoE: from layer moe_first_dense_layers on, every this many layers is a MoE layer "
+                                 "(1: all of them); the others keep the dense MLP.")
+    moe_first_dense_layers: int = doc(0, "MoE: the first this many layers keep the dense MLP (DeepSeek's first_k_dense).")
+    moe_router_score: str = doc("softmax", "MoE router scores: softmax (over all experts) | sigmoid (per expert, "
+                                           "DeepSeek-V3). With top_k > 1 the selected scores are renormalised to sum "
+                                           "to 1 (Mixtral, DeepSeek-V3); top-1 keeps its score (Switch).")
+    moe_aux_loss_coeff: float = doc(0.01, "MoE: coefficient of the Switch/GShard load-balancing loss "
+                                          "E·Σ f_i·P_i per micro-batch, added to the training objective (0: off).")
+    moe_z_loss_coeff: float = doc(0.0, "MoE: coefficient of the router z-loss mean(logsumexp(logits)²) (ST-MoE; "
+                                       "e.g. 1e-3; 0: off).")
+    moe_capacity_factor: float | None = doc(None, "MoE: when set, while training each expert takes at most "
+                                                  "ceil(factor · seq_length · top_k / num_experts) tokens of each "
+                                                  "sequence, those of highest score (ties: earlier position); the "
+                                                  "others skip it. Unset: dropless.")
 
 
 @dataclass

@@ -22,14 +22,16 @@ from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.mpu.random import checkpoint
 from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model.moe import expert_ffn, is_moe_layer
 from megatron_sp.model.transformer import (EAGER, LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
                                            compiled, head_dim, hidden_dropout, make_norm, norm_args, rotary_dim, scaled_init_std)
 
 EMBEDDING_NAME = "embedding.weight"
 """The input embedding's parameter name (also the init name of a tied output-layer copy)."""
 
-OUTPUT_PROJECTIONS = ("attention.out.weight", "mlp.fc2.weight", "mlp.down.weight")
-"""Weights initialised with the scaled std (they write into the residual stream)."""
+OUTPUT_PROJECTIONS = ("attention.out.weight", "mlp.fc2.weight", "mlp.down.weight", "mlp.experts.fc2.weight",
+                      "mlp.experts.down.weight", "mlp.shared.fc2.weight", "mlp.shared.down.weight")
+"""Weights initialised with the scaled std (they write into the residual stream; MoE: routed and shared experts)."""
 
 NORM_MODULES = ("attn_norm", "mlp_norm", "final_norm")
 
@@ -283,27 +285,46 @@ class GPTModel(nn.Module):
         return total
 
 
-def parameter_parts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts from the config alone: ``embedding``, ``layer`` (one transformer layer),
-    ``final_norm`` and ``output_layer`` (counted even when tied: a last stage holds a copy)."""
-    check_model_config(cfg)
-    spec = arch_spec(cfg.arch)
-    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, head_dim(cfg)
-    qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    norm = 2 * h if spec.layernorm else h
-    attention = h * qkv_out + cfg.num_heads * d * h + (qkv_out + h if spec.bias else 0)
+def _mlp_parameters(cfg: ModelConfig, f: int) -> int:
+    """Parameters of one dense MLP (or one expert) of width ``f``."""
+    spec, h = arch_spec(cfg.arch), cfg.hidden_size
     mlp = 3 * h * f if spec.swiglu else 2 * h * f
     if spec.bias:
         mlp += (2 * f if spec.swiglu else f) + h
+    return mlp
+
+
+def parameter_parts(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts from the config alone: ``embedding``, ``layer`` (one dense transformer layer),
+    ``final_norm`` and ``output_layer`` (counted even when tied: a last stage holds a copy); with experts also
+    ``moe_layer`` (one MoE layer: router, every expert, shared experts) and ``moe_layer_active`` (the parameters one
+    token passes through: router, top-k experts, shared experts)."""
+    check_model_config(cfg)
+    spec = arch_spec(cfg.arch)
+    h, d = cfg.hidden_size, head_dim(cfg)
+    qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    norm = 2 * h if spec.layernorm else h
+    attention = h * qkv_out + cfg.num_heads * d * h + (qkv_out + h if spec.bias else 0)
     embedding = cfg.padded_vocab_size * h
-    return {"embedding": embedding, "layer": attention + mlp + 2 * norm, "final_norm": norm, "output_layer": embedding}
+    parts = {"embedding": embedding, "layer": attention + _mlp_parameters(cfg, cfg.ffn_hidden_size) + 2 * norm,
+             "final_norm": norm, "output_layer": embedding}
+    if cfg.num_experts > 0:
+        f = expert_ffn(cfg)
+        base = attention + 2 * norm + cfg.num_experts * h  # + router
+        shared = _mlp_parameters(cfg, cfg.moe_shared_experts * f) if cfg.moe_shared_experts else 0
+        parts["moe_layer"] = base + shared + cfg.num_experts * _mlp_parameters(cfg, f)
+        parts["moe_layer_active"] = base + shared + cfg.moe_top_k * _mlp_parameters(cfg, f)
+    return parts
 
 
-def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True) -> int:
-    """Parameters of the full model from the config alone (the same count as ``GPTModel.num_parameters``)."""
+def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True, active: bool = False) -> int:
+    """Parameters of the full model from the config alone (the same count as ``GPTModel.num_parameters``);
+    ``active``: a MoE layer counts only the parameters one token passes through (top-k of its experts)."""
     parts = parameter_parts(cfg)
+    moe_part = "moe_layer_active" if active else "moe_layer"
+    layers = sum(parts[moe_part] if is_moe_layer(cfg, i) else parts["layer"] for i in range(cfg.num_layers))
     # final norm + output layer (or the tied embedding, counted here as the output layer)
-    total = cfg.num_layers * parts["layer"] + parts["final_norm"] + parts["output_layer"]
+    total = layers + parts["final_norm"] + parts["output_layer"]
     if not cfg.tie_embeddings and not exclude_embeddings:
         total += parts["embedding"]
     return total
@@ -311,6 +332,7 @@ def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True) -> int:
 
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token for MFU, ``6·N + 6·L·h·s``: PaLM appendix B with the attention term over the
-    causal half; N excludes the input embedding (docs/metrics.md)."""
-    n = count_parameters(cfg, exclude_embeddings=True)
+    causal half; N excludes the input embedding and, in MoE layers, counts the active parameters only (router,
+    top-k experts, shared experts: what a token computes with; docs/metrics.md, docs/moe.md)."""
+    n = count_parameters(cfg, exclude_embeddings=True, active=True)
     return 6.0 * n + 6.0 * cfg.num_layers * cfg.num_heads * head_dim(cfg) * cfg.seq_length

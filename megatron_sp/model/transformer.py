@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
 from megatron_sp.model.attention.kernels import cached_attention, dot_product_attention
+from megatron_sp.model.moe import MoE, expert_ffn, is_moe_layer
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.parallel_state import ParallelContext
@@ -409,15 +410,16 @@ class SelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """neox: ``fc2(gelu(fc1(x)))`` (erf GeLU); llama: ``down(silu(gate(x)) * up(x))``. Column-parallel
-    fc1/gate/up (``ffn/t`` per rank), row-parallel fc2/down."""
+    fc1/gate/up (``ffn/t`` per rank), row-parallel fc2/down; ``ffn_hidden_size`` (default the config's): a MoE
+    layer's shared experts."""
 
-    def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None, ffn_hidden_size: int | None = None) -> None:
         super().__init__()
         parallel = parallel or ParallelContext()
         spec = arch_spec(cfg.arch)
         self.swiglu = spec.swiglu
         self.regions = EAGER
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        h, f = cfg.hidden_size, ffn_hidden_size or cfg.ffn_hidden_size
         group, sp = parallel.tp_group, parallel.sequence_parallel
         col = {"group": group, "sequence_parallel": sp, "recompute_allgather": parallel.recompute_allgather}
         row = {"group": group, "sequence_parallel": sp, "input_is_parallel": True}
@@ -441,7 +443,8 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer with parallel (neox) or sequential (llama) residual."""
+    """Pre-norm transformer layer with parallel (neox) or sequential (llama) residual; its ``mlp`` is the dense
+    ``MLP``, or ``moe.MoE`` in the layers ``moe.is_moe_layer`` picks (with its shared experts as an ``MLP``)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, parallel: ParallelContext | None = None) -> None:
         super().__init__()
@@ -454,7 +457,12 @@ class TransformerLayer(nn.Module):
         self.attn_norm = make_norm(cfg, parallel)
         self.attention = SelfAttention(cfg, parallel)
         self.mlp_norm = make_norm(cfg, parallel)
-        self.mlp = MLP(cfg, parallel)
+        self.mlp: nn.Module
+        if is_moe_layer(cfg, layer_number):
+            shared = MLP(cfg, parallel, cfg.moe_shared_experts * expert_ffn(cfg)) if cfg.moe_shared_experts else None
+            self.mlp = MoE(cfg, arch_spec(cfg.arch), EAGER, shared)
+        else:
+            self.mlp = MLP(cfg, parallel)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return hidden_dropout(x, self.hidden_dropout, self.training, self.parallel)

@@ -1,0 +1,328 @@
+"""Mixture of experts: the MoE MLP of a transformer layer (router → dispatcher → experts → combine).
+
+A MoE layer replaces the dense MLP of the layers ``is_moe_layer`` picks. Tokens ``[s, b, h]`` are flattened to
+``T = s·b`` rows (row ``t = i·b + j`` is position i of sequence j). The router scores every expert in fp32 (fp64
+for an fp64 model) whatever the autocast precision, each token takes its top-k experts; the ``Dispatcher`` is the
+only code that knows the token permutation: it sorts the (token, slot) assignments by expert so the ``Experts``
+see contiguous per-expert blocks (``torch._grouped_mm`` or a loop over experts), then puts the outputs back and
+sums each token's k outputs weighted by its router weights. Shared experts (one MLP) add to the routed output.
+The load-balancing loss and the router z-loss reach the gradient through ``_AuxLossGrad`` (the objective, the
+scale and why it stays exact: docs/moe.md). This version runs the experts of one rank (no expert parallelism).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_sp.config.registry import check, choice
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_sp.config.schema import Config
+    from megatron_sp.model.transformer import ArchSpec, Regions
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+EXPERT_BACKENDS = ("auto", "loop", "grouped")
+
+
+def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
+    """Whether global layer ``index`` has a MoE MLP: from ``moe_first_dense_layers`` on, every ``moe_layer_freq``-th."""
+    first = cfg.moe_first_dense_layers
+    return cfg.num_experts > 0 and index >= first and (index - first) % cfg.moe_layer_freq == 0
+
+
+def expert_ffn(cfg: ModelConfig) -> int:
+    """The hidden width of one expert (``moe_ffn_hidden_size``, else ``ffn_hidden_size``)."""
+    width = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    if width is None:
+        raise ValueError("ModelConfig is not finalized: ffn_hidden_size unset")
+    return width
+
+
+@check
+def check_moe_config(cfg: Config) -> None:
+    """The ``model.num_experts`` / ``model.moe_*`` keys; fills ``moe_ffn_hidden_size`` of a MoE model."""
+    m, p = cfg.model, cfg.parallel
+    if m.num_experts < 0:
+        raise ConfigError(f"model.num_experts: {m.num_experts} must be >= 0 (0: a dense model)")
+    if m.num_experts == 0:
+        changed = [f.name for f in fields(ModelConfig) if f.name.startswith("moe_") and getattr(m, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"model.{changed[0]} is set but model.num_experts is 0 (a dense model); set "
+                              "model.num_experts or drop the MoE keys")
+        return
+    choice("model.moe_router_score", m.moe_router_score, ROUTER_SCORES)
+    if not 1 <= m.moe_top_k <= m.num_experts:
+        raise ConfigError(f"model.moe_top_k: {m.moe_top_k} must be in 1..model.num_experts ({m.num_experts})")
+    if m.moe_ffn_hidden_size is None:
+        m.moe_ffn_hidden_size = m.ffn_hidden_size
+    for key in ("moe_ffn_hidden_size", "moe_layer_freq"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key}: {getattr(m, key)} must be >= 1")
+    for key in ("moe_shared_experts", "moe_first_dense_layers", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}: {getattr(m, key)} must be >= 0 (0: off)")
+    if m.moe_first_dense_layers >= m.num_layers:
+        raise ConfigError(f"model.moe_first_dense_layers: {m.moe_first_dense_layers} leaves no MoE layer among the "
+                          f"{m.num_layers} layers; lower it or set model.num_experts=0")
+    if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
+        raise ConfigError(f"model.moe_capacity_factor: {m.moe_capacity_factor} must be > 0 (unset: dropless)")
+    if m.moe_shared_experts and (m.moe_shared_experts * m.moe_ffn_hidden_size) % p.tp:
+        raise ConfigError(f"model.moe_shared_experts · moe_ffn_hidden_size = {m.moe_shared_experts * m.moe_ffn_hidden_size} "
+                          f"must be divisible by parallel.tp {p.tp}")
+    if p.cp > 1 or p.sequence_parallel:
+        raise ConfigError("model.num_experts > 0 with parallel.cp > 1 or parallel.sequence_parallel is not available yet "
+                          "(the aux loss and capacity need the whole sequence); use tp, pp and dp")
+
+
+class Router(nn.Module):
+    """``logits = x · Wᵀ`` over the experts, ``weight [E, h]``, computed in fp32 (fp64 for fp64 input) outside autocast."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens ``[T, h]`` → logits ``[T, E]``."""
+        dtype = torch.promote_types(tokens.dtype, torch.float32)
+        with torch.autocast(tokens.device.type, enabled=False):
+            return F.linear(tokens.to(dtype), self.weight.to(dtype))
+
+
+def route(logits: torch.Tensor, top_k: int, score: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(experts ``[T, k]``, combine weights ``[T, k]``, selection scores ``[T, k]``, balancing probabilities
+    ``[T, E]``) of logits ``[T, E]``. softmax: scores over all experts; sigmoid: per expert (DeepSeek-V3). With k > 1
+    the selected scores are renormalised to sum to 1; top-1 keeps its score (Switch), so the router learns from the
+    LM loss. The balancing probabilities are the softmax, or the sigmoid scores normalised over the experts."""
+    scores = logits.softmax(dim=-1) if score == "softmax" else logits.sigmoid()  # [T, E]
+    top_scores, experts = scores.topk(top_k, dim=-1)  # [T, k]
+    weights = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) if top_k > 1 else top_scores
+    probs = scores if score == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, weights, top_scores, probs
+
+
+def capacity_keep(experts: torch.Tensor, top_scores: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Which assignments ``[s, b, k]`` stay: per sequence and expert the ``capacity`` tokens of highest selection
+    score, ties to the earlier position; the others are dropped (their output for that expert is 0)."""
+    s, b, k = experts.shape
+    by_seq = experts.permute(1, 0, 2)  # [b, s, k]
+    dense = top_scores.new_full((b, s, num_experts), -1.0).scatter_(2, by_seq, top_scores.permute(1, 0, 2))
+    order = dense.argsort(dim=1, descending=True, stable=True)  # [b, s, E]: positions by decreasing score
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(s, device=order.device).view(1, s, 1).expand_as(order))
+    return (rank < capacity).gather(2, by_seq).permute(1, 0, 2)  # [s, b, k]
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch/GShard ``E · Σ_i f_i · P_i`` over the T tokens: ``f_i`` the fraction of the T·k assignments routed to
+    expert i (before any capacity drop; no gradient), ``P_i`` the mean balancing probability of expert i."""
+    f = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / experts.numel()
+    return num_experts * (f * probs.mean(dim=0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's ``mean_t logsumexp(logits_t)²``."""
+    return logits.logsumexp(dim=-1).square().mean()
+
+
+class Dispatcher:
+    """Token permutation: (token, slot) assignments sorted by expert into contiguous blocks, and back. The one place
+    that knows where a token goes (expert parallelism will all-to-all these blocks through ``mpu.comm``)."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+
+    def dispatch(self, tokens: torch.Tensor, experts: torch.Tensor,
+                 keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens ``[T, h]``, experts ``[T, k]``, keep ``[T, k]`` or None → (rows ``[N, h]`` sorted by expert (stable:
+        token order inside an expert), rows per expert ``[E]``, each row's flat assignment index ``t·k + slot``)."""
+        flat = experts.reshape(-1)
+        if keep is not None:
+            flat = flat.masked_fill(~keep.reshape(-1), self.num_experts)  # dropped: past the last expert
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[:self.num_experts]
+        if keep is not None:
+            order = order[:int(counts.sum())]
+        return tokens[order // experts.shape[1]], counts, order
+
+    @staticmethod
+    def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """rows ``[N, h]`` (expert outputs, sorted) → ``[T, h]``: Σ over each token's k slots of weight · output, in
+        the weights' dtype (fp32), cast to the rows' dtype; a dropped slot adds 0."""
+        t, k = weights.shape
+        slots = rows.new_zeros(t * k, rows.shape[1]).index_copy(0, order, rows)  # [T·k, h]
+        return (slots.view(t, k, -1).to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(rows.dtype)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] · weight[e]ᵀ`` for contiguous row blocks ending at ``offs`` (int32, cumulative)
+    with ``torch._grouped_mm``, forward and backward (its own backward rejects a stride-0 gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offs)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, weight, offs=offs) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(dy.t(), x, offs=offs) if ctx.needs_input_grad[1] else None  # [E, out, in]
+        return dx, dw, None
+
+
+def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` runs here: rows of ``x [N, in]`` and ``weight [E, out, in]`` 16-byte aligned (in and out
+    times the element size multiples of 16, on CPU as on CUDA); CPU fp32/bf16/fp16 (measured on torch 2.13; not
+    fp64); CUDA bf16 (not run by this repository's CPU tests)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if any(n * x.element_size() % 16 for n in weight.shape[1:]):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
+def expert_linear(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  backend: str) -> torch.Tensor:
+    """Per-expert ``linear`` of the sorted rows ``x [N, in]`` (``counts [E]`` rows per expert) with ``weight
+    [E, out, in]``, ``bias [E, out]``: one grouped GEMM, or a loop over the experts (the reference)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):  # the grouped GEMM has no autocast rule: cast as F.linear would
+        dtype = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    if backend == "grouped" or (backend == "auto" and grouped_mm_usable(x, weight)):
+        y = _GroupedMM.apply(x, weight, counts.cumsum(0).to(torch.int32))
+        if bias is not None:
+            y = y + bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        return y
+    splits = counts.tolist()
+    return torch.cat([F.linear(x_e, weight[e], bias[e] if bias is not None else None)
+                      for e, x_e in enumerate(x.split(splits))])
+
+
+class StackedLinear(nn.Module):
+    """The same linear layer of E experts: ``weight [E, out, in]`` (each as ``nn.Linear``'s), ``bias [E, out]``."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if bias else None
+
+
+class Experts(nn.Module):
+    """E routed experts, each the dense MLP of its arch: llama SwiGLU ``down(silu(gate(x)) · up(x))``, neox
+    ``fc2(gelu(fc1(x)))`` with biases. ``backend``: auto (grouped GEMM where ``grouped_mm_usable``, else the
+    loop) | loop | grouped."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn: int, spec: ArchSpec) -> None:
+        super().__init__()
+        self.swiglu = spec.swiglu
+        self.backend = "auto"
+        if self.swiglu:
+            self.gate = StackedLinear(num_experts, hidden_size, ffn, spec.bias)
+            self.up = StackedLinear(num_experts, hidden_size, ffn, spec.bias)
+            self.down = StackedLinear(num_experts, ffn, hidden_size, spec.bias)
+        else:
+            self.fc1 = StackedLinear(num_experts, hidden_size, ffn, spec.bias)
+            self.fc2 = StackedLinear(num_experts, ffn, hidden_size, spec.bias)
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, regions: Regions) -> torch.Tensor:
+        """rows ``[N, h]`` sorted by expert, ``counts [E]`` → ``[N, h]``."""
+        if self.swiglu:  # gate and up in one GEMM of their concatenated weights, as the dense MLP
+            weight = torch.cat([self.gate.weight, self.up.weight], dim=1)  # [E, 2·ffn, h]
+            bias = torch.cat([self.gate.bias, self.up.bias], dim=1) if self.gate.bias is not None else None
+            inner = regions.swiglu(expert_linear(rows, counts, weight, bias, self.backend))  # [N, ffn]
+            return expert_linear(inner, counts, self.down.weight, self.down.bias, self.backend)
+        inner = F.gelu(expert_linear(rows, counts, self.fc1.weight, self.fc1.bias, self.backend))  # [N, ffn]
+        return expert_linear(inner, counts, self.fc2.weight, self.fc2.bias, self.backend)
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the layer output; its backward also gives the scalar ``aux`` the gradient ``scale``, so
+    ``scale · aux`` joins the objective wherever this layer's backward runs (any pipeline stage), without
+    touching the LM loss. Megatron's ``MoEAuxLossAutoScaler`` does the same."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return dout, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=dout.device), None
+
+
+class MoE(nn.Module):
+    """The MoE MLP: router, dispatcher, experts, optional shared experts (``shared``, a dense MLP module).
+
+    After each forward: ``aux_loss`` and ``z_loss`` (unscaled, detached), ``tokens_per_expert [E]`` (assignments
+    before capacity) and ``dropped_tokens`` (assignments dropped), for the metrics. ``aux_loss_scale`` is the
+    weight of this micro-batch's ``coeff·aux + coeff·z`` in the objective (``set_aux_loss_scale``)."""
+
+    def __init__(self, cfg: ModelConfig, spec: ArchSpec, regions: Regions, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
+        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.router = Router(cfg.hidden_size, cfg.num_experts)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, expert_ffn(cfg), spec)
+        self.shared = shared
+        self.dispatcher = Dispatcher(cfg.num_experts)
+        self._regions = regions
+        self.aux_loss_scale = 1.0
+        self.aux_loss = self.z_loss = self.dropped_tokens = torch.zeros(())
+        self.tokens_per_expert = torch.zeros(cfg.num_experts, dtype=torch.int64)
+
+    @property
+    def regions(self) -> Regions:
+        return self._regions
+
+    @regions.setter
+    def regions(self, regions: Regions) -> None:
+        self._regions = regions
+        if self.shared is not None:
+            self.shared.regions = regions
+
+    def capacity(self, seq_len: int) -> int:
+        """Assignments each expert takes per sequence: ``ceil(factor · s · k / E)``."""
+        return math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[s, b, h]`` (the whole sequences) → same shape."""
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)  # [T, h], row i·b + j
+        logits = self.router(tokens)  # [T, E] fp32
+        experts, weights, top_scores, probs = route(logits, self.top_k, self.score)
+        keep = None
+        if self.capacity_factor is not None and self.training:
+            keep = capacity_keep(experts.view(s, b, -1), top_scores.view(s, b, -1), self.num_experts,
+                                 self.capacity(s)).reshape(s * b, -1)
+        rows, counts, order = self.dispatcher.dispatch(tokens, experts, keep)  # [N, h], [E], [N]
+        out = self.dispatcher.combine(self.experts(rows, counts, self.regions), order, weights).view(s, b, h)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        aux = load_balancing_loss(probs, experts, self.num_experts)
+        z = router_z_loss(logits)
+        self.aux_loss, self.z_loss = aux.detach(), z.detach()
+        self.tokens_per_expert = torch.bincount(experts.reshape(-1), minlength=self.num_experts).detach()
+        self.dropped_tokens = experts.numel() - counts.sum().detach()
+        if torch.is_grad_enabled() and self.training and (self.aux_coeff or self.z_coeff):
+            out = _AuxLossGrad.apply(out, self.aux_coeff * aux + self.z_coeff * z, self.aux_loss_scale)
+        return out
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Weight of each micro-batch's MoE losses in the gradient: ``loss_scale · micro_batch_size / global_batch_size``
+    (the objective averages them over the global batch's micro-batches; docs/moe.md)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.aux_loss_scale = scale

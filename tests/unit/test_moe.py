@@ -1,0 +1,258 @@
+"""The MoE layer on one rank against a naive per-token reference (fp64): routing, experts, shared experts, the
+aux losses and their gradients, capacity drops, grouped GEMM against the loop, the dense model untouched."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model import GPTModel, count_parameters, flops_per_token
+from megatron_sp.model import moe, transformer
+from megatron_sp.model.gpt import OUTPUT_PROJECTIONS, init_full_tensor, init_kind, parameter_parts
+from megatron_sp.model.transformer import EAGER, MLP, arch_spec
+
+S, B, H, E, F_EXP = 6, 3, 16, 4, 12
+
+
+def make_cfg(arch: str, **overrides: object) -> ModelConfig:
+    base: dict[str, object] = {"arch": arch, "num_layers": 2, "hidden_size": H, "num_heads": 2, "seq_length": S,
+                               "vocab_size": 50, "padded_vocab_size": 64, "num_kv_heads": 2, "ffn_hidden_size": 32,
+                               "rotary_pct": 1.0, "num_experts": E, "moe_top_k": 2, "moe_ffn_hidden_size": F_EXP,
+                               "moe_aux_loss_coeff": 0.0}
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def make_layer(cfg: ModelConfig, seed: int = 0) -> moe.MoE:
+    """A MoE layer in fp64 with random parameters (biases too, so they are tested)."""
+    shared = MLP(cfg, None, cfg.moe_shared_experts * cfg.moe_ffn_hidden_size) if cfg.moe_shared_experts else None
+    layer = moe.MoE(cfg, arch_spec(cfg.arch), EAGER, shared).double()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    return layer
+
+
+def naive_expert(layer: moe.MoE, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` on one token ``x [h]``, written out."""
+    ex = layer.experts
+
+    def lin(m: moe.StackedLinear, v: torch.Tensor) -> torch.Tensor:
+        return m.weight[e] @ v + (m.bias[e] if m.bias is not None else 0)
+
+    if ex.swiglu:
+        return lin(ex.down, F.silu(lin(ex.gate, x)) * lin(ex.up, x))
+    return lin(ex.fc2, F.gelu(lin(ex.fc1, x)))
+
+
+def naive_moe(layer: moe.MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, aux loss, z-loss): every token through its top-k experts one at a time, weighted."""
+    s, b, h = x.shape
+    k, n = layer.top_k, layer.num_experts
+    out, probs, chosen, lse = [], [], [], []
+    for t in x.reshape(s * b, h):
+        logits = layer.router.weight @ t
+        scores = logits.softmax(-1) if layer.score == "softmax" else logits.sigmoid()
+        top = sorted(range(n), key=lambda i: -float(scores[i].detach()))[:k]
+        total = sum(scores[i] for i in top)
+        y = sum((scores[i] / total if k > 1 else scores[i]) * naive_expert(layer, i, t) for i in top)
+        out.append(y)
+        probs.append(scores / scores.sum() if layer.score == "sigmoid" else scores)
+        chosen += top
+        lse.append(torch.log(torch.exp(logits).sum()))
+    f = torch.tensor([chosen.count(i) / len(chosen) for i in range(n)], dtype=x.dtype)
+    aux = n * (f * torch.stack(probs).mean(0)).sum()
+    z = torch.stack(lse).square().mean()
+    y = torch.stack(out).view(s, b, h)
+    if layer.shared is not None:
+        y = y + layer.shared(x)
+    return y, aux, z
+
+
+CASES = [("llama", "softmax", 2, 0), ("llama", "sigmoid", 1, 1), ("llama", "softmax", 1, 0), ("neox", "softmax", 2, 1),
+         ("neox", "sigmoid", 2, 0), ("llama", "sigmoid", 3, 2)]
+
+
+@pytest.mark.parametrize("arch,score,top_k,shared", CASES)
+def test_layer_matches_naive_reference_values_and_gradients(arch: str, score: str, top_k: int, shared: int) -> None:
+    """fp64, loop backend; the objective includes the aux and z losses (scale 0.3), so their gradients are checked
+    together with those of the output (input, router, routed and shared experts)."""
+    cfg = make_cfg(arch, moe_router_score=score, moe_top_k=top_k, moe_shared_experts=shared,
+                   moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    layer = make_layer(cfg).train()
+    layer.experts.backend = "loop"
+    moe.set_aux_loss_scale(layer, 0.3)
+    x = torch.randn(S, B, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    up = torch.randn(S, B, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    params = [x, *layer.parameters()]
+
+    out = layer(x)
+    got = torch.autograd.grad((out * up).sum(), params)
+    ref_out, aux, z = naive_moe(layer, x)
+    want = torch.autograd.grad((ref_out * up).sum() + 0.3 * (0.1 * aux + 0.01 * z), params)
+
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.aux_loss, aux.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(layer.z_loss, z.detach(), rtol=1e-12, atol=0)
+    names = ["x", *(n for n, _ in layer.named_parameters())]
+    for name, g, w in zip(names, got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    assert int(layer.tokens_per_expert.sum()) == S * B * top_k and int(layer.dropped_tokens) == 0
+
+
+def test_aux_and_z_loss_by_hand() -> None:
+    """Two tokens, two experts, logits (0, ln 3) each: p = (1/4, 3/4), both routed to expert 1, so f = (0, 1),
+    P = (1/4, 3/4): aux = 2·3/4 = 3/2; ∂aux/∂logits = ∂/∂z (E·f·p/T) = (−3/16, 3/16) per token. z = (ln 4)², its
+    gradient 2·ln4·p/T = ln4·p."""
+    logits = torch.tensor([[0.0, math.log(3)]] * 2, dtype=torch.float64, requires_grad=True)
+    experts, weights, _, probs = moe.route(logits, 1, "softmax")
+    assert experts.tolist() == [[1], [1]]
+    torch.testing.assert_close(weights, torch.tensor([[0.75], [0.75]], dtype=torch.float64))  # top-1: no renorm
+    aux = moe.load_balancing_loss(probs, experts, 2)
+    assert aux.item() == pytest.approx(1.5, rel=1e-14)
+    (g,) = torch.autograd.grad(aux, logits)
+    torch.testing.assert_close(g, torch.tensor([[-3 / 16, 3 / 16]] * 2, dtype=torch.float64))
+    z = moe.router_z_loss(logits)
+    assert z.item() == pytest.approx(math.log(4) ** 2, rel=1e-14)
+    (g,) = torch.autograd.grad(z, logits)
+    torch.testing.assert_close(g, math.log(4) * torch.tensor([[0.25, 0.75]] * 2, dtype=torch.float64))
+    # sigmoid: P from the sigmoid scores normalised over the experts; balanced routing gives 1
+    logits = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=torch.float64)
+    experts, weights, _, probs = moe.route(logits, 1, "sigmoid")
+    assert moe.load_balancing_loss(probs, experts, 2).item() == pytest.approx(1.0, rel=1e-14)
+    torch.testing.assert_close(weights, torch.sigmoid(torch.ones(2, 1, dtype=torch.float64)))
+
+
+def test_aux_gradient_scale_and_no_injection_outside_training() -> None:
+    """With a zero upstream gradient the router's gradient is scale · ∇(coeff·aux + coeff·z), linear in the scale;
+    no injection under no_grad or in eval mode."""
+    cfg = make_cfg("llama", moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.25)
+    layer = make_layer(cfg).train()
+    x = torch.randn(S, B, H, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for scale in (1.0, 0.25):
+        moe.set_aux_loss_scale(layer, scale)
+        out = layer(x)
+        (g,) = torch.autograd.grad(out, layer.router.weight, grad_outputs=torch.zeros_like(out))
+        grads.append(g)
+    logits = x.reshape(-1, H) @ layer.router.weight.T
+    experts, _, _, probs = moe.route(logits, 2, "softmax")
+    (want,) = torch.autograd.grad(0.5 * moe.load_balancing_loss(probs, experts, E) + 0.25 * moe.router_z_loss(logits),
+                                  layer.router.weight)
+    torch.testing.assert_close(grads[0], want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grads[1], 0.25 * want, rtol=1e-12, atol=1e-14)
+    layer.eval()
+    assert layer(x.requires_grad_()).grad_fn.name() != "_AuxLossGradBackward"
+
+
+def test_router_logits_fp32_under_bf16_autocast() -> None:
+    cfg = make_cfg("llama")
+    layer = make_layer(cfg).float()
+    x = torch.randn(S, B, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = layer.router(x.reshape(-1, H))
+        out = layer(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x.reshape(-1, H) @ layer.router.weight.T, rtol=1e-6, atol=1e-6)
+    assert out.dtype == torch.bfloat16
+
+
+def test_capacity_drops_the_lowest_scores_per_sequence() -> None:
+    """Two experts, top-1, capacity factor 0.5 over 4 tokens: ceil(0.5·4·1/2) = 1 token per expert and sequence.
+    Sequence 0 sends every token to expert 0 with scores ordered 1 = 3 > 2 > 0: only token 1 stays (the tie goes to
+    the earlier position). Each sequence's drops do not depend on the other sequences of the batch."""
+    cfg = make_cfg("llama", num_experts=2, moe_top_k=1, moe_capacity_factor=0.5, seq_length=4)
+    layer = make_layer(cfg).train()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0], layer.router.weight[1, 0] = 1.0, -1.0  # logits (a, −a): expert 0 iff a > 0
+    a = torch.tensor([[0.5, -0.2], [2.0, -1.0], [1.0, 0.3], [2.0, -3.0]], dtype=torch.float64)  # [s, b]
+    x = torch.zeros(4, 2, H, dtype=torch.float64)
+    x[..., 0] = a
+    x[..., 1:] = torch.randn(4, 2, H - 1, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 0.1
+    assert layer.capacity(4) == 1
+    experts, _, scores, _ = moe.route(layer.router(x.reshape(-1, H)), 1, "softmax")
+    keep = moe.capacity_keep(experts.view(4, 2, 1), scores.view(4, 2, 1), 2, 1)
+    # sequence 1: tokens 1, 3 go to expert 1 (scores 1−σ(−2), 1−σ(−6): token 3 stays), tokens 0, 2 to expert 0
+    # (a = −0.2 → expert 1 too): expert 1 has tokens 0, 1, 3 → keeps 3; expert 0 has token 2 → keeps it
+    assert keep[..., 0].tolist() == [[False, False], [True, False], [False, True], [False, True]]
+    out = layer(x)
+    assert int(layer.dropped_tokens) == 5
+    dense_out = layer.eval()(x)  # eval: dropless
+    assert int(layer.dropped_tokens) == 0
+    assert (out[:, 0][[0, 2, 3]] == 0).all() and out[1, 0].abs().sum() > 0
+    torch.testing.assert_close(out[keep[..., 0]], dense_out[keep[..., 0]])
+    alone = layer.train()(x[:, 1:])
+    torch.testing.assert_close(alone[:, 0], out[:, 1])
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="no torch._grouped_mm")
+@pytest.mark.parametrize("arch", ["llama", "neox"])
+def test_grouped_gemm_equals_the_loop(arch: str) -> None:
+    """fp32 on CPU, an expert with no tokens: values and gradients of the grouped GEMM and the per-expert loop."""
+    torch.manual_seed(0)
+    ex = moe.Experts(E, H, F_EXP, arch_spec(arch))
+    for p in ex.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    counts = torch.tensor([5, 0, 9, 4])
+    x = torch.randn(int(counts.sum()), H, requires_grad=True)
+    assert moe.grouped_mm_usable(x, ex.down.weight if ex.swiglu else ex.fc2.weight)
+    up = torch.randn(int(counts.sum()), H)
+    results = []
+    for backend in ("loop", "grouped"):
+        ex.backend = backend
+        out = ex(x, counts, EAGER)
+        results.append((out, *torch.autograd.grad((out * up).sum(), [x, *ex.parameters()])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not moe.grouped_mm_usable(x.double(), ex.down.weight.double() if ex.swiglu else ex.fc2.weight.double())
+
+
+def test_dense_model_unchanged() -> None:
+    """num_experts 0: no MoE module is built (``MoE`` made unbuildable), the parameter names and init kinds are the
+    pre-MoE ones, every parameter is its ``init_full_tensor`` draw, and the output equals the normal build's."""
+    cfg = dataclasses.replace(make_cfg("neox", num_experts=0, moe_top_k=2, moe_ffn_hidden_size=None), num_kv_heads=2)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (2, S))
+    normal = GPTModel(cfg, seed=5)
+
+    class Unbuildable:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise AssertionError("a dense model built a MoE layer")
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(transformer, "MoE", Unbuildable)
+    try:
+        untouched = GPTModel(cfg, seed=5)
+    finally:
+        mp.undo()
+    old_projections = ("attention.out.weight", "mlp.fc2.weight", "mlp.down.weight")
+    for (name, p), (name2, q) in zip(normal.named_parameters(), untouched.named_parameters(), strict=True):
+        assert name == name2 and not any(w in name for w in ("router", "experts", "shared"))
+        old_kind = "scaled_normal" if name.endswith(old_projections) else init_kind(name)
+        assert init_kind(name) == old_kind
+        rows = getattr(p, "vocab_rows", None)  # the embedding's padding rows are zero
+        assert torch.equal(p[:rows], init_full_tensor(name, p.shape, old_kind, cfg, 5)[:rows]) and torch.equal(p, q)
+    assert torch.equal(normal(tokens, labels=tokens), untouched(tokens, labels=tokens))
+    assert set(OUTPUT_PROJECTIONS) >= set(old_projections)
+    assert "moe_layer" not in parameter_parts(cfg)
+
+
+def test_layer_selection_and_parameter_counts() -> None:
+    cfg = make_cfg("llama", num_layers=5, moe_first_dense_layers=1, moe_layer_freq=2, moe_shared_experts=1, num_experts=8,
+                   moe_top_k=2, tie_embeddings=True)
+    assert [moe.is_moe_layer(cfg, i) for i in range(5)] == [False, True, False, True, False]
+    model = GPTModel(cfg, seed=1)
+    assert [isinstance(model.layers[str(i)].mlp, moe.MoE) for i in range(5)] == [False, True, False, True, False]
+    assert model.num_parameters() == count_parameters(cfg, exclude_embeddings=False)
+    parts = parameter_parts(cfg)
+    expert = 3 * H * F_EXP
+    assert parts["moe_layer"] - parts["moe_layer_active"] == (8 - 2) * expert
+    assert count_parameters(cfg) - count_parameters(cfg, active=True) == 2 * 6 * expert
+    n_active = count_parameters(cfg, active=True)
+    assert flops_per_token(cfg) == 6.0 * n_active + 6.0 * 5 * H * S  # MFU counts the active parameters
