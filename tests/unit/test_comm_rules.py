@@ -34,8 +34,8 @@ GROUP_MAKING = {
     "run": {"megatron_sp/launcher.py"},  # starting local ranks (torchrun's launcher)
 }
 """Group creation, teardown, the default store and the local launcher: allowed in the files that own them."""
-LAUNCHING = "torch.distributed.elastic"
-"""torchrun's launcher package (process start-up and its errors): no communication."""
+LAUNCHING = ("torch.distributed.elastic", "torch.distributed.launcher")
+"""torchrun's launcher packages (process start-up, its errors, ``elastic_launch``): no communication."""
 
 
 def _sources() -> list[Path]:
