@@ -46,7 +46,7 @@ from megatron_sp.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf
 
 log = logging.getLogger("megatron_sp")
 
-HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama"}
+HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama"}
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "virtual_stages", "pp_schedule", "pp_partition", "sequence_parallel", "cp_algo",
                "cp_ulysses", "zero")  # the parallel.* values a checkpoint's config records as its layout
 
@@ -332,7 +332,16 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         raise refuse("attention_bias/mlp_bias=true")
     if raw.get("head_dim") not in (None, hidden // heads):
         raise refuse(f"head_dim {raw.get('head_dim')} != hidden_size / num_attention_heads")
-    return ModelConfig(**common, num_kv_heads=int(raw.get("num_key_value_heads") or heads), rotary_pct=1.0,
+    moe: dict[str, Any] = {}
+    if names[0] == "MixtralForCausalLM":  # llama with a MoE MLP in every layer
+        if int(raw.get("num_experts_per_tok", 2)) < 2:
+            raise refuse("num_experts_per_tok=1 (Mixtral renormalises a top-1 weight to 1; ours keeps the score)")
+        if raw.get("sliding_window") not in (None, 0) and int(raw["sliding_window"]) < common["seq_length"]:
+            raise refuse(f"sliding_window {raw['sliding_window']}")
+        moe = {"num_experts": int(raw["num_local_experts"]), "moe_top_k": int(raw.get("num_experts_per_tok", 2)),
+               "moe_ffn_hidden_size": common["ffn_hidden_size"],
+               "moe_aux_loss_coeff": float(raw.get("router_aux_loss_coef", 0.01))}
+    return ModelConfig(**common, **moe, num_kv_heads=int(raw.get("num_key_value_heads") or heads), rotary_pct=1.0,
                        rotary_base=_rope(raw, "rope_theta", "rope_theta", 10000.0),
                        norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from megatron_sp.config.schema import ModelConfig
+from megatron_sp.errors import ConfigError
 from megatron_sp.model.transformer import check_model_config, head_dim
 
 _NEOX_LAYER = {
@@ -36,6 +37,7 @@ _GLOBAL = {
     "llama": {"embedding": "model.embed_tokens", "final_norm": "model.norm", "output_layer": "lm_head"},
 }
 _LAYER_PREFIX = {"neox": "gpt_neox.layers", "llama": "model.layers"}
+_MIXTRAL_EXPERT = {"gate": "w1", "down": "w2", "up": "w3"}  # ours [E, out, in] ↔ block_sparse_moe.experts.{e}.wN
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"^(?:gpt_neox|model)\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -48,8 +50,20 @@ def _resolve_arch(cfg: ModelConfig, arch: str | None) -> str:
     return arch
 
 
+def check_mixtral(cfg: ModelConfig) -> None:
+    """A MoE model exports exactly as ``MixtralForCausalLM`` only with llama experts in every layer, softmax top-k
+    (k ≥ 2: Mixtral renormalises the top-k, so a top-1 weight is 1 where ours keeps the score) and no shared experts."""
+    bad = [what for what, broken in (
+        ("model.arch=llama", cfg.arch != "llama"), ("model.moe_router_score=softmax", cfg.moe_router_score != "softmax"),
+        ("model.moe_top_k >= 2", cfg.moe_top_k < 2), ("model.moe_shared_experts=0", cfg.moe_shared_experts > 0),
+        ("every layer MoE (moe_layer_freq 1, moe_first_dense_layers 0)", cfg.moe_layer_freq != 1 or cfg.moe_first_dense_layers)
+    ) if broken]
+    if bad:
+        raise ConfigError(f"this MoE model has no exact transformers class: MixtralForCausalLM needs {', '.join(bad)}")
+
+
 def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
-    """Keyword arguments (and ``config.json`` content) of the matching HF config class."""
+    """Keyword arguments (and ``config.json`` content) of the matching HF config class (Mixtral for a MoE llama)."""
     arch = _resolve_arch(cfg, arch)
     common: dict[str, Any] = {
         "vocab_size": cfg.padded_vocab_size,
@@ -67,10 +81,17 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
                 "hidden_act": "gelu", "rotary_pct": cfg.rotary_pct, "rotary_emb_base": cfg.rotary_base,
                 "layer_norm_eps": cfg.norm_eps, "use_parallel_residual": True, "attention_bias": True,
                 "hidden_dropout": cfg.hidden_dropout}
-    return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu", "rope_theta": cfg.rotary_base,
-            "rms_norm_eps": cfg.norm_eps, "attention_bias": False, "mlp_bias": False,
-            "head_dim": head_dim(cfg)}
+    llama = {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+             "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu", "rope_theta": cfg.rotary_base,
+             "rms_norm_eps": cfg.norm_eps, "attention_bias": False, "mlp_bias": False,
+             "head_dim": head_dim(cfg)}
+    if not cfg.num_experts:
+        return llama
+    check_mixtral(cfg)
+    return {**llama, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+            "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
 
 
 def _layer_items(sd: Mapping[str, torch.Tensor], layer_re: re.Pattern, top: dict[str, str], cfg: ModelConfig,
@@ -111,6 +132,13 @@ def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
             for proj, part in zip("qkv", _split_llama_qkv(tensor, cfg)):
                 out[f"{prefix}.self_attn.{proj}_proj.{leaf}"] = part
             continue
+        if module == "mlp.router":
+            out[f"{prefix}.block_sparse_moe.gate.{leaf}"] = tensor
+            continue
+        if module.startswith("mlp.experts.") and module[12:] in _MIXTRAL_EXPERT:  # [E, out, in]: one matrix per expert
+            for e, matrix in enumerate(tensor.unbind(0)):
+                out[f"{prefix}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT[module[12:]]}.{leaf}"] = matrix
+            continue
         table = _NEOX_LAYER if arch == "neox" else _LLAMA_LAYER
         if module not in table:
             raise KeyError(f"no HF name for {name!r}")
@@ -129,10 +157,19 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
     layer_inverse = {hf: ours for ours, hf in (_NEOX_LAYER if arch == "neox" else _LLAMA_LAYER).items()}
     out: dict[str, torch.Tensor] = {}
     pending_qkv: dict[str, dict[str, torch.Tensor]] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # our stacked name → expert index → matrix
+    expert_of = {hf: ours for ours, hf in _MIXTRAL_EXPERT.items()}
     for name, tensor, index, module, leaf in _layer_items(hf_sd, _HF_LAYER_RE, top_inverse, cfg, out,
                                                          "unexpected HF parameter"):
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
             pending_qkv.setdefault(f"layers.{index}.attention.qkv.{leaf}", {})[module[-6]] = tensor
+            continue
+        moe = re.fullmatch(r"block_sparse_moe\.(gate|experts\.(\d+)\.(w[123]))", module)
+        if arch == "llama" and moe is not None:
+            if moe.group(2) is None:
+                out[f"layers.{index}.mlp.router.{leaf}"] = tensor
+            else:
+                experts.setdefault(f"layers.{index}.mlp.experts.{expert_of[moe.group(3)]}.{leaf}", {})[int(moe.group(2))] = tensor
             continue
         if module not in layer_inverse:
             raise KeyError(f"unexpected HF parameter {name!r}")
@@ -145,6 +182,10 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
         grouped = torch.cat([parts["q"].reshape(g, r, d, h), parts["k"].reshape(g, 1, d, h),
                              parts["v"].reshape(g, 1, d, h)], dim=1)  # [g, r+2, d, h]
         out[name] = grouped.reshape(g * (r + 2) * d, h)
+    for name, by_expert in experts.items():
+        if sorted(by_expert) != list(range(cfg.num_experts)):
+            raise KeyError(f"experts {sorted(by_expert)} of {name!r}, expected 0..{cfg.num_experts - 1}")
+        out[name] = torch.stack([by_expert[e] for e in range(cfg.num_experts)])
     return out
 
 

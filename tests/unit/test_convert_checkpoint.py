@@ -24,7 +24,10 @@ _spec.loader.exec_module(convert)  # type: ignore[union-attr]
 
 VOCAB = 258  # byte tokenizer
 ARCH = {"neox": ["model.arch=neox", "model.ffn_hidden_size=256"],
-        "llama": ["model.arch=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=96"]}
+        "llama": ["model.arch=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=96"],
+        "mixtral": ["model.arch=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=96", "model.num_experts=4",
+                    "model.moe_top_k=2", "model.moe_ffn_hidden_size=48"]}
+ARCH["shared"] = [*ARCH["mixtral"], "model.moe_shared_experts=1"]  # a MoE llama no transformers class holds exactly
 
 
 def save_ours(tmp_path: Path, arch: str, tied: bool = False, tokenizer: list[str] | None = None,
@@ -50,7 +53,7 @@ def run(*args: str) -> int:
     return convert.main([str(a) for a in args])
 
 
-@pytest.mark.parametrize("arch,tied", [("neox", False), ("llama", False), ("llama", True)])
+@pytest.mark.parametrize("arch,tied", [("neox", False), ("llama", False), ("llama", True), ("mixtral", False)])
 def test_export_to_hf_matches_logits_and_greedy_tokens(tmp_path: Path, arch: str, tied: bool) -> None:
     ckpt, model = save_ours(tmp_path, arch, tied)
     out = tmp_path / "hf"
@@ -78,13 +81,18 @@ def test_export_to_hf_matches_logits_and_greedy_tokens(tmp_path: Path, arch: str
     assert mine == hf_ids
 
 
-@pytest.mark.parametrize("arch", ["neox", "llama"])
+@pytest.mark.parametrize("arch", ["neox", "llama", "mixtral"])
 def test_hf_to_megatron_sp_to_hf_is_bit_identical(tmp_path: Path, arch: str) -> None:
     torch.manual_seed(0)
     if arch == "neox":
         hf_cfg = transformers.GPTNeoXConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                             intermediate_size=256, rotary_pct=0.25, max_position_embeddings=32)
         src_model = transformers.GPTNeoXForCausalLM(hf_cfg)
+    elif arch == "mixtral":
+        hf_cfg = transformers.MixtralConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, intermediate_size=48, max_position_embeddings=32,
+                                            num_local_experts=4, num_experts_per_tok=2)
+        src_model = transformers.MixtralForCausalLM(hf_cfg)
     else:
         hf_cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=96, max_position_embeddings=32,
@@ -113,6 +121,14 @@ def test_hf_to_megatron_sp_to_hf_is_bit_identical(tmp_path: Path, arch: str) -> 
         ours = model.eval()(tokens)[..., :300]
         theirs = src_model.eval()(input_ids=tokens).logits
     assert float((ours - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+
+
+def test_moe_without_an_exact_transformers_class_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    ckpt, _ = save_ours(tmp_path, "shared")
+    assert run("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "MixtralForCausalLM needs model.moe_shared_experts=0" in err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_relayout_records_target_layout_and_validates_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
