@@ -33,7 +33,7 @@ from .optim import DistributedOptimizer, lr_at, named_trainable
 from .parity import full_main_grads
 from .pipeline.executor import ScheduleStats, agree_costs, forward_backward, forward_only
 from .model import count_parameters, flops_per_token, generate
-from .model.moe import set_aux_loss_scale
+from .model import moe
 from .model.transformer import compile_cache_dir
 from .pipeline.partition import build_stage, stage_chunks, tied_embedding_params
 
@@ -85,7 +85,7 @@ def setup(cfg: Config) -> Runtime:
         log.info("train.cache_host_memory: %s", "freed memory is kept for reuse (glibc malloc: no mmap up to 2 GiB, "
                  "no trim)" if host_cached else "not glibc, so the system allocator is left as it is")
     state = initialize(ParallelDims(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, world_size=p.world_size,  # type: ignore[arg-type]
-                                    cp_ulysses=p.cp_ulysses if p.cp_algo == "usp" else 1),  # type: ignore[arg-type]
+                                    cp_ulysses=p.cp_ulysses if p.cp_algo == "usp" else 1, ep=p.ep),  # type: ignore[arg-type]
                        timeout_s=p.timeout_s)
     dev = device_mod.local_device(p.device, int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[arg-type]
     if dev.type == "cpu" and p.world_size > 1:
@@ -121,6 +121,7 @@ def setup(cfg: Config) -> Runtime:
                                   layout=checkpointing.writer_layout(cfg))
         rt.step, rt.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
         rt.skipped_steps = int(meta.get("skipped_steps", 0))
+        moe.load_expert_bias(model, meta.get("moe_expert_bias"))
         if scaler.enabled and "loss_scaler" in meta:
             scaler.load_state_dict(meta["loss_scaler"])
         log.info("resumed from %s at step %d", ckpt, rt.step)
@@ -161,8 +162,9 @@ def _global_sum(values: list[float], rt: Runtime) -> list[float]:
     return comm.all_reduce(torch.tensor(values, dtype=torch.float64), rt.state.dp_cp_group).tolist()
 
 
-def train_step(rt: Runtime) -> dict[str, float]:
-    """One optimizer step over one global batch. Returns loss, grad_norm, lr, tokens, stepped."""
+def train_step(rt: Runtime) -> dict[str, Any]:
+    """One optimizer step over one global batch. Returns loss, grad_norm, lr, tokens, stepped (and a MoE model's
+    ``moe`` stats of the global batch, after the expert biases moved: ``moe.end_step``)."""
     cfg, opt, st = rt.cfg, rt.optimizer, rt.state
     opt.zero_grad()
     batch = next_train_batch(rt)
@@ -177,7 +179,7 @@ def train_step(rt: Runtime) -> dict[str, float]:
     stats = ScheduleStats()
     grad_scale = rt.scaler.scale if rt.scaler.enabled else 1.0
     if cfg.model.num_experts:  # each micro-batch's MoE aux losses weigh mbs / gbs of the objective (docs/moe.md)
-        set_aux_loss_scale(rt.model, grad_scale * cfg.train.micro_batch_size / cfg.train.global_batch_size)  # type: ignore[operator]
+        moe.set_aux_loss_scale(rt.model, grad_scale * cfg.train.micro_batch_size / cfg.train.global_batch_size)  # type: ignore[operator]
     loss_sum = forward_backward(rt.model, _micro_batches(batch, cfg), st, loss_fn, cfg.parallel.pp_schedule,
                                 lambda on: setattr(opt, "sync_grads", on),
                                 grad_scale=grad_scale,
@@ -197,10 +199,12 @@ def train_step(rt: Runtime) -> dict[str, float]:
         dump_grads(rt)
     lr = lr_at(rt.step, cfg.train)
     grad_norm, stepped = opt.step(lr, cfg.train.clip_grad)
+    moe_stats = moe.end_step(rt.model, cfg.model, st, stepped) if cfg.model.num_experts else None
     rt.step += 1
     rt.consumed_samples += cfg.train.global_batch_size  # type: ignore[operator]
     _check_step(rt, stepped, grad_norm, global_loss)
-    return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens, "stepped": stepped}
+    return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens, "stepped": stepped,
+            "moe": moe_stats}
 
 
 def _micro_batches(batch: dict[str, torch.Tensor], cfg: Config) -> list[dict[str, torch.Tensor]]:
@@ -284,9 +288,10 @@ def _loop(rt: Runtime) -> None:
     peak = metrics_mod.Peak(0.0) if done_before else metrics_mod.peak_flops_total(cfg, st, rt.device)
     fpt = flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # type: ignore[operator]
-    log.info("model: %s, %s; layout tp%d pp%d cp%d dp%d (world %d, %s/%s); global batch %d × %d tokens, "
+    log.info("model: %s, %s; layout tp%d pp%d cp%d dp%d%s (world %d, %s/%s); global batch %d × %d tokens, "
              "%d micro-batches per rank", cfg.model.arch, params, st.tp_size, st.pp_size, st.cp_size,
-             st.dp_size, st.dims.world_size, cfg.parallel.device, cfg.parallel.backend, cfg.train.global_batch_size,
+             st.dp_size, f" ep{st.ep_size}" if st.ep_size > 1 else "", st.dims.world_size, cfg.parallel.device,
+             cfg.parallel.backend, cfg.train.global_batch_size,
              cfg.model.seq_length, cfg.train.grad_accum_steps)
     if done_before:
         log.info("step %d of the checkpoint is at or past train.iters %d: nothing to train (raise train.iters to go on)",
@@ -294,7 +299,7 @@ def _loop(rt: Runtime) -> None:
     elif cfg.train.lr_warmup_fraction is not None:
         log.info("lr warm-up: %d steps (train.lr_warmup_fraction %g of train.lr_decay_iters %d)", cfg.train.lr_warmup_iters,
                  cfg.train.lr_warmup_fraction, cfg.train.lr_decay_iters)
-    window: list[dict[str, float]] = []
+    window: list[dict[str, Any]] = []
     t_window = time.perf_counter()
     start_step = rt.step
     step_seconds: list[float] = []  # the last steps' training time, for the ETA (metrics.eta_seconds)
@@ -326,10 +331,16 @@ def _loop(rt: Runtime) -> None:
                       "skipped_steps": rt.skipped_steps}
             if rt.scaler.enabled:
                 record["loss_scale"] = rt.scaler.scale
+            moe_line = ""
+            if cfg.model.num_experts:  # reduced over the global batch by moe.end_step
+                record.update(moe.metrics_record([w["moe"] for w in window], cfg.model))
+                moe_line = (f" | MoE aux {record['moe_aux_loss']:.4f} z {record['moe_z_loss']:.3g} load max/mean "
+                            f"{record['moe_load_imbalance']:.2f} dropped {record['moe_dropped_tokens']:.0f}")
             metrics.write(record)
-            log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | MFU %.1f%% | ETA %s",
+            log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | MFU %.1f%%%s | ETA %s",
                      rt.step, cfg.train.iters, record["loss"], out["lr"], out["grad_norm"], rate["tokens_per_s"],
-                     100 * rate["mfu"], metrics_mod.format_eta(metrics_mod.eta_seconds(step_seconds, cfg.train.iters - rt.step)))
+                     100 * rate["mfu"], moe_line,
+                     metrics_mod.format_eta(metrics_mod.eta_seconds(step_seconds, cfg.train.iters - rt.step)))
             window, t_window, paused = [], time.perf_counter(), 0.0
         t_pause = time.perf_counter()
         if cfg.train.eval_interval and (rt.step % cfg.train.eval_interval == 0 or done) and rt.valid_ds is not None \
@@ -342,8 +353,10 @@ def _loop(rt: Runtime) -> None:
                                     or (done and cfg.checkpoint.save_at_end) or preempted):
             if preempted:
                 log.warning("%s: saving a checkpoint at step %d, then exiting", preemption.signal_name, rt.step)
-            saver.save(rt.step, rt.consumed_samples, rt.model, rt.optimizer, get_tracker(),
-                       extra={"skipped_steps": rt.skipped_steps, "loss_scaler": rt.scaler.state_dict()},
+            extra = {"skipped_steps": rt.skipped_steps, "loss_scaler": rt.scaler.state_dict()}
+            if cfg.model.num_experts:  # layout-free: {global layer: bias}, gathered over pp
+                extra["moe_expert_bias"] = moe.expert_bias_state(rt.model, cfg.model, st)
+            saver.save(rt.step, rt.consumed_samples, rt.model, rt.optimizer, get_tracker(), extra=extra,
                        asynchronous=False if preempted else None)
         paused += time.perf_counter() - t_pause
         if preempted:
@@ -355,7 +368,9 @@ def _loop(rt: Runtime) -> None:
     metrics.close()
     if cfg.train.sample_prompt and st.pp_size > 1:
         log.info("no sample: generation through pipeline stages is not available yet (parallel.pp > 1)")
-    elif cfg.train.sample_prompt and st.dp_rank == 0 and st.cp_rank == 0:  # one model replica (its TP ranks) decodes
+    elif cfg.train.sample_prompt and (st.dp_rank == 0 and st.cp_rank == 0 or cfg.parallel.ep > 1):
+        # one model replica (its TP ranks) decodes; under ep every rank of the stage does, in lockstep, the same prompt
+        # (each ep rank holds some experts: the dispatcher's all-to-all needs them all)
         ids = rt.tokenizer.encode(cfg.train.sample_prompt)
         rt.model.compile_regions(False)  # decoding shapes change every call: eager, not one compile per length
         cp_group, rt.model.cp_group = rt.model.cp_group, comm.LOCAL  # weights are replicated over CP: decode alone

@@ -4,8 +4,9 @@
     python tools/plot_metrics.py runs/demo/metrics.jsonl --output curves.png
     python tools/plot_metrics.py runs/a/log/metrics.jsonl runs/b/log --output cmp.png --mfu
 
-Panels against the step: training loss (validation dashed), tokens/s and, with ``--mfu``, the MFU;
-one line per input (a file, or the run directory holding one), labelled by its run directory.
+Panels against the step: training loss (validation dashed), tokens/s, with ``--mfu`` the MFU, and for a
+mixture-of-experts run (records with ``moe_load_imbalance``) the expert load (max/mean tokens per expert of the
+busiest layer) and the MoE aux loss; one line per input (a file, or the run directory holding one), labelled by its run directory.
 An earlier run's ``metrics.jsonl.1`` compares with the latest. An existing --output is kept unless
 --overwrite (the image is written under a temporary name, then renamed). Needs matplotlib.
 """
@@ -130,6 +131,8 @@ def plot(runs: list[Run], output: str | Path, mfu: bool = False, title: str | No
     check_output(out, overwrite)
     plt = _import_pyplot()
     panels = [("loss", "loss"), ("tokens_per_s", "tokens/s")] + ([("mfu", "MFU (%)")] if mfu else [])
+    if any(run.series("moe_load_imbalance")[0] for run in runs):  # a MoE run: its expert load and aux loss
+        panels += [("moe_load_imbalance", "expert load max/mean"), ("moe_aux_loss", "MoE aux loss")]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), sharex=True, squeeze=False)
     supported = fig.canvas.get_supported_filetypes()
     if out.suffix.lstrip(".").lower() not in supported:

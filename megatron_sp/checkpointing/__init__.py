@@ -21,7 +21,7 @@ from ..config import Config, to_dict
 from ..errors import DataError, TrainingError
 from ..mpu import ParallelState, comm
 from ..mpu.random import RNGTracker
-from ..mpu.sharding import is_sharded, is_tied_copy, stored_name, stored_shape
+from ..mpu.sharding import ep_size, is_sharded, is_tied_copy, stored_name, stored_shape
 from ..optim import DistributedOptimizer, named_trainable
 from . import store
 from .ownership import (FORMAT_VERSION, LOCK_FILE, Lineage, SaveDirLock, _peek_meta, _step_of,  # noqa: F401
@@ -49,6 +49,8 @@ def _shift(p: nn.Parameter, tp_rank: int) -> list[int]:
     shift = [0] * p.dim()
     if is_sharded(p):
         shift[p.partition_dim] = tp_rank * p.shape[p.partition_dim]
+    if ep_size(p) > 1:
+        shift[0] = p.ep_rank * p.shape[0]
     return shift
 
 

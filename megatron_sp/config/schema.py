@@ -65,6 +65,9 @@ class ModelConfig:
                                           "E·Σ f_i·P_i per micro-batch, added to the training objective (0: off).")
     moe_z_loss_coeff: float = doc(0.0, "MoE: coefficient of the router z-loss mean(logsumexp(logits)²) (ST-MoE; "
                                        "e.g. 1e-3; 0: off).")
+    moe_bias_update_rate: float = doc(0.0, "MoE aux-loss-free balancing (DeepSeek-V3; e.g. 1e-3; 0: off): a per-expert "
+                                           "bias added to the router scores for the top-k selection only, after each "
+                                           "step moved by rate·sign(mean load − load) with the loads of the global batch.")
     moe_capacity_factor: float | None = doc(None, "MoE: when set, while training each expert takes at most "
                                                   "ceil(factor · seq_length · top_k / num_experts) tokens of each "
                                                   "sequence, those of highest score (ties: earlier position); the "
@@ -99,6 +102,9 @@ class ParallelConfig:
     pp_partition: str = doc("uniform", "Layers per pipeline stage: uniform | balanced (even parameter counts) | a "
                                        "layer count per virtual stage, e.g. \"3,5\" (docs/pipeline.md).")
     zero: int = doc(0, "ZeRO stage: 0 (off) or 1 (optimizer state sharded over DP).")
+    ep: int = doc(1, "MoE expert parallelism: each rank holds num_experts/ep experts; the ep ranks fold from the cp·dp "
+                     "ranks of a stage (consecutive), the rest are expert-data-parallel replicas (docs/moe.md).")
+    expert_tp: int = doc(1, "MoE: tensor parallelism inside each expert (only 1 is available yet).")
     backend: str | None = doc(None, "Derived unless set: torch.distributed backend, 'nccl' on CUDA, 'gloo' on CPU.")
     device: str | None = doc(None, "Derived unless set: 'cuda' when a GPU is visible, else 'cpu'.")
     timeout_s: float = doc(600.0, "Collective timeout in seconds: a hung or dead rank ends the run after this.")

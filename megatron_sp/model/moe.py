@@ -12,8 +12,8 @@ scale and why it stays exact: docs/moe.md). This version runs the experts of one
 from __future__ import annotations
 
 import math
-from dataclasses import fields
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +22,13 @@ from torch import nn
 from megatron_sp.config.registry import check, choice
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.errors import ConfigError
+from megatron_sp.mpu import comm
+from megatron_sp.mpu.mappings import all_to_all_rows
 
 if TYPE_CHECKING:
     from megatron_sp.config.schema import Config
     from megatron_sp.model.transformer import ArchSpec, Regions
+    from megatron_sp.mpu import ParallelState
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 EXPERT_BACKENDS = ("auto", "loop", "grouped")
@@ -51,6 +54,17 @@ def check_moe_config(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     if m.num_experts < 0:
         raise ConfigError(f"model.num_experts: {m.num_experts} must be >= 0 (0: a dense model)")
+    if p.expert_tp != 1:
+        raise ConfigError(f"parallel.expert_tp: {p.expert_tp} is not available yet (experts are replicated over tp); set 1")
+    if p.ep < 1:
+        raise ConfigError(f"parallel.ep: {p.ep} must be >= 1")
+    if p.ep > 1 and m.num_experts == 0:
+        raise ConfigError(f"parallel.ep: {p.ep} needs a MoE model; set model.num_experts or parallel.ep=1")
+    if m.num_experts % p.ep:
+        raise ConfigError(f"model.num_experts: {m.num_experts} must be divisible by parallel.ep {p.ep}")
+    if p.dp is not None and (p.cp * p.dp) % p.ep:
+        raise ConfigError(f"parallel.ep: {p.ep} must divide cp·dp = {p.cp}·{p.dp} = {p.cp * p.dp} (experts fold over the "
+                          "cp·dp ranks of a stage; the MoE input is replicated over tp)")
     if m.num_experts == 0:
         changed = [f.name for f in fields(ModelConfig) if f.name.startswith("moe_") and getattr(m, f.name) != f.default]
         if changed:
@@ -65,7 +79,7 @@ def check_moe_config(cfg: Config) -> None:
     for key in ("moe_ffn_hidden_size", "moe_layer_freq"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key}: {getattr(m, key)} must be >= 1")
-    for key in ("moe_shared_experts", "moe_first_dense_layers", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
+    for key in ("moe_shared_experts", "moe_first_dense_layers", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key}: {getattr(m, key)} must be >= 0 (0: off)")
     if m.moe_first_dense_layers >= m.num_layers:
@@ -82,11 +96,24 @@ def check_moe_config(cfg: Config) -> None:
 
 
 class Router(nn.Module):
-    """``logits = x · Wᵀ`` over the experts, ``weight [E, h]``, computed in fp32 (fp64 for fp64 input) outside autocast."""
+    """``logits = x · Wᵀ`` over the experts, ``weight [E, h]``, computed in fp32 (fp64 for fp64 input) outside autocast.
+
+    ``expert_bias [E]`` (fp32 buffer, aux-loss-free balancing) is added to the scores for the top-k selection only
+    (``route``) and moved after each step by ``end_step``; it is the same on every rank and saved in the checkpoint's
+    meta.json (``expert_bias_state``). ``step_stats`` sums this rank's training micro-batches since the last
+    ``end_step``: fp64 ``[E + 4]``, the tokens per expert, then the aux loss, z-loss, dropped assignments, micro-batches."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.step_stats: torch.Tensor | None = None
+
+    def record(self, tokens_per_expert: torch.Tensor, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor) -> None:
+        """Add one training micro-batch to ``step_stats`` (fp64 ``[E + 4]``: integer counts stay exact)."""
+        extra = torch.stack([aux, z, torch.as_tensor(dropped, device=aux.device), torch.ones_like(aux)])
+        row = torch.cat([tokens_per_expert.double(), extra.double()])
+        self.step_stats = row if self.step_stats is None else self.step_stats + row
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens ``[T, h]`` → logits ``[T, E]``."""
@@ -95,13 +122,20 @@ class Router(nn.Module):
             return F.linear(tokens.to(dtype), self.weight.to(dtype))
 
 
-def route(logits: torch.Tensor, top_k: int, score: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, score: str,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts ``[T, k]``, combine weights ``[T, k]``, selection scores ``[T, k]``, balancing probabilities
     ``[T, E]``) of logits ``[T, E]``. softmax: scores over all experts; sigmoid: per expert (DeepSeek-V3). With k > 1
     the selected scores are renormalised to sum to 1; top-1 keeps its score (Switch), so the router learns from the
-    LM loss. The balancing probabilities are the softmax, or the sigmoid scores normalised over the experts."""
+    LM loss. The balancing probabilities are the softmax, or the sigmoid scores normalised over the experts.
+    ``bias [E]`` (aux-loss-free balancing) is added for choosing the top-k only: the selection scores, the weights
+    and the probabilities are the unbiased scores of the chosen experts (DeepSeek-V3)."""
     scores = logits.softmax(dim=-1) if score == "softmax" else logits.sigmoid()  # [T, E]
-    top_scores, experts = scores.topk(top_k, dim=-1)  # [T, k]
+    if bias is None:
+        top_scores, experts = scores.topk(top_k, dim=-1)  # [T, k]
+    else:
+        experts = (scores + bias.to(scores.dtype)).topk(top_k, dim=-1).indices  # [T, k]
+        top_scores = scores.gather(-1, experts)
     weights = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) if top_k > 1 else top_scores
     probs = scores if score == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     return experts, weights, top_scores, probs
@@ -130,17 +164,30 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return logits.logsumexp(dim=-1).square().mean()
 
 
+@dataclass
+class DispatchPlan:
+    """What ``Dispatcher.combine`` needs to undo a ``dispatch``."""
+
+    order: torch.Tensor  # [N]: the flat assignment index t·k + slot of each kept assignment, sorted by expert
+    send: list[int]  # EP: rows sent to each ep rank (its experts' blocks) ...
+    recv: list[int]  # ... and rows received from each
+    perm: torch.Tensor | None = None  # EP: received rows (by source rank, then local expert) → by local expert
+
+
 class Dispatcher:
     """Token permutation: (token, slot) assignments sorted by expert into contiguous blocks, and back. The one place
-    that knows where a token goes (expert parallelism will all-to-all these blocks through ``mpu.comm``)."""
+    that knows where a token goes. With expert parallelism (``ep_group`` of ``ep`` ranks, rank j holding experts
+    ``[j·E/ep, (j+1)·E/ep)``) the sorted blocks are all-to-all'd to their experts' ranks and back (docs/moe.md)."""
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
+    def __init__(self, num_experts: int, ep_group: Any = comm.LOCAL) -> None:
+        self.num_experts, self.ep_group = num_experts, ep_group
+        self.ep = comm.group_size(ep_group)
 
     def dispatch(self, tokens: torch.Tensor, experts: torch.Tensor,
-                 keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens ``[T, h]``, experts ``[T, k]``, keep ``[T, k]`` or None → (rows ``[N, h]`` sorted by expert (stable:
-        token order inside an expert), rows per expert ``[E]``, each row's flat assignment index ``t·k + slot``)."""
+                 keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+        """tokens ``[T, h]``, experts ``[T, k]``, keep ``[T, k]`` or None → (rows ``[M, h]`` for this rank's E/ep
+        experts, sorted by expert (inside an expert: by source ep rank, then token order), rows per local expert
+        ``[E/ep]``, the plan). At ep 1: the N kept assignments' rows and counts ``[E]``."""
         flat = experts.reshape(-1)
         if keep is not None:
             flat = flat.masked_fill(~keep.reshape(-1), self.num_experts)  # dropped: past the last expert
@@ -148,14 +195,25 @@ class Dispatcher:
         counts = torch.bincount(flat, minlength=self.num_experts + 1)[:self.num_experts]
         if keep is not None:
             order = order[:int(counts.sum())]
-        return tokens[order // experts.shape[1]], counts, order
+        rows = tokens[order // experts.shape[1]]  # [N, h]
+        if self.ep == 1:
+            return rows, counts, DispatchPlan(order, [], [])
+        by_rank = counts.view(self.ep, -1)  # [ep, E/ep]: this rank's rows for each rank's experts
+        got = comm.all_to_all(by_rank, self.ep_group, scatter_dim=0, gather_dim=0)  # [ep, E/ep]: from each rank
+        send, recv = by_rank.sum(1).tolist(), got.sum(1).tolist()
+        received = all_to_all_rows(rows, self.ep_group, send, recv)  # [M, h]: by source rank, then local expert
+        local = torch.arange(got.shape[1], device=got.device).repeat(self.ep).repeat_interleave(got.reshape(-1))
+        perm = local.argsort(stable=True)
+        return received[perm], got.sum(0), DispatchPlan(order, send, recv, perm)
 
-    @staticmethod
-    def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """rows ``[N, h]`` (expert outputs, sorted) → ``[T, h]``: Σ over each token's k slots of weight · output, in
-        the weights' dtype (fp32), cast to the rows' dtype; a dropped slot adds 0."""
+    def combine(self, rows: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor) -> torch.Tensor:
+        """rows (expert outputs, as ``dispatch`` gave them) → ``[T, h]``: Σ over each token's k slots of weight ·
+        output, in the weights' dtype (fp32), cast to the rows' dtype; a dropped slot adds 0."""
+        if plan.perm is not None:  # back to source-rank order, then to the ranks the rows came from
+            rows = all_to_all_rows(rows.new_zeros(rows.shape).index_copy(0, plan.perm, rows), self.ep_group,
+                                   plan.recv, plan.send)  # [N, h]
         t, k = weights.shape
-        slots = rows.new_zeros(t * k, rows.shape[1]).index_copy(0, order, rows)  # [T·k, h]
+        slots = rows.new_zeros(t * k, rows.shape[1]).index_copy(0, plan.order, rows)  # [T·k, h]
         return (slots.view(t, k, -1).to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(rows.dtype)
 
 
@@ -268,15 +326,18 @@ class MoE(nn.Module):
     before capacity) and ``dropped_tokens`` (assignments dropped), for the metrics. ``aux_loss_scale`` is the
     weight of this micro-batch's ``coeff·aux + coeff·z`` in the objective (``set_aux_loss_scale``)."""
 
-    def __init__(self, cfg: ModelConfig, spec: ArchSpec, regions: Regions, shared: nn.Module | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, spec: ArchSpec, regions: Regions, shared: nn.Module | None = None,
+                 ep_group: Any = comm.LOCAL) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.capacity_factor = cfg.moe_capacity_factor
         self.router = Router(cfg.hidden_size, cfg.num_experts)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, expert_ffn(cfg), spec)
+        self.dispatcher = Dispatcher(cfg.num_experts, ep_group)
+        self.experts = Experts(cfg.num_experts // self.dispatcher.ep, cfg.hidden_size, expert_ffn(cfg), spec)
+        for param in self.experts.parameters():  # rank r holds experts [r·E/ep, (r+1)·E/ep) (mpu.sharding)
+            param.expert_parallel, param.ep_rank, param.ep_size = True, comm.group_rank(ep_group), self.dispatcher.ep
         self.shared = shared
-        self.dispatcher = Dispatcher(cfg.num_experts)
         self._regions = regions
         self.aux_loss_scale = 1.0
         self.aux_loss = self.z_loss = self.dropped_tokens = torch.zeros(())
@@ -301,20 +362,22 @@ class MoE(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # [T, h], row i·b + j
         logits = self.router(tokens)  # [T, E] fp32
-        experts, weights, top_scores, probs = route(logits, self.top_k, self.score)
+        experts, weights, top_scores, probs = route(logits, self.top_k, self.score, self.router.expert_bias)
         keep = None
         if self.capacity_factor is not None and self.training:
             keep = capacity_keep(experts.view(s, b, -1), top_scores.view(s, b, -1), self.num_experts,
                                  self.capacity(s)).reshape(s * b, -1)
-        rows, counts, order = self.dispatcher.dispatch(tokens, experts, keep)  # [N, h], [E], [N]
-        out = self.dispatcher.combine(self.experts(rows, counts, self.regions), order, weights).view(s, b, h)
+        rows, counts, plan = self.dispatcher.dispatch(tokens, experts, keep)  # [M, h], [E/ep]
+        out = self.dispatcher.combine(self.experts(rows, counts, self.regions), plan, weights).view(s, b, h)
         if self.shared is not None:
             out = out + self.shared(x)
         aux = load_balancing_loss(probs, experts, self.num_experts)
         z = router_z_loss(logits)
         self.aux_loss, self.z_loss = aux.detach(), z.detach()
         self.tokens_per_expert = torch.bincount(experts.reshape(-1), minlength=self.num_experts).detach()
-        self.dropped_tokens = experts.numel() - counts.sum().detach()
+        self.dropped_tokens = experts.new_tensor(experts.numel() - plan.order.numel())
+        if self.training and torch.is_grad_enabled():  # once per micro-batch (a full recompute's first pass has no grad)
+            self.router.record(self.tokens_per_expert, self.aux_loss, self.z_loss, self.dropped_tokens)
         if torch.is_grad_enabled() and self.training and (self.aux_coeff or self.z_coeff):
             out = _AuxLossGrad.apply(out, self.aux_coeff * aux + self.z_coeff * z, self.aux_loss_scale)
         return out
@@ -326,3 +389,78 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     for module in model.modules():
         if isinstance(module, MoE):
             module.aux_loss_scale = scale
+
+
+# ----------------------------------------------------------------------------- per step: balancing bias and metrics
+
+def moe_layers(model: nn.Module) -> dict[int, MoE]:
+    """{global layer number: its MoE MLP} of this rank's stage."""
+    return {m.layer_number: m.mlp for m in model.modules() if isinstance(getattr(m, "mlp", None), MoE)}
+
+
+@torch.no_grad()
+def update_expert_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's aux-loss-free update, in place: ``bias_i += rate · sign(mean load − load_i)``, the sign taken
+    exactly on the integer counts as ``sign(Σ load − E · load_i)``."""
+    bias.add_(torch.sign(load.sum() - load.numel() * load).to(bias.dtype), alpha=rate)
+
+
+def end_step(model: nn.Module, cfg: ModelConfig, state: ParallelState, stepped: bool) -> torch.Tensor:
+    """After the optimizer step, on every rank: this step's ``Router.step_stats`` as ``[num_layers, E + 4]`` fp64
+    (zero rows for dense layers), summed over the global batch, then (``moe_bias_update_rate`` set, step taken)
+    every expert bias moved by ``update_expert_bias``; the accumulators restart.
+
+    The sum runs over dp_cp, the ranks that route different tokens: TP ranks route the same tokens (no SP), and
+    each rank counts only the tokens its own router chose experts for (before any dispatch), so expert-parallel
+    ranks, folded from tp·cp·dp, count nothing twice. Then over pp, where each layer lives on one stage. The counts
+    are integers in fp64, so every rank gets the same loads and the same bias as the 1-rank run."""
+    layers = moe_layers(model)
+    device = next(model.parameters()).device
+    stats = torch.zeros(cfg.num_layers, cfg.num_experts + 4, dtype=torch.float64, device=device)
+    for i, layer in layers.items():
+        if layer.router.step_stats is not None:
+            stats[i] = layer.router.step_stats
+        layer.router.step_stats = None
+    comm.all_reduce(stats, state.dp_cp_group)
+    comm.all_reduce(stats, state.pp_group)
+    if cfg.moe_bias_update_rate and stepped:
+        for i, layer in layers.items():
+            update_expert_bias(layer.router.expert_bias, stats[i, :cfg.num_experts], cfg.moe_bias_update_rate)
+    return stats
+
+
+def metrics_record(steps: list[torch.Tensor], cfg: ModelConfig) -> dict[str, Any]:
+    """The metrics.jsonl fields of the steps since the last record (their ``end_step`` stats): ``moe_aux_loss`` and
+    ``moe_z_loss`` (unscaled, the mean over MoE layers and the micro-batches of the global batches),
+    ``moe_load_imbalance`` (max over layers of max/mean tokens per expert of a global batch, the mean over the
+    steps), ``moe_dropped_tokens`` (assignments dropped per step, all layers), ``moe_tokens_per_expert`` (per MoE
+    layer, the counts summed over the steps)."""
+    e = cfg.num_experts
+    rows = [i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)]
+    s = torch.stack(steps).cpu()[:, rows]  # [steps, MoE layers, E + 4]
+    load = s[..., :e]
+    micro = s[..., e + 3].sum(dim=0).clamp_min(1.0)  # [MoE layers]
+    imbalance = load.amax(dim=-1) / load.mean(dim=-1).clamp_min(1e-9)  # [steps, MoE layers]
+    return {"moe_aux_loss": (s[..., e].sum(dim=0) / micro).mean().item(),
+            "moe_z_loss": (s[..., e + 1].sum(dim=0) / micro).mean().item(),
+            "moe_load_imbalance": imbalance.mean(dim=0).max().item(),
+            "moe_dropped_tokens": s[..., e + 2].sum().item() / len(steps),
+            "moe_tokens_per_expert": load.sum(dim=0).long().tolist()}
+
+
+def expert_bias_state(model: nn.Module, cfg: ModelConfig, state: ParallelState) -> dict[str, list[float]]:
+    """{global layer: expert bias} of every MoE layer, gathered over pp (collective; the same on every rank): the
+    layout-free form the checkpoint's meta.json keeps (fp32 → JSON float → fp32 is exact)."""
+    full = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.float64, device=next(model.parameters()).device)
+    for i, layer in moe_layers(model).items():
+        full[i] = layer.router.expert_bias
+    comm.all_reduce(full, state.pp_group)
+    return {str(i): full[i].tolist() for i in range(cfg.num_layers) if is_moe_layer(cfg, i)}
+
+
+@torch.no_grad()
+def load_expert_bias(model: nn.Module, saved: dict[str, list[float]] | None) -> None:
+    """Restore the expert biases ``expert_bias_state`` saved (None, as in older checkpoints: they stay 0)."""
+    for i, layer in moe_layers(model).items():
+        if saved and str(i) in saved:
+            layer.router.expert_bias.copy_(torch.tensor(saved[str(i)], dtype=torch.float64))

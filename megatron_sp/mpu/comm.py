@@ -296,6 +296,21 @@ def all_to_all(t: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -
     return moved.reshape(*chunk[:gather_dim], n * chunk[gather_dim], *chunk[gather_dim + 1:]).contiguous()
 
 
+def all_to_all_uneven(t: torch.Tensor, group: Any, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """Rows of ``t`` (dim 0) in consecutive blocks of ``send_splits[j]`` go to rank ``j``; returns the rows received,
+    ``recv_splits[j]`` of them from rank ``j``, in rank order (the MoE dispatcher's exchange). Bytes: the rows sent
+    to the other ranks."""
+    n = group_size(group)
+    if n == 1:
+        return t
+    t = t.contiguous()
+    out = t.new_empty((sum(recv_splits), *t.shape[1:]))
+    row_bytes = t.numel() // max(t.shape[0], 1) * t.element_size()
+    nbytes = (sum(send_splits) - send_splits[group_rank(group)]) * row_bytes
+    _issue("all_to_all", nbytes, group, t, lambda: dist.all_to_all_single(out, t, recv_splits, send_splits, group=group))
+    return out
+
+
 def broadcast(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
     """Overwrite ``t`` in place with global rank ``src``'s ``t`` (contiguous) and return it."""
     n = group_size(group)

@@ -87,3 +87,10 @@ def all_to_all(x: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -
     ``[s/t, b, heads, d]`` with ``scatter_dim=2, gather_dim=0`` → ``[s, b, heads/t, d]``)."""
     return _paired(x, group, partial(comm.all_to_all, scatter_dim=scatter_dim, gather_dim=gather_dim),
                    partial(comm.all_to_all, scatter_dim=gather_dim, gather_dim=scatter_dim))
+
+
+def all_to_all_rows(x: torch.Tensor, group: Any, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """Differentiable ``comm.all_to_all_uneven`` (MoE dispatch and combine): ``send_splits[j]`` rows to rank j
+    forward; backward the gradients of the received rows go back, the same exchange with the splits swapped."""
+    return _paired(x, group, partial(comm.all_to_all_uneven, send_splits=send_splits, recv_splits=recv_splits),
+                   partial(comm.all_to_all_uneven, send_splits=recv_splits, recv_splits=send_splits))

@@ -1,7 +1,8 @@
 """The rank grid (order ``tp-cp-dp-pp``, TP innermost as Megatron's RankGenerator), every process group (built once
 by ``initialize``) and the ``ParallelContext`` handed to the model. Groups: ``tp``, ``cp`` (USP adds ``cp_ulysses``,
 ``cp_ring``), ``dp``, ``pp`` (plus ``p2p_groups``, one per directed link), ``dp_cp`` (gradient, loss and token-count
-reductions), ``mp`` (tp × pp) and ``embedding`` (first + last stage).
+reductions), ``mp`` (tp × pp), ``embedding`` (first + last stage) and, with MoE expert parallelism, ``ep`` and ``edp``
+(the cp·dp ranks of each (tp, pp) position folded as ep × edp, ep consecutive: docs/moe.md).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class ParallelDims:
     world_size: int | None = None
     cp_ulysses: int = 1
     """USP: the Ulysses degree inside each cp group (innermost); the ring runs over cp / cp_ulysses."""
+    ep: int = 1
+    """MoE expert parallelism, folded from the cp·dp ranks of each (tp, pp) position (experts are replicated over tp)."""
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -42,6 +45,8 @@ class ParallelDims:
                 raise ConfigError(f"parallel.{axis} = {getattr(self, axis)} must be >= 1")
         if self.cp_ulysses < 1 or self.cp % self.cp_ulysses:
             raise ConfigError(f"parallel.cp_ulysses = {self.cp_ulysses} must divide parallel.cp = {self.cp}")
+        if self.ep < 1 or (self.cp * self.dp) % self.ep:
+            raise ConfigError(f"parallel.ep = {self.ep} must divide cp·dp = {self.cp}·{self.dp} = {self.cp * self.dp}")
         product = self.tp * self.cp * self.dp * self.pp
         if self.world_size is None:
             object.__setattr__(self, "world_size", product)
@@ -87,6 +92,13 @@ class ParallelDims:
                     dst = ranks[(i + 1) % len(ranks)]
                     links.update({(src, dst), (dst, src)})
         return sorted(links)
+
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(ep groups, edp groups): each dp_cp group (sorted ranks, cp innermost) cut into runs of ``ep``
+        consecutive ranks (one ep group each); edp: the ranks at the same place of each run."""
+        dp_cp = self.groups_along(("cp", "dp"))
+        return ([ranks[j:j + self.ep] for ranks in dp_cp for j in range(0, len(ranks), self.ep)],
+                [ranks[i::self.ep] for ranks in dp_cp for i in range(self.ep)])
 
     def embedding_groups(self) -> list[list[int]]:
         """Per (tp, cp, dp) position: the first and last pipeline stage (one rank when pp == 1)."""
@@ -147,6 +159,12 @@ class ParallelState:
     def mp_group(self) -> Any: return self.groups["mp"]
     @property
     def embedding_group(self) -> Any: return self.groups["embedding"]
+    @property
+    def ep_size(self) -> int: return self.dims.ep
+    @property
+    def ep_group(self) -> Any: return self.groups.get("ep", comm.LOCAL)
+    @property
+    def edp_group(self) -> Any: return self.groups.get("edp", self.dp_cp_group)  # ep == 1: edp is dp_cp
 
     @property
     def is_first_stage(self) -> bool: return self.pp_rank == 0
@@ -183,6 +201,7 @@ class ParallelContext:
     cp_heads_k_stride: int = 1  # llama3: kv heads per all-gather
     cp_ulysses_group: Any = None  # USP: the Ulysses sub-group of cp_group ...
     cp_ring_group: Any = None  # ... and the ring sub-group across them
+    ep_group: Any = comm.LOCAL  # MoE: the ranks whose experts together make all experts (dispatcher all-to-all)
     tp_size: int = field(init=False)
     tp_rank: int = field(init=False)
 
@@ -197,7 +216,8 @@ class ParallelContext:
         """This rank's context: the groups of ``state``, the settings of ``cfg.parallel`` and
         ``cfg.model.recompute`` (without ``cfg``: plain TP and ring CP over the state's groups)."""
         groups = {"tp_group": state.tp_group, "cp_group": state.cp_group,
-                  "cp_ulysses_group": state.groups.get("cp_ulysses"), "cp_ring_group": state.groups.get("cp_ring")}
+                  "cp_ulysses_group": state.groups.get("cp_ulysses"), "cp_ring_group": state.groups.get("cp_ring"),
+                  "ep_group": state.ep_group}
         if cfg is None:
             return cls(**groups)
         p = cfg.parallel
@@ -250,6 +270,8 @@ def initialize(dims: ParallelDims, timeout_s: float = 600.0) -> ParallelState:
         u = dims.cp_ulysses
         layouts["cp_ulysses"] = [ranks[j:j + u] for ranks in layouts["cp"] for j in range(0, len(ranks), u)]
         layouts["cp_ring"] = [ranks[i::u] for ranks in layouts["cp"] for i in range(u)]
+    if dims.ep > 1:
+        layouts["ep"], layouts["edp"] = dims.expert_groups()
     for name, all_ranks in layouts.items():
         for ranks in all_ranks:
             group = dist.GroupMember.WORLD if len(ranks) == world else dist.new_group(ranks, timeout=timeout)

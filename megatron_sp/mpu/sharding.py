@@ -2,7 +2,8 @@
 
 A ``tensor_model_parallel`` parameter is split into ``t`` chunks along ``partition_dim`` over TP; one
 with ``vocab_rows`` is stored without its (layout-dependent, never used) padding rows, zero-filled when
-sliced back in. Checkpoints and the parity witness use these functions, so they are layout-free.
+sliced back in. An ``expert_parallel`` parameter (MoE experts ``[E/ep, ...]``) is rank ``ep_rank``'s slice of dim 0
+of ``ep_size`` slices. Checkpoints and the parity witness use these functions, so they are layout-free.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def gather_full(named: Iterable[tuple[str, nn.Parameter]], state: ParallelState 
             continue
         if state is not None and state.tp_size > 1 and is_sharded(p):
             local = comm.all_gather(local.contiguous(), state.tp_group, dim=p.partition_dim)
+        if ep_size(p) > 1 and state is not None:
+            local = comm.all_gather(local.contiguous(), state.ep_group, dim=0)
         rows = getattr(p, "vocab_rows", None)
         out[name] = (local[:rows] if rows is not None else local).cpu()
     if state is not None and state.pp_size > 1:
@@ -60,11 +63,17 @@ def stored_name(name: str, param: nn.Parameter) -> str:
     return EMBEDDING if is_tied_copy(name, param) else name
 
 
+def ep_size(param: nn.Parameter) -> int:
+    """The number of expert-parallel slices of ``param`` along dim 0 (1: not expert-parallel)."""
+    return getattr(param, "ep_size", 1) if getattr(param, "expert_parallel", False) else 1
+
+
 def full_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:
-    """The unsharded shape of a (possibly TP-sharded) parameter."""
+    """The unsharded shape of a (possibly TP-sharded or expert-parallel) parameter."""
     shape = list(param.shape)
     if is_sharded(param):
         shape[param.partition_dim] *= tp_size
+    shape[0] *= ep_size(param)
     return tuple(shape)
 
 
@@ -85,6 +94,8 @@ def local_shard_of(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_siz
     target = full_shape(param, tp_size)
     if tuple(full.shape) != target:  # re-add the vocab padding this layout needs
         full = torch.cat([full, full.new_zeros((target[0] - full.shape[0], *full.shape[1:]))])
+    if ep_size(param) > 1:
+        full = shard(full, 0, param.ep_rank, param.ep_size)
     if not is_sharded(param):
         return full.detach().clone()
     return shard(full, param.partition_dim, tp_rank, tp_size)

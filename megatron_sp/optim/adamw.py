@@ -48,12 +48,21 @@ class NormBatches:
         return partials.sum()
 
 
-def global_norm(batches: NormBatches, state: ParallelState | None, sharded: bool, dp_group: object) -> torch.Tensor:
-    """The global L2 norm (fp64 scalar): local sums all-reduced in fp64 over dp_cp (ZeRO) and mp."""
+def global_norm(batches: NormBatches, state: ParallelState | None, sharded: bool, dp_group: object,
+                experts: tuple[NormBatches, bool] | None = None) -> torch.Tensor:
+    """The global L2 norm (fp64 scalar): local sums all-reduced in fp64 over dp_cp (ZeRO) and mp. ``experts``
+    (ep > 1): the expert parameters' batches and whether they are ZeRO-sharded; their sum is all-reduced over edp
+    (sharded: each rank owns a chunk; else every edp rank holds the same full sum) and over ep (different experts),
+    so each expert counts once."""
     total = batches.sum_of_squares()
     if state is not None:
         if sharded:
             comm.all_reduce(total, dp_group)
+        if experts is not None:
+            part = experts[0].sum_of_squares()
+            if experts[1]:
+                comm.all_reduce(part, state.edp_group)
+            total += comm.all_reduce(part, state.ep_group)
         comm.all_reduce(total, state.mp_group)
     return total.sqrt()
 

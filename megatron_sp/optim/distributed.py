@@ -34,7 +34,11 @@ class DistributedOptimizer(GradReducer):
         self.exp_avg_sq = torch.zeros(n_local, dtype=torch.float32, device=self.device)
         # AdamW's two weight-decay groups as runs of owned elements, and the runs the norm reads
         self._adam = {decays: self._views(self._runs(lambda i, d=decays: i.decay == d)) for decays in (True, False)}
-        self._norm = NormBatches([self.grad_buffer[a:b] for a, b in self._runs(lambda i: i.in_norm)], self.device)
+        self._norm = NormBatches([self.grad_buffer[a:b] for a, b in self._runs(lambda i: i.in_norm and not i.expert)],
+                                 self.device)
+        self._expert_norm = None if self._ep == 1 else (  # ep > 1: every rank of the stage takes part
+            NormBatches([self.grad_buffer[a:b] for a, b in self._runs(lambda i: i.in_norm and i.expert)], self.device),
+            any(b.sharded for b in self._buckets if b.expert))
 
     def _views(self, runs: list[tuple[int, int]]) -> AdamGroup:
         """(masters, grads, exp_avg, exp_avg_sq) views of the owned global intervals ``runs``."""
@@ -49,7 +53,7 @@ class DistributedOptimizer(GradReducer):
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm (fp64 scalar) of the reduced gradients, each element counted once (collective)."""
         self.finish_grad_sync()
-        return global_norm(self._norm, self.state, self._sharded, self._dp_group)
+        return global_norm(self._norm, self.state, self._sharded, self._dp_group, self._expert_norm)
 
     @torch.no_grad()
     def step(self, lr: float, clip: float | None = None) -> tuple[float, bool]:
@@ -80,9 +84,9 @@ class DistributedOptimizer(GradReducer):
         out: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         for info in self._params:
             b = self._buckets[info.bucket]
-            chunk = b.numel // self.dp_size
-            lo = min(max(info.start, b.start + self.dp_rank * chunk), info.end)
-            hi = max(min(info.end, b.start + (self.dp_rank + 1) * chunk), lo)
+            chunk = b.numel // b.size  # (expert buckets: edp rank r writes chunk r; the ep ranks hold other experts)
+            lo = min(max(info.start, b.start + b.rank * chunk), info.end)
+            hi = max(min(info.end, b.start + (b.rank + 1) * chunk), lo)
             if hi == lo:
                 continue
             a, z = self._to_local(lo, hi)

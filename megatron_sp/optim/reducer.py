@@ -45,6 +45,7 @@ class _Param:
     bucket: int
     decay: bool  # weight decay applies (ndim >= 2)
     in_norm: bool  # counted in the global grad norm on this rank
+    expert: bool  # an expert-parallel parameter (ep > 1): reduced and sharded over edp, not dp_cp
     own_start: int = 0  # the owned interval [own_start, own_end) in global offsets (may be empty)
     own_end: int = 0
     fresh: bool = True  # main_grad still holds zero_grad's zeros: the first gradient is copied, not added
@@ -62,6 +63,11 @@ class _Bucket:
     start: int
     numel: int
     params: list[int] = field(default_factory=list)
+    expert: bool = False  # holds expert parameters only: reduced over ``group`` = edp (else dp_cp)
+    group: Any = None
+    size: int = 1  # the group's size and this rank's place in it
+    rank: int = 0
+    sharded: bool = False  # ZeRO-1 over ``group``: this rank owns chunk ``rank`` of ``size``
     shard_start: int = 0  # global offset of this rank's owned chunk
     shard_numel: int = 0
     local_start: int = 0  # offset of that chunk in this rank's local shard tensors
@@ -95,7 +101,13 @@ class GradReducer:
         self._dp_group = state.dp_cp_group if state is not None else None
         self.dp_size = state.dp_cp_size if state is not None else 1
         self.dp_rank = state.dp_cp_rank if state is not None else 0
-        self._sharded = zero == 1 and self.dp_size > 1
+        # expert-parallel parameters (ep > 1) live in buckets of their own, reduced and ZeRO-sharded over edp
+        self._ep = getattr(state, "ep_size", 1)  # (the planner's stand-in state has no ep yet)
+        self._bucket_groups = {False: (self._dp_group, self.dp_size, self.dp_rank)}
+        if self._ep > 1:
+            edp = state.edp_group  # type: ignore[union-attr]
+            self._bucket_groups[True] = (edp, comm.group_size(edp), comm.group_rank(edp))
+        self._sharded = zero == 1 and self.dp_size > 1  # some bucket is sharded (edp > 1 needs dp_cp > 1)
         self._synced = False
         self._next_launch = 0
         self._align_cache: dict[tuple[int, tuple[int, ...]], bool] = {}
@@ -117,12 +129,21 @@ class GradReducer:
         offset = 0
         current: _Bucket | None = None
         for name, p in reversed(named):
+            expert = self._ep > 1 and bool(getattr(p, "expert_parallel", False))
+            if expert and getattr(p, "ep_size", 1) != self._ep:
+                raise ValueError(f"'{name}' is split over {getattr(p, 'ep_size', 1)} expert-parallel ranks, the layout "
+                                 f"over {self._ep}: build the model with ParallelContext.from_state")
+            if current is not None and current.expert != expert:
+                offset += self._close(current)
+                current = None
             if current is None:
-                current = _Bucket(index=len(self._buckets), start=offset, numel=0)
+                group, size, rank = self._bucket_groups[expert]
+                current = _Bucket(index=len(self._buckets), start=offset, numel=0, expert=expert, group=group,
+                                  size=size, rank=rank, sharded=self.zero == 1 and size > 1)
             info = _Param(index=len(self._params), name=name, param=p, start=offset, numel=p.numel(),
                           bucket=current.index, decay=p.ndim >= 2,
                           in_norm=(bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0)
-                          and not (skip_shared and getattr(p, "shared_embedding", False)))
+                          and not (skip_shared and getattr(p, "shared_embedding", False)), expert=expert)
             self._params.append(info)
             current.params.append(info.index)
             current.numel += info.numel
@@ -135,8 +156,8 @@ class GradReducer:
 
         local = 0
         for b in self._buckets:
-            chunk = b.numel // self.dp_size if self._sharded else b.numel
-            b.shard_start = b.start + (self.dp_rank * chunk if self._sharded else 0)
+            chunk = b.numel // b.size if b.sharded else b.numel
+            b.shard_start = b.start + (b.rank * chunk if b.sharded else 0)
             b.shard_numel = chunk
             b.local_start = local
             local += chunk
@@ -146,7 +167,7 @@ class GradReducer:
                 info.own_end = max(min(info.end, b.shard_start + chunk), info.own_start)
 
     def _close(self, bucket: _Bucket) -> int:
-        pad = -bucket.numel % self.dp_size
+        pad = -bucket.numel % bucket.size
         bucket.numel += pad
         self._buckets.append(bucket)
         return pad
@@ -230,8 +251,8 @@ class GradReducer:
     def _launch(self, bucket: _Bucket) -> None:
         region = self.grad_buffer[bucket.start:bucket.start + bucket.numel]
         # ZeRO-1: each rank keeps its reduced chunk; otherwise every rank needs the whole reduced bucket.
-        bucket.reduce = (comm.reduce_scatter_async(region, self._dp_group) if self._sharded
-                         else comm.all_reduce_async(region, self._dp_group))
+        bucket.reduce = (comm.reduce_scatter_async(region, bucket.group) if bucket.sharded
+                         else comm.all_reduce_async(region, bucket.group))
         bucket.launched = True
         self._next_launch = bucket.index + 1
 
@@ -257,7 +278,7 @@ class GradReducer:
                 assert bucket.reduce is not None
                 reduced = bucket.reduce.wait()
                 bucket.reduce = None
-                if self._sharded:
+                if bucket.sharded:
                     piece.copy_(reduced)  # (an all-reduce already reduced the bucket in place)
         self._synced = True
         if self._sp_params and self.state is not None and self.state.tp_size > 1:
@@ -347,8 +368,11 @@ class GradReducer:
         if not self._sharded:
             return local
         out = torch.empty(self.numel, dtype=local.dtype, device=local.device) if out is None else out
-        pending = [comm.all_gather_async(local[b.local_start:b.local_start + b.shard_numel], self._dp_group,
-                                         out=out[b.start:b.start + b.numel]) for b in self._buckets]
+        pending = [comm.all_gather_async(local[b.local_start:b.local_start + b.shard_numel], b.group,
+                                         out=out[b.start:b.start + b.numel]) for b in self._buckets if b.sharded]
+        for b in self._buckets:
+            if not b.sharded:  # an expert bucket whose edp group is one rank: this rank holds all of it
+                out[b.start:b.start + b.numel].copy_(local[b.local_start:b.local_start + b.numel])
         for p in pending:
             p.wait()
         return out

@@ -18,6 +18,8 @@ SP = ["parallel.sequence_parallel=true"]
 L4 = ["model.num_layers=4"]
 PACKED = ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
 INTERLEAVED = ["parallel.pp_schedule=interleaved", "parallel.virtual_stages=2"]
+MOE = LLAMA + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_z_loss_coeff=1e-3",
+               "model.moe_capacity_factor=1.5"]
 
 # Each row is one train.py run (~10 s): a feature alone once, then in combinations. Rows whose
 # paths a combination already runs were folded into it (dp4 → dp3_zero1_odd, tp4 → tp4_sp and the
@@ -73,6 +75,12 @@ LAYOUTS = {
     # every document zigzagged on its own (the default only splits documents of >= 2·cp·128 tokens)
     "packed_cp4_zigzag_every_document": (PACKED, ["parallel.cp=4", "parallel.cp_algo=zigzag",
                                                   "parallel.cp_document_chunk=1"]),
+    # MoE expert parallelism (docs/moe.md): ep folded from dp (ep2 alone folded into ep2_pp2); tp replicas; pp
+    # stages; ZeRO-1 over edp (ep2 × dp4: edp 2) and beside an unsharded expert bucket (ep4 × dp4: edp 1)
+    "moe_ep2_tp2": (MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"]),
+    "moe_ep2_pp2": (MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2"]),
+    "moe_ep2_dp4_zero1": (MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"]),
+    "moe_ep4_zero1": (MOE, ["parallel.dp=4", "parallel.ep=4", "parallel.zero=1"]),
 }
 
 

@@ -160,6 +160,13 @@ CASES = [
     case("MoE layer frequency 0", "model.num_experts=4", "model.moe_layer_freq=0", needles="model.moe_layer_freq"),
     case("MoE with context parallelism", "model.num_experts=4", "parallel.cp=2",
          needles=("model.num_experts", "parallel.cp")),
+    case("experts not divisible by ep", "model.num_experts=3", "parallel.dp=2", "parallel.ep=2",
+         needles=("model.num_experts: 3", "parallel.ep 2")),
+    case("ep not dividing cp·dp", "model.num_experts=4", "parallel.dp=2", "parallel.ep=4",
+         needles=("parallel.ep: 4", "cp·dp = 1·2 = 2")),
+    case("ep on a dense model", "parallel.dp=2", "parallel.ep=2", needles=("parallel.ep: 2", "needs a MoE model")),
+    case("expert tensor parallelism", "model.num_experts=4", "parallel.expert_tp=2",
+         needles=("parallel.expert_tp", "not available yet")),
     # --- negative and zero sizes ---
     case("negative iters", "train.iters=-5", needles=("train.iters", "-5")),
     case("negative hidden size", "model.hidden_size=-64", needles="model.hidden_size"),

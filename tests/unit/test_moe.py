@@ -3,6 +3,7 @@ aux losses and their gradients, capacity drops, grouped GEMM against the loop, t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -256,3 +257,87 @@ def test_layer_selection_and_parameter_counts() -> None:
     assert count_parameters(cfg) - count_parameters(cfg, active=True) == 2 * 6 * expert
     n_active = count_parameters(cfg, active=True)
     assert flops_per_token(cfg) == 6.0 * n_active + 6.0 * 5 * H * S  # MFU counts the active parameters
+
+
+def test_expert_bias_selects_but_does_not_weigh() -> None:
+    """The bias changes which experts a token takes, never their weights: those are the unbiased scores."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.float64)
+    scores = logits.sigmoid()
+    experts, weights, top_scores, probs = moe.route(logits, 2, "sigmoid", torch.tensor([0.0, 0.0, 0.5, 0.0]))
+    assert experts.tolist() == [[2, 0]]  # sigmoid (0.88, 0.73, 0.5, 0.27) + bias: expert 2 (1.0) overtakes 0 and 1
+    torch.testing.assert_close(top_scores, scores[:, [2, 0]])
+    torch.testing.assert_close(weights, scores[:, [2, 0]] / scores[:, [2, 0]].sum())
+    torch.testing.assert_close(probs, scores / scores.sum())
+    plain = moe.route(logits, 2, "sigmoid")
+    zero = moe.route(logits, 2, "sigmoid", torch.zeros(4))
+    assert all(torch.equal(a, b) for a, b in zip(plain, zero))  # a zero bias is no bias, bit for bit
+
+
+def test_bias_update_rule_by_hand() -> None:
+    """loads (5, 1, 2, 0): mean 2, so sign(mean − load) = (−1, +1, 0, +1); the bias moves by rate each, in fp32."""
+    bias = torch.tensor([0.1, 0.0, 0.0, -0.2])
+    moe.update_expert_bias(bias, torch.tensor([5.0, 1.0, 2.0, 0.0], dtype=torch.float64), 1e-3)
+    want = torch.tensor([0.1, 0.0, 0.0, -0.2]) + torch.tensor([-1.0, 1.0, 0.0, 1.0]) * torch.tensor(1e-3)
+    assert bias.dtype == torch.float32 and torch.equal(bias, want)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, mlp: torch.nn.Module, layer_number: int) -> None:
+        super().__init__()
+        self.mlp, self.layer_number = mlp, layer_number
+
+
+def test_end_step_sums_micro_batches_moves_the_bias_and_logs() -> None:
+    """Two training micro-batches (plus an eval and a no-grad forward, not counted): ``end_step`` returns their
+    summed loads and losses in the MoE layer's row, moves the bias by the rule and restarts; ``metrics_record`` and
+    the meta.json form of the bias (round trip through JSON, exact) follow."""
+    from types import SimpleNamespace
+
+    from megatron_sp.mpu import comm
+    cfg = make_cfg("llama", moe_first_dense_layers=1, moe_bias_update_rate=0.125, moe_capacity_factor=0.5)
+    layer = make_layer(cfg)
+    model = torch.nn.ModuleList([_Layer(layer, 1)])
+    state = SimpleNamespace(dp_cp_group=comm.LOCAL, pp_group=comm.LOCAL)
+    gen = torch.Generator().manual_seed(3)
+    loads, aux, z, dropped = torch.zeros(E, dtype=torch.float64), 0.0, 0.0, 0
+    for _ in range(2):
+        layer(torch.randn(S, B, H, generator=gen, dtype=torch.float64)).sum().backward()
+        loads += layer.tokens_per_expert
+        aux, z, dropped = aux + layer.aux_loss.item(), z + layer.z_loss.item(), dropped + int(layer.dropped_tokens)
+    with torch.no_grad():
+        layer(torch.randn(S, B, H, generator=gen, dtype=torch.float64))
+    layer.eval()(torch.randn(S, B, H, generator=gen, dtype=torch.float64)).sum().backward()
+    stats = moe.end_step(model, cfg, state, stepped=True)
+    assert stats.shape == (2, E + 4) and not stats[0].any() and layer.router.step_stats is None
+    assert torch.equal(stats[1, :E], loads) and loads.sum() == 2 * S * B * 2 and dropped > 0
+    assert stats[1, E:].tolist() == pytest.approx([aux, z, dropped, 2.0], rel=1e-12)
+    want = torch.zeros(E, dtype=torch.float64)
+    moe.update_expert_bias(want, loads, 0.125)
+    assert torch.equal(layer.router.expert_bias.double(), want) and want.any()
+    record = moe.metrics_record([stats, stats], cfg)
+    assert record["moe_tokens_per_expert"] == [(2 * loads).long().tolist()]
+    assert record["moe_aux_loss"] == pytest.approx(aux / 2) and record["moe_z_loss"] == pytest.approx(z / 2)
+    assert record["moe_load_imbalance"] == pytest.approx(float(loads.max() / loads.mean()))
+    assert record["moe_dropped_tokens"] == dropped
+    saved = json.loads(json.dumps(moe.expert_bias_state(model, cfg, state)))
+    assert list(saved) == ["1"]
+    fresh = make_layer(cfg)
+    moe.load_expert_bias(torch.nn.ModuleList([_Layer(fresh, 1)]), saved)
+    assert torch.equal(fresh.router.expert_bias, layer.router.expert_bias)
+    moe.end_step(model, cfg, state, stepped=False)  # a skipped step leaves the bias
+    assert torch.equal(layer.router.expert_bias.double(), want)
+
+
+def test_moe_configs_load() -> None:
+    """configs/moe_demo.yml and configs/olmoe_1b7b.yml load; the OLMoE shape has its 6.9B/1.3B parameters."""
+    from pathlib import Path
+
+    from megatron_sp import config
+    root = Path(__file__).resolve().parents[2] / "configs"
+    demo = config.load([root / "moe_demo.yml"])
+    assert demo.model.num_experts == 8 and demo.parallel.dp == 2 and demo.model.moe_bias_update_rate > 0
+    olmoe = config.load([root / "olmoe_1b7b.yml"], world_size=32)
+    config.set_vocab(olmoe, olmoe.tokenizer.vocab_size)
+    assert olmoe.model.padded_vocab_size == 50304 and olmoe.train.grad_accum_steps == 8
+    assert count_parameters(olmoe.model, exclude_embeddings=False) == pytest.approx(6.92e9, rel=1e-3)
+    assert count_parameters(olmoe.model, active=True, exclude_embeddings=False) == pytest.approx(1.282e9, rel=1e-3)

@@ -68,6 +68,26 @@ def test_mfu_panel_adds_height(tmp_path):
     assert three[0] == two[0] and three[1] > two[1]
 
 
+def test_moe_runs_add_the_expert_load_panels(tmp_path):
+    """Records with train.py's MoE keys add two panels (expert load max/mean, aux loss); a dense run beside a MoE
+    run draws them too (empty for it)."""
+    pytest.importorskip("matplotlib")
+    tool = load_tool()
+    dense = write_metrics(tmp_path / "dense" / "metrics.jsonl")
+    moe = tmp_path / "moe" / "metrics.jsonl"
+    rows = [json.loads(line) for line in write_metrics(moe).read_text().splitlines()]
+    for row in rows:
+        if "loss" in row:
+            row.update(moe_aux_loss=1.0 + 0.1 / row["step"], moe_z_loss=0.5, moe_load_imbalance=1.2 + 1 / row["step"],
+                       moe_dropped_tokens=0.0, moe_tokens_per_expert=[[10, 20, 30, 40]])
+    moe.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tool.read_metrics(moe)
+    assert run.series("moe_load_imbalance")[1] == pytest.approx([1.2 + 1 / s for s in range(1, 7)])
+    plain = png_size(tool.plot([tool.read_metrics(dense)], tmp_path / "dense.png"))
+    both = png_size(tool.plot([tool.read_metrics(dense), run], tmp_path / "both.png"))
+    assert both[0] == plain[0] and both[1] == plain[1] * 2  # 4 panels instead of 2, each 3 inches
+
+
 def test_read_metrics_splits_train_and_validation(tmp_path):
     tool = load_tool()
     run = tool.read_metrics(write_metrics(tmp_path / "metrics.jsonl", steps=6, val_every=3))
