@@ -120,10 +120,18 @@ class Preemption:
         watched = [signal.SIGTERM] if self.enabled else []
         if in_main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored SIGINT stays so
             watched.append(signal.SIGINT)
-        for s in watched:
-            signal.signal(s, _ignore)
+        self._previous = {s: signal.signal(s, _ignore) for s in watched}
         if watched:
             watch_stop_signals(self._react)
+
+    def close(self) -> None:
+        """The signals' handlers of before, and no watching: after the loop a Ctrl-C (during the sample) stops at once
+        as usual, and a later ``Preemption`` in this process starts clean."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        if self._previous:
+            watch_stop_signals(None)
+        self._previous = {}
 
     def step_started(self, step: int, typical_s: float | None) -> None:
         """Step ``step`` is being computed; steps take about ``typical_s`` seconds (None: not measured yet)."""

@@ -532,7 +532,7 @@ def start_local(nproc: int, argv: list[str], log_dir: Path, save_dir: str | None
                   + (f"; the last checkpoint is {kept}" if kept else ""), file=sys.stderr)
             return 130
         latest = Path(save_dir) / "latest" if save_dir else None
-        if kept and latest is not None and latest.stat().st_mtime >= relay.first_at:
+        if kept and latest is not None and relay.first is not None and latest.stat().st_mtime >= relay.first_at:
             log.info("stopped by %s; the ranks saved %s", first.name, kept)
             return 0 if first == signal.SIGTERM else 130
         print(f"error: stopped by signal {first.name} without a new checkpoint"

@@ -362,8 +362,10 @@ def _loop(rt: Runtime) -> None:
         if preempted:
             saver.wait()
             metrics.close()
+            preemption.close()
             preemption.finish(rt.step)  # SIGINT: KeyboardInterrupt, exit code 130
             return
+    preemption.close()
     saver.wait()
     metrics.close()
     if cfg.train.sample_prompt and st.pp_size > 1:

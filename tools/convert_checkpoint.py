@@ -272,8 +272,11 @@ def special_token_ids(cfg: Config) -> dict[str, int]:
 
 def to_hf(src: Path, out: Path, iteration: int | None) -> Path:
     """megatron_sp → a Hugging Face directory loadable by ``AutoModelForCausalLM.from_pretrained``."""
-    ckpt, _, cfg, weights = read_ours(src, iteration)
+    ckpt, meta, cfg, weights = read_ours(src, iteration)
     m = cfg.model
+    if any(any(b) for b in (meta.get("moe_expert_bias") or {}).values()):
+        raise DataError(f"{ckpt}: its experts are chosen with a learned routing bias (model.moe_bias_update_rate), "
+                        "which MixtralForCausalLM has no place for: the export would route differently")
     vocab = weights["embedding.weight"].shape[0]  # stored without the layout's padding rows
     special = special_token_ids(cfg)
     hf_cfg = {**hf_config_dict(m), "vocab_size": vocab, "torch_dtype": "float32", **special}

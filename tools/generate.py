@@ -31,6 +31,7 @@ from megatron_sp.config.loader import MAX_NEW_TOKENS  # past the context window 
 from megatron_sp.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_sp.errors import DataError, OneLineArgumentParser, UserError
 from megatron_sp.model import GPTModel, generate
+from megatron_sp.model.moe import load_expert_bias
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +116,7 @@ def load_checkpoint(load: str, tokenizer_model: str | None = None) -> tuple[GPTM
     except ValueError as exc:
         raise DataError(f"checkpoint file '{ckpt / 'meta.json'}': bad model config ({exc})") from None
     checkpointing.load_model_state(model, ckpt, None)
+    load_expert_bias(model, meta.get("moe_expert_bias"))  # aux-loss-free balancing: routing as in training
     return model.eval(), tokenizer, ckpt
 
 

@@ -35,9 +35,11 @@ log = logging.getLogger("megatron_sp")
 
 
 def writer_layout(cfg: Config) -> dict[str, int]:
-    """meta.json's ``layout``: the writer's ``{tp, pp, cp, dp, virtual_stages}``."""
+    """meta.json's ``layout``: the writer's ``{tp, pp, cp, dp, virtual_stages}``, and ``sequence_parallel: 1`` when on
+    (hidden dropout then draws from the tracker's TP-different stream, not the default generator)."""
     p = cfg.parallel
-    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": int(p.dp or 1), "virtual_stages": p.virtual_stages}
+    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": int(p.dp or 1), "virtual_stages": p.virtual_stages,
+            **({"sequence_parallel": 1} if p.sequence_parallel else {})}
 
 
 def _tp(state: ParallelState | None) -> tuple[int, int]:

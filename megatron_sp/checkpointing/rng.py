@@ -45,7 +45,7 @@ def sources(writer: dict[str, int] | None, reader: dict[str, int], coords: dict[
         return None, None
     if writer == reader:
         return rank, rank
-    if any(writer.get(axis) != reader.get(axis) for axis in ("pp", "cp", "dp", "virtual_stages")):
+    if any(writer.get(axis) != reader.get(axis) for axis in ("pp", "cp", "dp", "virtual_stages", "sequence_parallel")):
         return None, None
     dims = ParallelDims(tp=writer["tp"], cp=writer["cp"], dp=writer["dp"], pp=writer["pp"])
     return dims.rank_of(cp=coords["cp"], dp=coords["dp"], pp=coords["pp"]), None

@@ -7,7 +7,8 @@ only code that knows the token permutation: it sorts the (token, slot) assignmen
 see contiguous per-expert blocks (``torch._grouped_mm`` or a loop over experts), then puts the outputs back and
 sums each token's k outputs weighted by its router weights. Shared experts (one MLP) add to the routed output.
 The load-balancing loss and the router z-loss reach the gradient through ``_AuxLossGrad`` (the objective, the
-scale and why it stays exact: docs/moe.md). This version runs the experts of one rank (no expert parallelism).
+scale and why it stays exact: docs/moe.md). Under expert parallelism (``parallel.ep``) each rank holds E/ep experts
+and the dispatcher all-to-alls the rows to them and back.
 """
 from __future__ import annotations
 
@@ -412,7 +413,7 @@ def end_step(model: nn.Module, cfg: ModelConfig, state: ParallelState, stepped: 
 
     The sum runs over dp_cp, the ranks that route different tokens: TP ranks route the same tokens (no SP), and
     each rank counts only the tokens its own router chose experts for (before any dispatch), so expert-parallel
-    ranks, folded from tp·cp·dp, count nothing twice. Then over pp, where each layer lives on one stage. The counts
+    ranks, folded from cp·dp, count nothing twice. Then over pp, where each layer lives on one stage. The counts
     are integers in fp64, so every rank gets the same loads and the same bias as the 1-rank run."""
     layers = moe_layers(model)
     device = next(model.parameters()).device

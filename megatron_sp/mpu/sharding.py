@@ -23,8 +23,8 @@ def is_sharded(param: nn.Parameter) -> bool:
 
 def gather_full(named: Iterable[tuple[str, nn.Parameter]], state: ParallelState | None,
                 tensor_of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.data) -> dict[str, torch.Tensor]:
-    """{name: full tensor on CPU} for the whole model: TP shards concatenated, PP stages merged. Collective
-    over the TP and PP groups. ``tensor_of(param)`` picks what to gather (value, grad, moment; None skips
+    """{name: full tensor on CPU} for the whole model: TP shards concatenated, expert slices concatenated over ep, PP
+    stages merged. Collective over the TP, ep and PP groups. ``tensor_of(param)`` picks what to gather (value, grad, moment; None skips
     it); a tensor not shaped like the parameter's shard (Adam's scalar ``step``) is taken as it is."""
     out: dict[str, torch.Tensor] = {}
     for name, p in named:

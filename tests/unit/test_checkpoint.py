@@ -209,7 +209,7 @@ def test_rng_streams_are_restored_where_they_map_and_reseeded_otherwise(tmp_path
     at = {"tp": 1, "cp": 0, "dp": 1, "pp": 0}  # rank 3
     assert rng.sources(writer, writer, at, 3) == (3, 3)
     assert rng.sources(writer, {**writer, "tp": 4}, {**at, "tp": 3}, 7) == (2, None)
-    for change in ({"dp": 1}, {"cp": 2}, {"pp": 2}, {"virtual_stages": 2}):
+    for change in ({"dp": 1}, {"cp": 2}, {"pp": 2}, {"virtual_stages": 2}, {"sequence_parallel": 1}):
         assert rng.sources(writer, {**writer, **change}, at, 3) == (None, None), change
     assert rng.sources(None, writer, at, 3) == (None, None)  # a checkpoint without its layout
 

@@ -131,6 +131,25 @@ def test_moe_without_an_exact_transformers_class_is_refused(tmp_path: Path, caps
     assert not (tmp_path / "hf").exists()
 
 
+def test_moe_with_a_learned_routing_bias_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    ckpt, model = save_ours(tmp_path, "mixtral")
+    cfg = convert.config_from_dict(checkpointing.read_meta(checkpointing.resolve(ckpt))["config"], "meta.json")
+    opt = DistributedOptimizer(named_trainable(model), cfg.train, None)
+    bias = {"0": [0.01, -0.01, 0.0, 0.0], "1": [0.0] * 4}  # what moe_bias_update_rate leaves in meta.json
+    checkpointing.save(cfg, 4, 16, model, opt, None, torch.device("cpu"), extra={"moe_expert_bias": bias})
+    assert run("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf") != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "learned routing bias" in err and not (tmp_path / "hf").exists()
+    # tools/generate.py routes with the bias, as training did
+    spec = importlib.util.spec_from_file_location("generate_tool", ROOT / "tools" / "generate.py")
+    tool = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(tool)  # type: ignore[union-attr]
+    loaded, _, _ = tool.load_checkpoint(str(ckpt))
+    from megatron_sp.model.moe import moe_layers
+    for i, layer in moe_layers(loaded).items():
+        assert layer.router.expert_bias.tolist() == pytest.approx(bias[str(i)], abs=1e-9)
+
+
 def test_relayout_records_target_layout_and_validates_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ckpt, _ = save_ours(tmp_path, "llama")
     assert run("--input", ckpt, "--output", tmp_path / "tp2", "--to", "megatron_sp", "--tp", "2") == 0
