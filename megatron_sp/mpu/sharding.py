@@ -92,8 +92,10 @@ def local_shard_of(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_siz
     if tuple(full.shape) != stored_shape(param, tp_size):
         return full.detach().clone()
     target = full_shape(param, tp_size)
-    if tuple(full.shape) != target:  # re-add the vocab padding this layout needs
-        full = torch.cat([full, full.new_zeros((target[0] - full.shape[0], *full.shape[1:]))])
+    if tuple(full.shape) != target:  # re-add the vocab padding this layout needs (not torch.cat: on the meta device,
+        padded = full.new_zeros(target)  # as the planner builds the model, it imports torch._dynamo: 1.1 s a process)
+        padded[:full.shape[0]].copy_(full)
+        full = padded
     if ep_size(param) > 1:
         full = shard(full, 0, param.ep_rank, param.ep_size)
     if not is_sharded(param):
