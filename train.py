@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                                             and (Path(cfg.checkpoint.save) / "latest").is_file()):
                 checkpointing.read_meta(checkpointing.resolve(cfg.checkpoint.load))  # a bad path: one line now
             if cfg.parallel.world_size > 1:
-                return launcher.start_local(cfg.parallel.world_size, argv, Path(cfg.logging.dir) / "ranks",
+                ranks_argv = [*argv, "train.preflight=false"] if cfg.train.preflight else argv  # checked here, once
+                return launcher.start_local(cfg.parallel.world_size, ranks_argv, Path(cfg.logging.dir) / "ranks",
                                             cfg.checkpoint.save, cpu=cfg.parallel.device == "cpu",
                                             memory_note=memory_note)
             launcher.single_rank_env()
