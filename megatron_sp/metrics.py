@@ -93,20 +93,17 @@ def peak_flops_total(cfg: Config, st: ParallelState, device: torch.device) -> Pe
     if device.type == "cuda":
         log.info("MFU is not reported: set logging.peak_tflops to the GPU's peak for %s", cfg.train.precision)
         return Peak(0.0)
-    bf16 = cfg.train.precision == "bf16"
-    dtype = torch.bfloat16 if bf16 else torch.float32
     comm.barrier()
     t0 = time.perf_counter()
     measures = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    best, now = device_mod.cpu_peak_flops(dtype) if measures else (0.0, 0.0)
-    fp32 = device_mod.cpu_peak_flops(torch.float32)[0] if measures and bf16 else 0.0
-    per_host = torch.tensor([best, now, fp32], dtype=torch.float64)
+    per_host = torch.tensor(host_cpu_peaks(cfg.train.precision) if measures else (0.0, 0.0, 0.0), dtype=torch.float64)
     comm.all_reduce(per_host, None, op=comm.ReduceOp.MAX)
     best, now, fp32 = per_host.tolist()
     log.info("CPU peak: %.1f GFLOP/s %s per host, the best seen on this host (measured now: %.1f GFLOP/s in %.1f s; "
              "cache %s): the MFU denominator", best / 1e9, cfg.train.precision, now / 1e9, time.perf_counter() - t0,
              device_mod.peak_cache_path())
-    if bf16 and best < SLOW_BF16 * fp32:  # no native bf16 matmuls: the bf16 peak is no bound on what the run does
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    if not native_bf16(best, fp32):  # no native bf16 matmuls: the bf16 peak is no bound on what the run does
         if rank0:
             log.warning("train.precision=bf16: this CPU's bf16 matmuls peak at %.1f GFLOP/s, %.0f× below its fp32 "
                         "peak (%.1f GFLOP/s): it lacks native bf16 (AVX512-BF16 or AMX), so bf16 steps run that much "
@@ -120,6 +117,24 @@ def peak_flops_total(cfg: Config, st: ParallelState, device: torch.device) -> Pe
 SLOW_BF16 = 0.5
 """bf16 matmuls slower than this fraction of fp32's mean the CPU has no native bf16 (measured: 2.2–4.5× faster
 than fp32 with AVX512-BF16/AMX here, ~100× slower on an AVX2-only host)."""
+
+
+def host_cpu_peaks(precision: str) -> tuple[float, float, float]:
+    """This host's (best matmul peak for ``precision``, its measurement now, fp32's best peak if bf16 else 0),
+    FLOP/s (``device.cpu_peak_flops``). Call it while no other rank of the host computes."""
+    import torch
+
+    from . import device as device_mod
+
+    bf16 = precision == "bf16"
+    best, now = device_mod.cpu_peak_flops(torch.bfloat16 if bf16 else torch.float32)
+    return best, now, device_mod.cpu_peak_flops(torch.float32)[0] if bf16 else 0.0
+
+
+def native_bf16(best: float, fp32: float) -> bool:
+    """Whether ``host_cpu_peaks``' run peak ``best`` is its own MFU denominator: always unless bf16 (``fp32`` set)
+    runs below ``SLOW_BF16`` of fp32, where the fp32 peak is taken instead."""
+    return not fp32 or best >= SLOW_BF16 * fp32
 
 
 ETA_STEPS = 20  # steps the ETA looks back over

@@ -134,12 +134,12 @@ def ranking_peak(cfg: Config, given: float | None = None) -> tuple[float, str]:
     if cfg.logging.peak_tflops:
         return cfg.logging.peak_tflops, "logging.peak_tflops"
     if (cfg.parallel.device or "cpu") == "cpu":
-        import torch
-
-        from megatron_sp import device
+        from megatron_sp import device, metrics
 
         precision = cfg.train.precision
-        best, now = device.cpu_peak_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
+        best, now, fp32 = metrics.host_cpu_peaks(precision)
+        if not metrics.native_bf16(best, fp32):
+            return fp32 / 1e12, "this host's CPU fp32 matmul peak (its bf16 is not native), as train.py's MFU takes it"
         return best / 1e12, (f"this host's CPU {precision} matmul peak, as train.py's MFU takes it: the best seen here, "
                              f"measured now {now / 1e9:.1f} GFLOP/s, cache {device.peak_cache_path()}")
     return DEFAULT_PEAK_TFLOPS, "the default: an A100's dense bf16 peak"

@@ -11,13 +11,14 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_sp import device as device_mod
 from megatron_sp.config import Config, set_vocab
 from megatron_sp.errors import ConfigError
 
 from .dims import DEFAULT_BANDWIDTH_GBS, DEFAULT_PEAK_TFLOPS
-from .layouts import estimate_step_time, factorizations, format_bytes, layout_overrides, plan_layout
+from .layouts import LayoutPlan, estimate_step_time, factorizations, format_bytes, layout_overrides, plan_layout
 
 log = logging.getLogger("megatron_sp")
 
@@ -26,25 +27,21 @@ PROCESS_BYTES = 400 * 2**20
 dataset's mapped pages and allocator slack. Measured: a demo rank peaks at 520–607 MiB RSS where the planner
 counts 184 MiB."""
 
-ASSUMED_VOCAB = 50304
-"""The vocabulary planned with when neither the tokenizer file nor ``tokenizer.vocab_size`` says (GPT-2's, padded)."""
-
-
 @dataclass
 class Budget:
-    """What one host gives the ranks of a run."""
+    """What one host gives the ranks of a run: on CPU its available RAM, shared by the local ranks; on GPU one
+    device's memory per rank."""
 
     device: str  # "cpu" | "cuda"
-    ranks: int  # ranks on this host
-    per_rank: int  # bytes one rank may use: the host's available RAM / ranks, or one GPU's memory
-    total: int  # the host's available RAM (CPU) or one device's memory (GPU)
+    total: int  # bytes: the host's available RAM (CPU) or one device's memory (GPU)
     cores: int
+
+    def per_rank(self, ranks: int) -> int:
+        return self.total // max(1, ranks) if self.device == "cpu" else self.total
 
 
 def plan_vocab(cfg: Config) -> tuple[int, str]:
     """The vocabulary size to plan with before the tokenizer is built, and where it came from."""
-    from pathlib import Path
-
     tok = cfg.tokenizer
     if cfg.model.vocab_size:
         return cfg.model.vocab_size, "model.vocab_size"
@@ -54,21 +51,18 @@ def plan_vocab(cfg: Config) -> tuple[int, str]:
         from megatron_sp.data.tokenizer import build_tokenizer
 
         return build_tokenizer(tok).vocab_size, f"tokenizer {tok.model}"
-    return tok.vocab_size or ASSUMED_VOCAB, "tokenizer.vocab_size, no tokenizer file yet"
+    return tok.vocab_size, "tokenizer.vocab_size, no tokenizer file yet"
 
 
-def host_budget(cfg: Config, local_ranks: int) -> Budget:
-    cores = device_mod.host_cores()
-    if cfg.parallel.device == "cuda":
-        memory = device_mod.accelerator_memory_bytes()
-        return Budget("cuda", local_ranks, memory, memory, cores)
-    available = device_mod.host_memory_available()
-    return Budget("cpu", local_ranks, available // max(1, local_ranks), available, cores)
+def host_budget(cfg: Config) -> Budget:
+    cuda = cfg.parallel.device == "cuda"
+    memory = device_mod.accelerator_memory_bytes() if cuda else device_mod.host_memory_available()
+    return Budget("cuda" if cuda else "cpu", memory, device_mod.host_cores())
 
 
-def rank_bytes(cfg: Config) -> int:
+def rank_bytes(lp: LayoutPlan) -> int:
     """The planner's peak of the busiest rank plus what a process holds besides its tensors."""
-    return plan_layout(cfg).peak_bytes + PROCESS_BYTES
+    return lp.peak_bytes + PROCESS_BYTES
 
 
 def check(cfg: Config, build: Callable[[list[str]], Config], local_ranks: int) -> str:
@@ -77,13 +71,13 @@ def check(cfg: Config, build: Callable[[list[str]], Config], local_ranks: int) -
     dotted overrides, finalized (the suggestions are built with it)."""
     vocab, source = plan_vocab(cfg)
     planned = _with_vocab(copy.deepcopy(cfg), vocab)  # the tokenizer sets the run's own vocabulary later
-    need = rank_bytes(planned)
-    budget = host_budget(cfg, local_ranks)
+    need = rank_bytes(plan_layout(planned))
+    budget = host_budget(cfg)
     where = "this host" if budget.device == "cpu" else "each GPU"
     note = (f"planned ~{format_bytes(need)} per rank × {local_ranks} rank{'s' if local_ranks > 1 else ''} on this "
             f"host, which had {format_bytes(budget.total)} available" if budget.device == "cpu" else
             f"planned ~{format_bytes(need)} per rank on a {format_bytes(budget.total)} GPU")
-    if budget.total <= 0 or need <= budget.per_rank:
+    if budget.total <= 0 or need <= budget.per_rank(local_ranks):
         if budget.device == "cpu" and local_ranks > budget.cores:
             log.warning("%d local ranks share %d cores: each rank gets a fraction of a core and steps are slow",
                         local_ranks, budget.cores)
@@ -126,8 +120,8 @@ def suggest(cfg: Config, build: Callable[[list[str]], Config], budget: Budget, v
                     lp = plan_layout(_with_vocab(build([*layout_overrides(cfg, *layout), *shrink]), vocab))
                 except ConfigError:
                     continue
-                need = lp.peak_bytes + PROCESS_BYTES
-                if need <= (budget.total // ranks if budget.device == "cpu" else budget.total):
+                need = rank_bytes(lp)
+                if need <= budget.per_rank(ranks):
                     fitting.append((estimate_step_time(lp, DEFAULT_PEAK_TFLOPS, DEFAULT_BANDWIDTH_GBS)["step_s"], need, layout))
             if fitting:
                 _, need, layout = min(fitting)
