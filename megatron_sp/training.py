@@ -84,9 +84,7 @@ def setup(cfg: Config) -> Runtime:
     if cfg.train.cache_host_memory:
         log.info("train.cache_host_memory: %s", "freed memory is kept for reuse (glibc malloc: no mmap up to 2 GiB, "
                  "no trim)" if host_cached else "not glibc, so the system allocator is left as it is")
-    state = initialize(ParallelDims(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, world_size=p.world_size,  # type: ignore[arg-type]
-                                    cp_ulysses=p.cp_ulysses if p.cp_algo == "usp" else 1, ep=p.ep),  # type: ignore[arg-type]
-                       timeout_s=p.timeout_s)
+    state = initialize(parallel_dims(cfg), timeout_s=p.timeout_s)
     dev = device_mod.local_device(p.device, int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[arg-type]
     if dev.type == "cpu" and p.world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -107,8 +105,7 @@ def setup(cfg: Config) -> Runtime:
     scaler = DynamicLossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init,
                                growth_interval=t.loss_scale_window, hysteresis=t.loss_scale_hysteresis)
 
-    n_train = t.iters * t.global_batch_size  # type: ignore[operator]
-    n_valid = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0  # type: ignore[operator]
+    n_train, n_valid = split_samples(cfg)
     train_ds, valid_ds = _rank0_first(rank, lambda: build_datasets(cfg, tokenizer, n_train, n_valid))
 
     rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds, scaler)
@@ -127,6 +124,22 @@ def setup(cfg: Config) -> Runtime:
         log.info("resumed from %s at step %d", ckpt, rt.step)
     rt.lineage = checkpointing.Lineage.start(meta, ckpt, cfg.checkpoint.save)
     return rt
+
+
+def parallel_dims(cfg: Config) -> ParallelDims:
+    """The rank grid of ``cfg.parallel`` (``setup`` initializes it; so does tools/evaluate.py)."""
+    p = cfg.parallel
+    return ParallelDims(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, world_size=p.world_size,  # type: ignore[arg-type]
+                        cp_ulysses=p.cp_ulysses if p.cp_algo == "usp" else 1, ep=p.ep,  # type: ignore[arg-type]
+                        ep_tp=p.sequence_parallel and p.tp > 1)
+
+
+def split_samples(cfg: Config) -> tuple[int, int]:
+    """(train, valid) samples the run reads: ``train.iters`` global batches, and ``train.eval_iters`` per validation
+    (every ``train.eval_interval`` steps and at the end); the datasets are built for these counts."""
+    t = cfg.train
+    n_valid = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0  # type: ignore[operator]
+    return t.iters * t.global_batch_size, n_valid  # type: ignore[operator]
 
 
 def build_model(cfg: Config, state: ParallelState, dev: torch.device,
@@ -236,27 +249,38 @@ def dump_grads(rt: Runtime) -> None:
             torch.save(grads, f)
 
 
-@torch.no_grad()
 def evaluate(rt: Runtime) -> float:
     """Mean loss over ``eval_iters`` global batches of the validation split (same for every layout)."""
+    total, count = loss_sums(rt, rt.valid_ds, validation_starts(rt.cfg, rt.step, len(rt.valid_ds)))
+    return total / max(count, 1.0)
+
+
+def validation_starts(cfg: Config, step: int, samples: int) -> list[int]:
+    """The first sample of each global batch the validation at ``step`` reads of a split of ``samples``:
+    ``eval_iters`` consecutive batches, the next ones at each validation, from sample 0 again past the end."""
+    gbs = cfg.train.global_batch_size
+    start0 = ((step // cfg.train.eval_interval) * cfg.train.eval_iters * gbs) % max(1, samples)  # type: ignore[operator]
+    starts = [start0 + k * gbs for k in range(cfg.train.eval_iters)]  # type: ignore[operator]
+    return [s if s + gbs <= samples else 0 for s in starts]  # type: ignore[operator]
+
+
+@torch.no_grad()
+def loss_sums(rt: Runtime, ds: Any, starts: list[int]) -> tuple[float, float]:
+    """(Σ token losses, Σ loss tokens) over the global batches of ``ds`` that start at ``starts``, summed over every
+    rank: the same for every layout (``evaluate``; tools/evaluate.py)."""
     cfg, model, st = rt.cfg, rt.model, rt.state
     model.eval()
-    gbs = cfg.train.global_batch_size
     total = torch.zeros((), dtype=torch.float64)
     count = 0.0
-    start0 = ((rt.step // cfg.train.eval_interval) * cfg.train.eval_iters * gbs) % max(1, len(rt.valid_ds))  # type: ignore[operator]
-    for k in range(cfg.train.eval_iters):
-        start = start0 + k * gbs  # type: ignore[operator]
-        if start + gbs > len(rt.valid_ds):  # type: ignore[operator]
-            start = 0
-        batch = rank_batch(rt, rt.valid_ds, start)
+    for start in starts:
+        batch = rank_batch(rt, ds, start)
         total += forward_only(model, _micro_batches(batch, cfg), st, lambda tl, mb: (tl.float() * mb["loss_mask"]).sum(),
                               forward_context=lambda: _autocast(cfg, rt.device))
         count += float(batch["loss_mask"].sum())
     model.train()
     total = comm.all_reduce(total, st.pp_group)  # the loss lives on the last stage
     total_sum, count_sum = _global_sum([total.item(), count], rt)
-    return total_sum / max(count_sum, 1.0)
+    return total_sum, count_sum
 
 
 def run(cfg: Config) -> Runtime:

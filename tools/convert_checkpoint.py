@@ -8,8 +8,8 @@
 The input format is detected. Converting is needed only between formats: checkpoints are layout-free,
 so train.py (checkpoint.load) and tools/generate.py load any of ours at any layout, unconverted. Ours to
 ours only records another layout in the copied config (meta.json), checked against the model, tensors
-copied unchanged: --tp/--pp (or --set parallel.KEY=VALUE) change those values, every other one (cp, dp,
-virtual stages, schedule, ZeRO, ...) stays the source's; the tool prints the whole target layout, naming
+copied unchanged: --tp/--pp (or --set parallel.KEY=VALUE, e.g. parallel.ep for a MoE) change those values, every
+other one (cp, dp, virtual stages, schedule, ZeRO, ep, ...) stays the source's; the tool prints the whole target layout, naming
 what came from the source. The output is written under a temporary name and renamed when complete.
 Details: docs/checkpoints.md, "Converting".
 """
@@ -48,7 +48,7 @@ log = logging.getLogger("megatron_sp")
 
 HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama"}
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "virtual_stages", "pp_schedule", "pp_partition", "sequence_parallel", "cp_algo",
-               "cp_ulysses", "zero")  # the parallel.* values a checkpoint's config records as its layout
+               "cp_ulysses", "zero", "ep")  # the parallel.* values a checkpoint's config records as its layout
 
 
 def layout_line(cfg: Config, tp: int | None, pp: int | None, overrides: list[str], rest: str) -> str:
@@ -65,8 +65,9 @@ def layout_line(cfg: Config, tp: int | None, pp: int | None, overrides: list[str
         value = getattr(p, key)
         text = str(value).lower() if isinstance(value, bool) else str(value)
         return f"{key} {text}" + (f" [{given[key]}]" if given.get(key) else "")
-    values = [show(k) for k in LAYOUT_KEYS if not (k == "cp_ulysses" and p.cp_algo != "usp")]
-    kept = [k for k in LAYOUT_KEYS if not given.get(k) and not (k == "cp_ulysses" and p.cp_algo != "usp")]
+    keys = [k for k in LAYOUT_KEYS if not (k == "cp_ulysses" and p.cp_algo != "usp" or k == "ep" and not cfg.model.num_experts)]
+    values = [show(k) for k in keys]
+    kept = [k for k in keys if not given.get(k)]
     return (f"target layout recorded: {', '.join(values)} = world {p.world_size}; from {rest}: {', '.join(kept)} "
             "(any layout loads this checkpoint: train.py runs the layout of its own config)")
 

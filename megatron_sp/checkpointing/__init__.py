@@ -70,8 +70,8 @@ def rank_boxes(model: nn.Module, optimizer: DistributedOptimizer, state: Paralle
         keys = ["param", "exp_avg", "exp_avg_sq"] + (["master_param"] if optimizer.precision != "fp32" else [])
         for key in keys:
             tensors[_global(name, key)] = (shape, store.dtype_name(p.dtype if key == "param" else torch.float32))
-        if (tp_rank and not is_sharded(p)) or name not in parts:
-            continue  # TP-replicated: TP rank 0 writes it; or this dp rank's chunk holds none of it
+        if (tp_rank and not is_sharded(p) and not getattr(p, "ep_tp", False)) or name not in parts:
+            continue  # TP-replicated: TP rank 0 writes it (experts folded over tp: each edp rank); or its chunk is empty
         start, flats = parts[name]
         for key, flat in flats.items():
             boxes += store.boxes_of_flat(_global(name, key), flat, start, p.shape, _shift(p, tp_rank), shape)

@@ -103,8 +103,10 @@ class ParallelConfig:
                                        "layer count per virtual stage, e.g. \"3,5\" (docs/pipeline.md).")
     zero: int = doc(0, "ZeRO stage: 0 (off) or 1 (optimizer state sharded over DP).")
     ep: int = doc(1, "MoE expert parallelism: each rank holds num_experts/ep experts; the ep ranks fold from the cp·dp "
-                     "ranks of a stage (consecutive), the rest are expert-data-parallel replicas (docs/moe.md).")
-    expert_tp: int = doc(1, "MoE: tensor parallelism inside each expert (only 1 is available yet).")
+                     "ranks of a stage (tp·cp·dp under sequence_parallel; consecutive), the rest are expert-data-parallel "
+                     "replicas (docs/moe.md).")
+    expert_tp: int = doc(1, "MoE: 1 (each expert whole on its rank) or parallel.tp: each expert's matrices split over the TP "
+                            "ranks, no SP (without it every TP rank computes every expert of its tokens; docs/moe.md).")
     backend: str | None = doc(None, "Derived unless set: torch.distributed backend, 'nccl' on CUDA, 'gloo' on CPU.")
     device: str | None = doc(None, "Derived unless set: 'cuda' when a GPU is visible, else 'cpu'.")
     timeout_s: float = doc(600.0, "Collective timeout in seconds: a hung or dead rank ends the run after this.")

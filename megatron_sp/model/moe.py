@@ -24,7 +24,9 @@ from megatron_sp.config.registry import check, choice
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.errors import ConfigError
 from megatron_sp.mpu import comm
-from megatron_sp.mpu.mappings import all_to_all_rows
+from megatron_sp.mpu.layers import set_tp_attributes
+from megatron_sp.mpu.mappings import all_to_all_rows, copy_to_tp, reduce_from_tp
+from megatron_sp.mpu.parallel_state import ParallelContext
 
 if TYPE_CHECKING:
     from megatron_sp.config.schema import Config
@@ -55,17 +57,22 @@ def check_moe_config(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     if m.num_experts < 0:
         raise ConfigError(f"model.num_experts: {m.num_experts} must be >= 0 (0: a dense model)")
-    if p.expert_tp != 1:
-        raise ConfigError(f"parallel.expert_tp: {p.expert_tp} is not available yet (experts are replicated over tp); set 1")
+    if p.expert_tp not in (1, p.tp):
+        raise ConfigError(f"parallel.expert_tp: {p.expert_tp} must be 1 (experts whole on each rank) or parallel.tp "
+                          f"{p.tp} (each expert's matrices split over the TP ranks)")
+    if p.expert_tp > 1 and p.sequence_parallel:
+        raise ConfigError(f"parallel.expert_tp: {p.expert_tp} with parallel.sequence_parallel is not available (under "
+                          "SP the TP ranks route their own tokens and ep folds over them); set parallel.expert_tp=1")
     if p.ep < 1:
         raise ConfigError(f"parallel.ep: {p.ep} must be >= 1")
     if p.ep > 1 and m.num_experts == 0:
         raise ConfigError(f"parallel.ep: {p.ep} needs a MoE model; set model.num_experts or parallel.ep=1")
     if m.num_experts % p.ep:
         raise ConfigError(f"model.num_experts: {m.num_experts} must be divisible by parallel.ep {p.ep}")
-    if p.dp is not None and (p.cp * p.dp) % p.ep:
-        raise ConfigError(f"parallel.ep: {p.ep} must divide cp·dp = {p.cp}·{p.dp} = {p.cp * p.dp} (experts fold over the "
-                          "cp·dp ranks of a stage; the MoE input is replicated over tp)")
+    if p.dp is not None and (p.cp * p.dp * (p.tp if p.sequence_parallel else 1)) % p.ep:
+        ranks, n = ("tp·cp·dp", p.tp * p.cp * p.dp) if p.sequence_parallel and p.tp > 1 else ("cp·dp", p.cp * p.dp)
+        raise ConfigError(f"parallel.ep: {p.ep} must divide {ranks} = {n} (experts fold over the {ranks} ranks of a "
+                          "stage; without sequence parallelism the MoE input is replicated over tp)")
     if m.num_experts == 0:
         changed = [f.name for f in fields(ModelConfig) if f.name.startswith("moe_") and getattr(m, f.name) != f.default]
         if changed:
@@ -88,12 +95,15 @@ def check_moe_config(cfg: Config) -> None:
                           f"{m.num_layers} layers; lower it or set model.num_experts=0")
     if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
         raise ConfigError(f"model.moe_capacity_factor: {m.moe_capacity_factor} must be > 0 (unset: dropless)")
+    if m.moe_ffn_hidden_size % p.expert_tp:
+        raise ConfigError(f"model.moe_ffn_hidden_size: {m.moe_ffn_hidden_size} must be divisible by parallel.expert_tp "
+                          f"{p.expert_tp}")
     if m.moe_shared_experts and (m.moe_shared_experts * m.moe_ffn_hidden_size) % p.tp:
         raise ConfigError(f"model.moe_shared_experts · moe_ffn_hidden_size = {m.moe_shared_experts * m.moe_ffn_hidden_size} "
                           f"must be divisible by parallel.tp {p.tp}")
-    if p.cp > 1 or p.sequence_parallel:
-        raise ConfigError("model.num_experts > 0 with parallel.cp > 1 or parallel.sequence_parallel is not available yet "
-                          "(the aux loss and capacity need the whole sequence); use tp, pp and dp")
+    if p.cp > 1 and m.moe_capacity_factor is not None:
+        raise ConfigError("model.moe_capacity_factor with parallel.cp > 1 is not available yet (which tokens drop is "
+                          "decided on the whole sequence in position order); unset it (dropless) or set parallel.cp=1")
 
 
 class Router(nn.Module):
@@ -102,7 +112,8 @@ class Router(nn.Module):
     ``expert_bias [E]`` (fp32 buffer, aux-loss-free balancing) is added to the scores for the top-k selection only
     (``route``) and moved after each step by ``end_step``; it is the same on every rank and saved in the checkpoint's
     meta.json (``expert_bias_state``). ``step_stats`` sums this rank's training micro-batches since the last
-    ``end_step``: fp64 ``[E + 4]``, the tokens per expert, then the aux loss, z-loss, dropped assignments, micro-batches."""
+    ``end_step``: fp64 ``[E + 4]``, the tokens per expert, then the aux loss, z-loss, dropped assignments, micro-batches
+    (a micro-batch split over SP/CP ranks is counted by its first shard only)."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
@@ -110,9 +121,11 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.step_stats: torch.Tensor | None = None
 
-    def record(self, tokens_per_expert: torch.Tensor, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor) -> None:
-        """Add one training micro-batch to ``step_stats`` (fp64 ``[E + 4]``: integer counts stay exact)."""
-        extra = torch.stack([aux, z, torch.as_tensor(dropped, device=aux.device), torch.ones_like(aux)])
+    def record(self, tokens_per_expert: torch.Tensor, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor,
+               micro: float = 1.0) -> None:
+        """Add one training micro-batch (or this rank's shard of it) to ``step_stats`` (fp64 ``[E + 4]``: integer
+        counts stay exact)."""
+        extra = torch.stack([aux, z, torch.as_tensor(dropped, device=aux.device), torch.full_like(aux, micro)])
         row = torch.cat([tokens_per_expert.double(), extra.double()])
         self.step_stats = row if self.step_stats is None else self.step_stats + row
 
@@ -153,16 +166,22 @@ def capacity_keep(experts: torch.Tensor, top_scores: torch.Tensor, num_experts: 
     return (rank < capacity).gather(2, by_seq).permute(1, 0, 2)  # [s, b, k]
 
 
-def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                        counts: torch.Tensor | None = None, total: int | None = None) -> torch.Tensor:
     """Switch/GShard ``E · Σ_i f_i · P_i`` over the T tokens: ``f_i`` the fraction of the T·k assignments routed to
-    expert i (before any capacity drop; no gradient), ``P_i`` the mean balancing probability of expert i."""
-    f = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / experts.numel()
-    return num_experts * (f * probs.mean(dim=0)).sum()
+    expert i (before any capacity drop; no gradient), ``P_i`` the mean balancing probability of expert i. When this
+    rank holds a shard of the micro-batch (SP, CP): ``counts [E]`` the whole micro-batch's assignments per expert and
+    ``total`` its T; the result is then this rank's share, ``E · Σ_i f_i · Σ_{t here} p_ti / T``, summing to the
+    loss over the shards (so is its gradient, each token's on the rank that holds it)."""
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts) if counts is None else counts
+    total = probs.shape[0] if total is None else total
+    f = counts.to(probs.dtype) / (total * experts.shape[-1])
+    return num_experts * (f * probs.sum(dim=0)).sum() / total
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's ``mean_t logsumexp(logits_t)²``."""
-    return logits.logsumexp(dim=-1).square().mean()
+def router_z_loss(logits: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """ST-MoE's ``mean_t logsumexp(logits_t)²`` over ``total`` tokens (default: these; a shard's share otherwise)."""
+    return logits.logsumexp(dim=-1).square().sum() / (logits.shape[0] if total is None else total)
 
 
 @dataclass
@@ -280,19 +299,27 @@ class StackedLinear(nn.Module):
 class Experts(nn.Module):
     """E routed experts, each the dense MLP of its arch: llama SwiGLU ``down(silu(gate(x)) · up(x))``, neox
     ``fc2(gelu(fc1(x)))`` with biases. ``backend``: auto (grouped GEMM where ``grouped_mm_usable``, else the
-    loop) | loop | grouped."""
+    loop) | loop | grouped. Over ``tp`` ranks (expert tensor parallelism) each holds ``ffn/tp`` of every expert:
+    gate/up/fc1 split on their output dim, down/fc2 on their input dim, whose partial outputs ``MoE`` sums over tp;
+    the down/fc2 bias is added by TP rank 0 alone (its gradient summed over tp, ``sequence_parallel``)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn: int, spec: ArchSpec) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, ffn: int, spec: ArchSpec, tp: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
         self.swiglu = spec.swiglu
         self.backend = "auto"
-        if self.swiglu:
-            self.gate = StackedLinear(num_experts, hidden_size, ffn, spec.bias)
-            self.up = StackedLinear(num_experts, hidden_size, ffn, spec.bias)
-            self.down = StackedLinear(num_experts, ffn, hidden_size, spec.bias)
-        else:
-            self.fc1 = StackedLinear(num_experts, hidden_size, ffn, spec.bias)
-            self.fc2 = StackedLinear(num_experts, ffn, hidden_size, spec.bias)
+        self.tp_rank, f = tp_rank, ffn // tp
+        names = ("gate", "up", "down") if self.swiglu else ("fc1", "fc2")
+        for name in names:
+            out = name in ("down", "fc2")
+            setattr(self, name, StackedLinear(num_experts, f if out else hidden_size, hidden_size if out else f, spec.bias))
+            if tp > 1:
+                layer = getattr(self, name)
+                set_tp_attributes(layer.weight, True, 2 if out else 1)
+                if layer.bias is not None:
+                    set_tp_attributes(layer.bias, not out, -1 if out else 1, sequence_parallel=out)
+
+    def _out_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return bias if bias is None or self.tp_rank == 0 else bias * 0.0  # (a zero gradient still reaches it)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, regions: Regions) -> torch.Tensor:
         """rows ``[N, h]`` sorted by expert, ``counts [E]`` → ``[N, h]``."""
@@ -300,9 +327,9 @@ class Experts(nn.Module):
             weight = torch.cat([self.gate.weight, self.up.weight], dim=1)  # [E, 2·ffn, h]
             bias = torch.cat([self.gate.bias, self.up.bias], dim=1) if self.gate.bias is not None else None
             inner = regions.swiglu(expert_linear(rows, counts, weight, bias, self.backend))  # [N, ffn]
-            return expert_linear(inner, counts, self.down.weight, self.down.bias, self.backend)
+            return expert_linear(inner, counts, self.down.weight, self._out_bias(self.down.bias), self.backend)
         inner = F.gelu(expert_linear(rows, counts, self.fc1.weight, self.fc1.bias, self.backend))  # [N, ffn]
-        return expert_linear(inner, counts, self.fc2.weight, self.fc2.bias, self.backend)
+        return expert_linear(inner, counts, self.fc2.weight, self._out_bias(self.fc2.bias), self.backend)
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -328,16 +355,29 @@ class MoE(nn.Module):
     weight of this micro-batch's ``coeff·aux + coeff·z`` in the objective (``set_aux_loss_scale``)."""
 
     def __init__(self, cfg: ModelConfig, spec: ArchSpec, regions: Regions, shared: nn.Module | None = None,
-                 ep_group: Any = comm.LOCAL) -> None:
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelContext()
+        ep_group, sp = parallel.ep_group, parallel.sp
         self.num_experts, self.top_k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.capacity_factor = cfg.moe_capacity_factor
         self.router = Router(cfg.hidden_size, cfg.num_experts)
         self.dispatcher = Dispatcher(cfg.num_experts, ep_group)
-        self.experts = Experts(cfg.num_experts // self.dispatcher.ep, cfg.hidden_size, expert_ffn(cfg), spec)
+        self.etp_group = parallel.tp_group if parallel.expert_tp else comm.LOCAL  # expert tensor parallelism
+        self.experts = Experts(cfg.num_experts // self.dispatcher.ep, cfg.hidden_size, expert_ffn(cfg), spec,
+                               comm.group_size(self.etp_group), comm.group_rank(self.etp_group))
+        ep = self.dispatcher.ep
         for param in self.experts.parameters():  # rank r holds experts [r·E/ep, (r+1)·E/ep) (mpu.sharding)
-            param.expert_parallel, param.ep_rank, param.ep_size = True, comm.group_rank(ep_group), self.dispatcher.ep
+            param.expert_parallel, param.ep_rank, param.ep_size = True, comm.group_rank(ep_group), ep
+            param.ep_tp = sp and ep > 1  # folded over tp: each TP rank holds its own experts (checkpoint writers)
+            param.sequence_parallel = sp and ep == 1  # every TP rank holds them all: grads summed over tp
+        # Under SP (tp) and CP this rank routes a shard of the micro-batch's tokens: the balancing losses count the
+        # whole micro-batch (docs/moe.md); the router's gradient is summed over tp as a LayerNorm's is (over cp by
+        # the dp_cp reduction).
+        self.router.weight.sequence_parallel = sp
+        self.sp_group = parallel.tp_group if sp else None
+        self.token_groups = [g for g in (self.sp_group, parallel.cp_group) if g is not None and comm.group_size(g) > 1]
         self.shared = shared
         self._regions = regions
         self.aux_loss_scale = 1.0
@@ -358,27 +398,47 @@ class MoE(nn.Module):
         """Assignments each expert takes per sequence: ``ceil(factor · s · k / E)``."""
         return math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts)
 
+    def _capacity_keep(self, experts: torch.Tensor, top_scores: torch.Tensor) -> torch.Tensor:
+        """``capacity_keep`` of this rank's ``[s, b, k]`` assignments, decided on the whole sequences: under SP the
+        selections of the tp ranks' contiguous chunks are gathered first (CP is refused by the config check)."""
+        if self.sp_group is None:
+            return capacity_keep(experts, top_scores, self.num_experts, self.capacity(experts.shape[0]))
+        s = experts.shape[0]
+        full_e = comm.all_gather(experts.contiguous(), self.sp_group, dim=0)
+        full_s = comm.all_gather(top_scores.detach().contiguous(), self.sp_group, dim=0)
+        keep = capacity_keep(full_e, full_s, self.num_experts, self.capacity(full_e.shape[0]))
+        return keep[comm.group_rank(self.sp_group) * s:][:s]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[s, b, h]`` (the whole sequences) → same shape."""
+        """x ``[s, b, h]`` (whole sequences, or this rank's shard under SP ``[s/t, b, h]`` and CP) → same shape."""
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # [T, h], row i·b + j
         logits = self.router(tokens)  # [T, E] fp32
         experts, weights, top_scores, probs = route(logits, self.top_k, self.score, self.router.expert_bias)
         keep = None
         if self.capacity_factor is not None and self.training:
-            keep = capacity_keep(experts.view(s, b, -1), top_scores.view(s, b, -1), self.num_experts,
-                                 self.capacity(s)).reshape(s * b, -1)
-        rows, counts, plan = self.dispatcher.dispatch(tokens, experts, keep)  # [M, h], [E/ep]
-        out = self.dispatcher.combine(self.experts(rows, counts, self.regions), plan, weights).view(s, b, h)
+            keep = self._capacity_keep(experts.view(s, b, -1), top_scores.view(s, b, -1)).reshape(s * b, -1)
+        # expert TP: the same tokens on every TP rank, each computes its ffn slice of the experts; the partial rows
+        # are summed before the combine, whose weights' (router) gradient needs the whole expert outputs
+        rows, counts, plan = self.dispatcher.dispatch(copy_to_tp(tokens, self.etp_group), experts, keep)  # [M, h]
+        rows = reduce_from_tp(self.experts(rows, counts, self.regions), self.etp_group)
+        out = self.dispatcher.combine(rows, plan, weights).view(s, b, h)
         if self.shared is not None:
             out = out + self.shared(x)
-        aux = load_balancing_loss(probs, experts, self.num_experts)
-        z = router_z_loss(logits)
-        self.aux_loss, self.z_loss = aux.detach(), z.detach()
         self.tokens_per_expert = torch.bincount(experts.reshape(-1), minlength=self.num_experts).detach()
+        counts_all, total, first = self.tokens_per_expert, s * b, 1.0
+        if self.token_groups and self.training:  # the micro-batch's counts and tokens; this rank's share of the losses
+            counts_all = self.tokens_per_expert.clone()
+            for group in self.token_groups:
+                comm.all_reduce(counts_all, group)
+                total *= comm.group_size(group)
+                first = first if comm.group_rank(group) == 0 else 0.0
+        aux = load_balancing_loss(probs, experts, self.num_experts, counts_all, total)
+        z = router_z_loss(logits, total)
+        self.aux_loss, self.z_loss = aux.detach(), z.detach()
         self.dropped_tokens = experts.new_tensor(experts.numel() - plan.order.numel())
         if self.training and torch.is_grad_enabled():  # once per micro-batch (a full recompute's first pass has no grad)
-            self.router.record(self.tokens_per_expert, self.aux_loss, self.z_loss, self.dropped_tokens)
+            self.router.record(self.tokens_per_expert, self.aux_loss, self.z_loss, self.dropped_tokens, first)
         if torch.is_grad_enabled() and self.training and (self.aux_coeff or self.z_coeff):
             out = _AuxLossGrad.apply(out, self.aux_coeff * aux + self.z_coeff * z, self.aux_loss_scale)
         return out
@@ -411,10 +471,10 @@ def end_step(model: nn.Module, cfg: ModelConfig, state: ParallelState, stepped: 
     (zero rows for dense layers), summed over the global batch, then (``moe_bias_update_rate`` set, step taken)
     every expert bias moved by ``update_expert_bias``; the accumulators restart.
 
-    The sum runs over dp_cp, the ranks that route different tokens: TP ranks route the same tokens (no SP), and
-    each rank counts only the tokens its own router chose experts for (before any dispatch), so expert-parallel
-    ranks, folded from cp·dp, count nothing twice. Then over pp, where each layer lives on one stage. The counts
-    are integers in fp64, so every rank gets the same loads and the same bias as the 1-rank run."""
+    The sum runs over the ranks that route different tokens: dp_cp, and tp under SP (without SP the TP ranks route
+    the same tokens); each rank counts only the tokens its own router chose experts for (before any dispatch), so
+    expert-parallel ranks count nothing twice. Then over pp, where each layer lives on one stage. The counts are
+    integers in fp64, so every rank gets the same loads and the same bias as the 1-rank run."""
     layers = moe_layers(model)
     device = next(model.parameters()).device
     stats = torch.zeros(cfg.num_layers, cfg.num_experts + 4, dtype=torch.float64, device=device)
@@ -423,6 +483,9 @@ def end_step(model: nn.Module, cfg: ModelConfig, state: ParallelState, stepped: 
             stats[i] = layer.router.step_stats
         layer.router.step_stats = None
     comm.all_reduce(stats, state.dp_cp_group)
+    sp_group = next(iter(layers.values())).sp_group if layers else None  # (a TP group's ranks share their stage)
+    if sp_group is not None:
+        comm.all_reduce(stats, sp_group)
     comm.all_reduce(stats, state.pp_group)
     if cfg.moe_bias_update_rate and stepped:
         for i, layer in layers.items():

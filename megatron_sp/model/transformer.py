@@ -460,7 +460,7 @@ class TransformerLayer(nn.Module):
         self.mlp: nn.Module
         if is_moe_layer(cfg, layer_number):
             shared = MLP(cfg, parallel, cfg.moe_shared_experts * expert_ffn(cfg)) if cfg.moe_shared_experts else None
-            self.mlp = MoE(cfg, arch_spec(cfg.arch), EAGER, shared, ep_group=parallel.ep_group)
+            self.mlp = MoE(cfg, arch_spec(cfg.arch), EAGER, shared, parallel)
         else:
             self.mlp = MLP(cfg, parallel)
 

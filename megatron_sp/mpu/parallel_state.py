@@ -2,7 +2,8 @@
 by ``initialize``) and the ``ParallelContext`` handed to the model. Groups: ``tp``, ``cp`` (USP adds ``cp_ulysses``,
 ``cp_ring``), ``dp``, ``pp`` (plus ``p2p_groups``, one per directed link), ``dp_cp`` (gradient, loss and token-count
 reductions), ``mp`` (tp × pp), ``embedding`` (first + last stage) and, with MoE expert parallelism, ``ep`` and ``edp``
-(the cp·dp ranks of each (tp, pp) position folded as ep × edp, ep consecutive: docs/moe.md).
+(the cp·dp ranks of each (tp, pp) position, or with ``ep_tp`` the tp·cp·dp ranks of each stage, folded as ep × edp, ep
+consecutive: docs/moe.md).
 """
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ class ParallelDims:
     cp_ulysses: int = 1
     """USP: the Ulysses degree inside each cp group (innermost); the ring runs over cp / cp_ulysses."""
     ep: int = 1
-    """MoE expert parallelism, folded from the cp·dp ranks of each (tp, pp) position (experts are replicated over tp)."""
+    """MoE expert parallelism, folded from the cp·dp ranks of each (tp, pp) position (experts replicated over tp) ..."""
+    ep_tp: bool = False
+    """... or, under sequence parallelism (TP ranks route different tokens), from the tp·cp·dp ranks of each stage."""
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -45,8 +48,9 @@ class ParallelDims:
                 raise ConfigError(f"parallel.{axis} = {getattr(self, axis)} must be >= 1")
         if self.cp_ulysses < 1 or self.cp % self.cp_ulysses:
             raise ConfigError(f"parallel.cp_ulysses = {self.cp_ulysses} must divide parallel.cp = {self.cp}")
-        if self.ep < 1 or (self.cp * self.dp) % self.ep:
-            raise ConfigError(f"parallel.ep = {self.ep} must divide cp·dp = {self.cp}·{self.dp} = {self.cp * self.dp}")
+        if self.ep < 1 or self.expert_fold % self.ep:
+            ranks = "tp·cp·dp" if self.ep_tp else "cp·dp"
+            raise ConfigError(f"parallel.ep = {self.ep} must divide {ranks} = {self.expert_fold}")
         product = self.tp * self.cp * self.dp * self.pp
         if self.world_size is None:
             object.__setattr__(self, "world_size", product)
@@ -93,12 +97,18 @@ class ParallelDims:
                     links.update({(src, dst), (dst, src)})
         return sorted(links)
 
+    @property
+    def expert_fold(self) -> int:
+        """The ranks whose experts are folded as ep × edp: cp·dp (tp·cp·dp with ``ep_tp``)."""
+        return self.cp * self.dp * (self.tp if self.ep_tp else 1)
+
     def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
-        """(ep groups, edp groups): each dp_cp group (sorted ranks, cp innermost) cut into runs of ``ep``
-        consecutive ranks (one ep group each); edp: the ranks at the same place of each run."""
-        dp_cp = self.groups_along(("cp", "dp"))
-        return ([ranks[j:j + self.ep] for ranks in dp_cp for j in range(0, len(ranks), self.ep)],
-                [ranks[i::self.ep] for ranks in dp_cp for i in range(self.ep)])
+        """(ep groups, edp groups): each group of folded ranks (dp_cp, or tp·cp·dp with ``ep_tp``; sorted, innermost
+        axis first) cut into runs of ``ep`` consecutive ranks (one ep group each); edp: the ranks at the same place
+        of each run."""
+        folds = self.groups_along(("tp", "cp", "dp") if self.ep_tp else ("cp", "dp"))
+        return ([ranks[j:j + self.ep] for ranks in folds for j in range(0, len(ranks), self.ep)],
+                [ranks[i::self.ep] for ranks in folds for i in range(self.ep)])
 
     def embedding_groups(self) -> list[list[int]]:
         """Per (tp, cp, dp) position: the first and last pipeline stage (one rank when pp == 1)."""
@@ -202,6 +212,7 @@ class ParallelContext:
     cp_ulysses_group: Any = None  # USP: the Ulysses sub-group of cp_group ...
     cp_ring_group: Any = None  # ... and the ring sub-group across them
     ep_group: Any = comm.LOCAL  # MoE: the ranks whose experts together make all experts (dispatcher all-to-all)
+    expert_tp: bool = False  # MoE: each expert's matrices split over tp_group (parallel.expert_tp = tp, no SP)
     tp_size: int = field(init=False)
     tp_rank: int = field(init=False)
 
@@ -222,7 +233,8 @@ class ParallelContext:
             return cls(**groups)
         p = cfg.parallel
         return cls(**groups, sequence_parallel=p.sequence_parallel, recompute_allgather=p.tp_recompute_allgather,
-                   recompute=cfg.model.recompute, cp_algo=p.cp_algo, cp_heads_k_stride=p.cp_heads_k_stride)
+                   recompute=cfg.model.recompute, cp_algo=p.cp_algo, cp_heads_k_stride=p.cp_heads_k_stride,
+                   expert_tp=p.expert_tp > 1)
 
     @property
     def sp(self) -> bool:

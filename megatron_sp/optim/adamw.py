@@ -53,7 +53,9 @@ def global_norm(batches: NormBatches, state: ParallelState | None, sharded: bool
     """The global L2 norm (fp64 scalar): local sums all-reduced in fp64 over dp_cp (ZeRO) and mp. ``experts``
     (ep > 1): the expert parameters' batches and whether they are ZeRO-sharded; their sum is all-reduced over edp
     (sharded: each rank owns a chunk; else every edp rank holds the same full sum) and over ep (different experts),
-    so each expert counts once."""
+    so each expert counts once: experts replicated over tp are in TP rank 0's batches only (TP-split ones in every
+    TP rank's, summed by mp); experts folded over tp (SP) are in every rank's, and the folded sum is added by TP
+    rank 0."""
     total = batches.sum_of_squares()
     if state is not None:
         if sharded:
@@ -62,7 +64,9 @@ def global_norm(batches: NormBatches, state: ParallelState | None, sharded: bool
             part = experts[0].sum_of_squares()
             if experts[1]:
                 comm.all_reduce(part, state.edp_group)
-            total += comm.all_reduce(part, state.ep_group)
+            comm.all_reduce(part, state.ep_group)
+            if state.tp_rank == 0 or not state.dims.ep_tp:
+                total += part
         comm.all_reduce(total, state.mp_group)
     return total.sqrt()
 

@@ -107,7 +107,9 @@ class GradReducer:
         if self._ep > 1:
             edp = state.edp_group  # type: ignore[union-attr]
             self._bucket_groups[True] = (edp, comm.group_size(edp), comm.group_rank(edp))
-        self._sharded = zero == 1 and self.dp_size > 1  # some bucket is sharded (edp > 1 needs dp_cp > 1)
+        # some bucket is reduced: over dp_cp, or (experts folded over tp under SP) over an edp group while dp_cp is 1
+        self._reduces = max(size for _, size, _ in self._bucket_groups.values()) > 1
+        self._sharded = zero == 1 and self._reduces  # some bucket is sharded
         self._synced = False
         self._next_launch = 0
         self._align_cache: dict[tuple[int, tuple[int, ...]], bool] = {}
@@ -142,7 +144,7 @@ class GradReducer:
                                   size=size, rank=rank, sharded=self.zero == 1 and size > 1)
             info = _Param(index=len(self._params), name=name, param=p, start=offset, numel=p.numel(),
                           bucket=current.index, decay=p.ndim >= 2,
-                          in_norm=(bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0)
+                          in_norm=(bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0 or getattr(p, "ep_tp", False))
                           and not (skip_shared and getattr(p, "shared_embedding", False)), expert=expert)
             self._params.append(info)
             current.params.append(info.index)
@@ -241,7 +243,7 @@ class GradReducer:
         else:
             p.main_grad.add_(p.grad)
         p.grad = None
-        if not self.sync_grads or self.dp_size == 1:
+        if not self.sync_grads or not self._reduces:
             return
         bucket.ready.add(index)
         while self._next_launch < len(self._buckets) and \
@@ -271,7 +273,7 @@ class GradReducer:
         Idempotent within a step (``zero_grad`` re-arms it). Collective over dp_cp (and tp)."""
         if self._synced:
             return
-        if self.dp_size > 1:
+        if self._reduces:
             for bucket in self._buckets[self._next_launch:]:
                 self._launch(bucket)
             for bucket, piece in zip(self._buckets, self._grad_pieces):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import moe
 from megatron_sp.model.transformer import EAGER, MLP, arch_spec
-from megatron_sp.mpu import ParallelDims, comm
+from megatron_sp.mpu import ParallelContext, ParallelDims, comm
 from megatron_sp.mpu.sharding import full_shape, local_shard_of
 from megatron_sp.testing import run_distributed
 
@@ -39,7 +39,7 @@ def _cfg(**overrides: object) -> ModelConfig:
 
 def _layer(cfg: ModelConfig, dtype: torch.dtype, group: object = comm.LOCAL) -> moe.MoE:
     shared = MLP(cfg, None, cfg.moe_shared_experts * cfg.moe_ffn_hidden_size) if cfg.moe_shared_experts else None
-    return moe.MoE(cfg, arch_spec(cfg.arch), EAGER, shared, ep_group=group).to(dtype)
+    return moe.MoE(cfg, arch_spec(cfg.arch), EAGER, shared, ParallelContext(ep_group=group)).to(dtype)
 
 
 def _check(cfg: ModelConfig, group: object, members: list[int], dtype: torch.dtype) -> dict[str, float]:
@@ -130,3 +130,10 @@ def test_expert_groups_fold_cp_dp_ranks() -> None:
     assert ep == [[0, 1, 2, 3], [4, 5, 6, 7]] and edp == [[0], [1], [2], [3], [4], [5], [6], [7]]
     with pytest.raises(Exception, match="parallel.ep = 3 must divide cp·dp"):
         ParallelDims(dp=4, ep=3)
+    # under SP (ep_tp) the TP ranks route their own tokens: the fold is tp·cp·dp of each stage, tp innermost
+    ep, edp = ParallelDims(tp=2, dp=2, pp=2, ep=2, ep_tp=True).expert_groups()
+    assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]] and edp == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    ep, edp = ParallelDims(tp=2, cp=2, ep=4, ep_tp=True).expert_groups()
+    assert ep == [[0, 1, 2, 3]] and edp == [[0], [1], [2], [3]]
+    with pytest.raises(Exception, match="parallel.ep = 4 must divide tp·cp·dp = 2"):
+        ParallelDims(tp=2, ep=4, ep_tp=True)

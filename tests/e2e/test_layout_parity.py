@@ -20,6 +20,10 @@ PACKED = ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
 INTERLEAVED = ["parallel.pp_schedule=interleaved", "parallel.virtual_stages=2"]
 MOE = LLAMA + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_z_loss_coeff=1e-3",
                "model.moe_capacity_factor=1.5"]
+MOE_NEOX = ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_top_k=1", "model.moe_shared_experts=1",
+            "model.moe_capacity_factor=1.5"]
+MOE_CP = LLAMA + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_z_loss_coeff=1e-3",
+                  "model.moe_shared_experts=1", "model.moe_router_score=sigmoid", "model.moe_bias_update_rate=1e-2"]
 
 # Each row is one train.py run (~10 s): a feature alone once, then in combinations. Rows whose
 # paths a combination already runs were folded into it (dp4 → dp3_zero1_odd, tp4 → tp4_sp and the
@@ -81,7 +85,18 @@ LAYOUTS = {
     "moe_ep2_pp2": (MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2"]),
     "moe_ep2_dp4_zero1": (MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"]),
     "moe_ep4_zero1": (MOE, ["parallel.dp=4", "parallel.ep=4", "parallel.zero=1"]),
+    # under SP the TP ranks route their own tokens: ep folds over tp too (capacity decided on the gathered sequence);
+    # CP: the balancing losses count the whole sequence (dropless: capacity needs positions); interleaved stages
+    "moe_ep2_tp2_sp": (MOE, ["parallel.tp=2", *SP, "parallel.ep=2"]),
+    "moe_shared_bias_ep2_cp2_zigzag": (MOE_CP, ["parallel.cp=2", "parallel.cp_algo=zigzag", "parallel.ep=2"]),
+    "moe_shared_bias_ep4_cp2_llama3_tp2_sp": (MOE_CP, ["parallel.cp=2", "parallel.cp_algo=llama3", "parallel.tp=2", *SP,
+                                                       "parallel.ep=4"]),
+    "moe_ep2_pp2_interleaved": (MOE + L4, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", *INTERLEAVED]),
+    # expert tensor parallelism: each expert's matrices split over the TP ranks (neox: the output bias on TP rank 0)
+    "moe_ep2_etp2_tp2": (MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.expert_tp=2"]),
+    "moe_neox_shared_etp2_tp2": (MOE_NEOX, ["parallel.tp=2", "parallel.expert_tp=2"]),
 }
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_tokens", "moe_tokens_per_expert")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -98,3 +113,9 @@ def test_layout_parity(tmp_path, byte_data, packed_data, reference_run, name):
         if item.startswith(("parallel.dp=", "parallel.tp=", "parallel.pp=", "parallel.cp=")):
             world *= int(item.split("=")[1])
     assert metrics(tmp_path)[1]["world_size"] == world
+    if name.startswith("moe"):  # the balancing losses, loads and drops do not depend on the layout either
+        for step, row in metrics(tmp_path).items():
+            want = metrics(ref.parent)[step]
+            assert row["moe_tokens_per_expert"] == want["moe_tokens_per_expert"], (name, step)
+            for key in MOE_METRICS[:-1]:
+                assert row[key] == pytest.approx(want[key], rel=1e-6, abs=1e-12), (name, step, key)

@@ -174,6 +174,25 @@ def test_relayout_records_target_layout_and_validates_it(tmp_path: Path, capsys:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary leftovers
 
 
+def test_relayout_changes_expert_parallelism(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A MoE checkpoint records another ep (the layout line names it); an ep that does not divide the folded ranks
+    or the experts is one line, nothing written."""
+    ckpt, _ = save_ours(tmp_path, "mixtral")
+    with caplog.at_level("INFO", logger="megatron_sp"):
+        assert run("--input", ckpt, "--output", tmp_path / "ep2", "--to", "megatron_sp",
+                   "--set", "parallel.dp=2", "--set", "parallel.ep=2", "--set", "train.global_batch_size=2") == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("target layout"))
+    assert "dp 2 [--set]" in line and "ep 2 [--set]" in line and "= world 2" in line
+    assert checkpointing.read_meta(checkpointing.resolve(tmp_path / "ep2"))["config"]["parallel"]["ep"] == 2
+    for bad, says in ((["parallel.ep=2"], "parallel.ep: 2 must divide cp·dp = 1"),
+                      (["parallel.dp=3", "parallel.ep=3", "train.global_batch_size=3"], "model.num_experts: 4 must be divisible by parallel.ep 3")):
+        args = [a for item in bad for a in ("--set", item)]
+        assert run("--input", ckpt, "--output", tmp_path / "bad", "--to", "megatron_sp", *args) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and not (tmp_path / "bad").exists()
+
+
 def test_relayout_prints_the_whole_target_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """--tp 2 on a pp 2 checkpoint keeps pp 2: one line shows every layout value, the given ones marked by their flag
     and the others named as the source's; an HF import names the defaults instead."""
