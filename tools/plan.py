@@ -106,13 +106,20 @@ def describe(cfg: Config, vocab_source: str) -> list[str]:
     kv = f", {m.num_kv_heads} kv heads" if m.num_kv_heads != m.num_heads else ""
     cp = f" ({p.cp_algo}{f', ulysses {p.cp_ulysses}' if p.cp_algo == 'usp' else ''})" if p.cp > 1 else ""
     sched = p.pp_schedule + (f", {p.virtual_stages} virtual stages" if p.virtual_stages > 1 else "")
-    return [f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads{kv}, ffn "
-            f"{m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size} padded to {m.padded_vocab_size} "
-            f"({vocab_source})",
-            f"layout: tp {p.tp}{' + SP' if D.sp else ''}, pp {p.pp} ({sched}), cp {p.cp}{cp}, dp {p.dp} = world "
-            f"{p.world_size}; {t.precision}, ZeRO-{p.zero}, recompute {m.recompute}, micro-batch {t.micro_batch_size}"
-            f" × {t.grad_accum_steps} per rank per step (global batch {t.global_batch_size}); kernels: "
-            f"{D.device}, attention {plan.attention_kernel(D)}"]
+    lines = [f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads{kv}, ffn "
+             f"{m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size} padded to {m.padded_vocab_size} "
+             f"({vocab_source})",
+             f"layout: tp {p.tp}{' + SP' if D.sp else ''}, pp {p.pp} ({sched}), cp {p.cp}{cp}, dp {p.dp} = world "
+             f"{p.world_size}; {t.precision}, ZeRO-{p.zero}, recompute {m.recompute}, micro-batch {t.micro_batch_size}"
+             f" × {t.grad_accum_steps} per rank per step (global batch {t.global_batch_size}); kernels: "
+             f"{D.device}, attention {plan.attention_kernel(D)}"]
+    if D.experts:
+        moe = plan.moe_layers_of(cfg, range(m.num_layers))
+        shared = f", shared experts of width {D.shared_ffn}" if D.shared_ffn else ""
+        lines.append(f"experts: {moe} of {m.num_layers} layers MoE, {D.experts} experts of ffn {D.moe_ffn}, top-{D.top_k}"
+                     f"{shared}; ep {D.ep} ({D.experts // D.ep} experts per rank) × edp {D.edp} over the "
+                     f"{plan.expert_fold(cfg)} ranks they fold over (dropless, balanced routing assumed)")
+    return lines
 
 
 def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
@@ -122,6 +129,7 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
     header = "".join(f"{f'stage {r.pp_rank}':>{width}}" for r in shown)
     master = " + fp32 master" if D.precision != "fp32" else ""
     shard = f", ZeRO-1 /{D.dp_cp}" if D.zero and D.dp_cp > 1 else ""
+    shard += f", experts /{D.edp}" if shard and D.ep > 1 else ""
     rows: list[tuple[str, list[str]]] = [
         (f"parameters ({D.precision})", [B(r.state.params) for r in shown]),
         ("gradients (fp32 main grads)", [B(r.state.grads) for r in shown]),
@@ -147,13 +155,16 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
         verdict = "fits" if worst.total <= memory else "does NOT fit"
         print(f"  worst rank: stage {worst.pp_rank}, {B(worst.total)} of {B(memory)}: {verdict}")
     print(f"\n{'communication per step per rank (bytes sent)':<43}{header}")
-    dims = {"tp": "TP", "cp": "CP", "pp": "PP p2p", "dp": "DP grads/params", "other": "scalars"}
+    dims = {"tp": "TP", "cp": "CP", "pp": "PP p2p", "ep": "EP dispatch", "dp": "DP grads/params",
+            "edp": "EDP expert grads/params", "other": "scalars"}
     for dim, label in dims.items():
         ops = sorted({op for r in shown for op in r.comm.get(dim, {})})
         for op in ops:
             print(f"  {label + ' ' + op:<43}" + "".join(f"{B(r.comm.get(dim, {}).get(op, 0)):>{width}}" for r in shown))
     chunk = first.chunks[0]
-    print(f"\none layer's activations per micro-batch (stage 0, {chunk.layers} layers on its first chunk):")
+    dense = chunk.layers - chunk.moe_layers
+    print(f"\none layer's activations per micro-batch (stage 0, {chunk.layers} layers on its first chunk"
+          f"{f', {dense} dense' if chunk.moe_layers else ''}):")
     for name, value in chunk.per_layer.items():
         print(f"  {name:<39}{B(value):>{width}}")
     ours = sum(chunk.per_layer.values())
@@ -162,6 +173,11 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
     if fused != paper:
         table2 += f", {B(fused)} without its 5as/h score term (ratio {ours / fused:.2f})"
     print(f"  {'sum (this model)':<39}{B(ours):>{width}}   Table 2: {table2}")
+    if chunk.moe_layers:
+        print(f"a MoE layer's ({chunk.moe_layers} on that chunk) MLP in place of the dense one (dropless, balanced):")
+        for name, value in plan.moe_terms(D).items():
+            print(f"  {name:<39}{B(value):>{width}}")
+        print(f"  {'sum (the whole MoE layer)':<39}{B(sum(chunk.moe_per_layer.values())):>{width}}")
     extras = {k: v for c in first.chunks for k, v in {**c.extra, **c.shared}.items()}
     if extras:
         print("  outside the layers: " + ", ".join(f"{k} {B(v)}" for k, v in extras.items()))
@@ -220,7 +236,8 @@ def print_layouts(cands: list[plan.Candidate], top: int, memory: int, own: tuple
 
 
 def plan_json(lp: plan.LayoutPlan) -> dict[str, Any]:
-    return {"layout": dict(zip(("tp", "pp", "cp", "dp"), lp.layout, strict=True)), "peak_bytes": lp.peak_bytes,
+    return {"layout": dict(zip(("tp", "pp", "cp", "dp"), lp.layout, strict=True)) | ({"ep": lp.dims.ep} if lp.dims.experts else {}),
+            "peak_bytes": lp.peak_bytes,
             "stages": [{"pp_rank": r.pp_rank, "params": r.state.params, "grads": r.state.grads, "optim": r.state.optim,
                         "activations_per_micro_batch": r.per_micro_batch, "in_flight": r.schedule.in_flight,
                         "activations_peak": r.activations, "buffers": r.buffers, "total": r.total, "comm": r.comm}

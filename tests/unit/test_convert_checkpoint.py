@@ -186,9 +186,11 @@ def test_relayout_changes_expert_parallelism(tmp_path: Path, capsys: pytest.Capt
     assert "dp 2 [--set]" in line and "ep 2 [--set]" in line and "= world 2" in line
     assert checkpointing.read_meta(checkpointing.resolve(tmp_path / "ep2"))["config"]["parallel"]["ep"] == 2
     for bad, says in ((["parallel.ep=2"], "parallel.ep: 2 must divide cp·dp = 1"),
-                      (["parallel.dp=3", "parallel.ep=3", "train.global_batch_size=3"], "model.num_experts: 4 must be divisible by parallel.ep 3")):
+                      (["parallel.dp=3", "parallel.ep=3", "train.global_batch_size=3"],
+                       "model.num_experts: 4 must be divisible by parallel.ep 3")):
         args = [a for item in bad for a in ("--set", item)]
-        assert run("--input", ckpt, "--output", tmp_path / "bad", "--to", "megatron_sp", *args) == 2
+        assert run("--input", ckpt, "--output", tmp_path / "bad", "--to", "megatron_sp",
+                   *args) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err and not (tmp_path / "bad").exists()
 

@@ -216,6 +216,114 @@ def test_replicated_kv_heads_cost_under_tp() -> None:
     assert dict(split)["layers.0.attention.qkv.weight"].shape == (64, 64)
 
 
+# ------------------------------------------------------------------------------------------ mixture of experts
+
+MOE = ("model.arch=llama", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32", "parallel.ep=2")
+
+
+def test_moe_experts_edp_sharding_and_all_to_all_by_hand() -> None:
+    # llama h 64, 2 MoE layers of 4 experts, f 32: an expert is gate, up, down = 3·64·32 = 6144 parameters
+    per_rank = {}
+    for ep in (1, 2):
+        cfg = make_config(*MOE, f"parallel.ep={ep}", "parallel.dp=2", "train.global_batch_size=4", "parallel.zero=1")
+        named = plan.stage_parameters(cfg)
+        experts = [(n, q) for n, q in named if getattr(q, "expert_parallel", False)]
+        assert all(q.shape[0] == 4 // ep and q.ep_size == ep for _, q in experts)
+        assert dict(named)["layers.0.mlp.router.weight"].shape == (4, 64)  # the router is dense, on every rank
+        per_rank[ep] = sum(q.numel() for _, q in experts)
+        st = plan.state_bytes(cfg)
+        dense = st.padded_elements - st.expert_elements
+        if ep == 1:  # reduced and ZeRO-sharded with the rest over dp·cp = 2
+            assert st.expert_elements == 0 and st.optim == 8 * st.padded_elements // 2
+        else:  # edp = dp / ep = 1: the rank's own experts, unsharded; the rest sharded over dp = 2
+            assert st.expert_elements == per_rank[2] and st.optim == 8 * (dense // 2 + per_rank[2])
+    assert per_rank == {1: 2 * 4 * 6144, 2: 2 * 2 * 6144}
+
+    # all-to-all: T = b·s = 64 tokens, k = 2: 128 rows of 64 fp32 = 32 KiB per exchange; dispatch + combine forward
+    # and backward = 4 exchanges per MoE layer, 2 layers, 1 micro-batch
+    cfg = make_config(*MOE, "parallel.dp=2", "train.global_batch_size=4")
+    assert plan.moe_all_to_all_bytes(cfg) == 2 * 4 * 128 * 64 * 4
+    assert plan.comm_per_step(cfg)["ep"] == {"all_to_all": 2 * 4 * 128 * 64 * 4 / 2 + 2 * 4 * 8 / 2}  # others' rows, counts
+    full = make_config(*MOE, "parallel.dp=2", "train.global_batch_size=8", "model.recompute=full", "train.precision=bf16")
+    assert plan.moe_all_to_all_bytes(full) == 2 * 2 * 6 * 128 * 64 * 2  # 2 micro-batches, forward twice, bf16
+    assert plan.moe_all_to_all_bytes(make_config(*MOE[:-1], "parallel.dp=2", "train.global_batch_size=4")) == 0  # ep 1
+    # expert gradients over edp = dp / ep = 2, the rest over dp = 4
+    cfg = make_config(*MOE, "parallel.dp=4", "train.global_batch_size=8")
+    st, comm = plan.state_bytes(cfg), plan.comm_per_step(cfg)
+    assert st.expert_elements == 2 * 2 * 6144
+    assert comm["edp"] == {"all_reduce": 2 * (1 / 2) * st.expert_elements * 4}
+    assert comm["dp"] == {"all_reduce": 2 * (3 / 4) * (st.padded_elements - st.expert_elements) * 4}
+
+
+def _moe_rank(rank: int, world_size: int, overrides: list[str], bucket: int) -> dict[str, object]:
+    """A real stage and optimizer at ep 2: their state bytes, and the rows this rank passes to the all-to-alls."""
+    from megatron_sp.mpu import ParallelDims, comm, initialize
+    from megatron_sp.pipeline.partition import build_stage
+
+    cfg = make_config(*overrides)
+    p = cfg.parallel
+    state = initialize(ParallelDims(tp=p.tp, dp=p.dp, ep=p.ep))
+    model = build_stage(cfg.model, 1, state, ParallelContext.from_state(state, cfg))
+    opt = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero, precision=cfg.train.precision,
+                               bucket_bytes=bucket)
+    measured = plan.measure_state(opt, model)
+    opt.remove_hooks()
+    rows: list[int] = []
+    tokens = torch.randint(0, 250, (cfg.train.micro_batch_size, cfg.model.seq_length),
+                           generator=torch.Generator().manual_seed(rank))
+    with comm.observe(lambda ev: rows.append(ev.tensor.numel() * ev.tensor.element_size())
+                      if ev.op == "all_to_all" and ev.tensor.dtype != torch.int64 else None):
+        model(tokens, labels=tokens).sum().backward()
+    state.destroy()
+    return {"state": measured, "a2a": sum(rows)}
+
+
+def test_moe_state_and_all_to_all_equal_a_real_ep2_run() -> None:
+    from megatron_sp.testing import run_distributed
+
+    overrides = [*MOE, "parallel.dp=4", "parallel.zero=1", "train.global_batch_size=8", "model.moe_shared_experts=1"]
+    results = run_distributed(_moe_rank, 4, overrides=overrides, bucket=20_000)
+    cfg = make_config(*overrides)
+    st = plan.state_bytes(cfg, 0, 20_000)  # ZeRO-1: experts sharded over edp = 2 (padded to it), the rest over 4
+    assert all(r["state"] == {"params": st.params, "grads": st.grads, "optim": st.optim} for r in results)
+    # dropless: the dispatch sends and the combine receives T·k rows on every rank, so the ranks' sum is exact
+    assert sum(r["a2a"] for r in results) == 4 * plan.moe_all_to_all_bytes(cfg)
+
+
+def test_moe_search_keeps_ep_and_refuses_layouts_it_does_not_divide() -> None:
+    def build(extra: list[str]):
+        return make_config(*MOE, "model.num_layers=4", "train.global_batch_size=16", *extra)
+
+    base = build(["parallel.dp=2"])
+    cands = plan.search(build, base, 8, 10**12, 100.0, 100.0)
+    for c in cands:  # ep stays 2: a layout whose cp·dp it does not divide is refused
+        tp, pp, cp, dp = c.layout
+        assert (c.plan is None) >= (cp * dp % 2 == 1)
+        assert c.plan is None or (c.plan.dims.ep, c.plan.dims.edp) == (2, cp * dp // 2)
+    assert any(c.plan is not None for c in cands) and any("parallel.ep" in c.error for c in cands)
+    from megatron_sp.model import flops_per_token  # active parameters: router E·h, top-2 of the 4 experts
+
+    tp2 = build(["parallel.tp=2", "parallel.dp=2", "parallel.pp=2", "parallel.world_size=8"])
+    assert sum(plan.stage_flops(tp2, r) for r in range(2)) * 2 == pytest.approx(8 * 32 * flops_per_token(tp2.model))
+    router_and_experts = 6 * 8 * 32 * 4 * (4 * 64 + 2 * 6144)  # replicated over tp 2 without SP: half again per rank
+    assert sum(plan.stage_flops(tp2, r, executed=True) - plan.stage_flops(tp2, r) for r in range(2)) == router_and_experts / 2
+    assert "ep 2 (2 experts per rank) × edp 1" in "\n".join(plan_cli.describe(make_config(*MOE, "parallel.dp=2",
+                                                                                       "train.global_batch_size=4"), ""))
+
+
+@pytest.mark.parametrize("overrides", [
+    ("train.precision=bf16", "model.moe_shared_experts=2", "model.moe_router_score=sigmoid"),
+    ("model.arch=neox", "model.moe_top_k=1", "model.recompute=selective", "model.num_layers=3", "model.moe_layer_freq=2"),
+])
+def test_moe_activations_match_saved_tensors(overrides: tuple[str, ...]) -> None:
+    cfg = make_config(*MOE[:-1], "train.global_batch_size=4", *overrides)
+    chunk = plan.chunk_activations(cfg, 0, 0)
+    assert chunk.moe_layers == 2 and chunk.layers == cfg.model.num_layers  # layers 0, 1 or 0, 2
+    predicted = chunk.per_micro_batch + sum(chunk.shared.values())
+    measured = _measure_micro_batch(cfg)
+    assert abs(measured / predicted - 1) <= 0.01, (measured, predicted)  # the grouped GEMM's offsets are left out
+
+
 # ------------------------------------------------------------------------------------------ activations
 
 

@@ -95,3 +95,16 @@ def test_build_demo_never_writes_into_the_configs_data_paths(host: Path, capsys:
     assert ("`data.paths=[data/demo/demo_text_document] tokenizer.type=sentencepiece tokenizer.model=data/demo/tokenizer.model"
             " tokenizer.vocab_size=4096`") in line
     assert not (host / "data").exists()
+
+
+def test_a_moe_layout_is_checked_like_a_dense_one(host: Path) -> None:
+    def build(*extra: str) -> config_mod.Config:
+        return config_mod.load(["configs/moe_demo.yml"], list(extra))
+
+    cfg = build()
+    note = preflight.check(cfg, lambda extra: build(*extra), 2)  # 8 experts over ep 2: 4 per rank
+    assert note.startswith("planned ~") and "× 2 ranks" in note
+    # 128 experts of width 8192 in 4 layers, 64 per rank under ep 2: 1.6 G parameters, 24 GiB with grads and Adam
+    big = ("model.num_experts=128", "model.moe_ffn_hidden_size=8192")
+    with pytest.raises(config_mod.loader.ConfigError, match=r"this layout \(tp1 pp1 cp1 dp2\) needs ~29\.3. GiB per rank × 2 ranks"):
+        preflight.check(build(*big), lambda extra: build(*big, *extra), 2)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_sp.config.schema import Config
 from megatron_sp.model.attention.kernels import block_kernel_runs, causal_block_rows, causal_block_scores
@@ -11,7 +11,7 @@ from megatron_sp.mpu.layers import CHUNK_ELEMENTS
 from megatron_sp.optim.reducer import PRECISIONS
 from megatron_sp.pipeline.schedules import build_schedule
 
-from .dims import PlanDims, dims_of, stage_layers
+from .dims import PlanDims, dims_of, moe_layers_of, stage_layers
 
 
 def attention_kernel(D: PlanDims) -> str:
@@ -85,9 +85,9 @@ def _nonzero(terms: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in terms.items() if v}
 
 
-def layer_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]:
+def layer_terms(D: PlanDims, recompute: str | None = None, moe: bool = False) -> dict[str, int]:
     """Bytes one layer saves for backward per micro-batch on one rank, by term: Korthikanti et al.'s
-    Table 2 adapted to our layers (docs/activation_memory.md)."""
+    Table 2 adapted to our layers (docs/activation_memory.md); ``moe``: a MoE layer (``moe_terms`` for its MLP)."""
     recompute = D.recompute if recompute is None else recompute
     e, h = D.e, D.h
     x = D.shard_tokens * h
@@ -109,16 +109,64 @@ def layer_terms(D: PlanDims, recompute: str | None = None) -> dict[str, int]:
         terms["QKV input"] = D.tokens * h * e
         terms["replicated QKV weight rows"] = (D.local_heads + 2) * D.head_dim * h * e
     terms |= attention_terms(D, recompute)
-    terms["MLP input"] = gathered * h * e
-    f = D.tokens * D.local_ffn * e
-    if spec.swiglu:
-        terms |= {"gate/up output": 2 * f, "down input": f,
-                  "gate/up weight copy": 2 * D.local_ffn * h * e}
-    else:
-        terms |= {"GeLU input": f, "fc2 input": f}
+    terms |= moe_terms(D) if moe else mlp_terms(D, D.local_ffn)
     if D.hidden_dropout > 0:
         terms["dropout masks"] = 2 * x * D.mask_bytes
     return terms
+
+
+def mlp_terms(D: PlanDims, local_ffn: int, prefix: str = "", input_held: bool = False) -> dict[str, int]:
+    """What the dense MLP of width ``local_ffn`` per TP rank saves (``prefix``: a MoE layer's shared experts;
+    ``input_held``: its input is a tensor already counted)."""
+    gathered = D.shard_tokens if D.sp and D.recompute_allgather else D.tokens
+    f = D.tokens * local_ffn * D.e
+    terms = {f"{prefix}MLP input": 0 if input_held else gathered * D.h * D.e}
+    if arch_spec(D.arch).swiglu:
+        terms |= {f"{prefix}gate/up output": 2 * f, f"{prefix}down input": f,
+                  f"{prefix}gate/up weight copy": 2 * local_ffn * D.h * D.e}
+    else:
+        terms |= {f"{prefix}GeLU input": f, f"{prefix}fc2 input": f}
+    return _nonzero(terms)
+
+
+def moe_terms(D: PlanDims) -> dict[str, int]:
+    """What a MoE MLP (``model.moe.MoE``) saves per micro-batch on one rank, from its forward as autograd sees it.
+
+    T = ``shard_tokens`` tokens are routed here (b·s/cp; /tp under sequence parallelism, else every TP rank routes
+    the same T), R = T·k (token, slot) rows are dispatched. Dropless and balanced: this rank's E/ep experts are
+    taken to receive R rows under ep (the mean over the ep group; a skewed router gives one rank more: --verify's
+    largest rank saves a few per cent more early in training), and a capacity factor's dropped rows are not
+    subtracted. Router (fp32): its input (the fp32 copy under bf16, else the MoE input itself), the weight's fp32
+    copy under bf16, logits and scores ``[T, E]``; top-k experts (int64), selection scores, the renormalising sum
+    and the combine weights; logsumexp (z-loss) and, for sigmoid, the probabilities' sum; the loads ``[E]`` of
+    the balancing loss. Dispatcher: the row gather's index and the combine's sort order (int64 ``[R]``; under ep
+    also the received rows' permutation). Experts: the dispatched rows ``[R, h]`` (the grouped GEMM's input), the
+    gate/up output ``[R, 2f]`` (the SwiGLU input) and the down input ``[R, f]`` (GeLU: its input and fc2's),
+    SwiGLU's concatenated gate/up weights ``[E/ep, 2f, h]``, with biases the int64 index each
+    ``repeat_interleave`` keeps. Combine: the expert outputs ``[R, h]`` each ``index_copy`` keeps as its source
+    (under ep two: before and after the all-to-all back), the scattered outputs in fp32 ``[R, h]`` the weighted
+    sum keeps. The shared experts save what a dense tensor-parallel MLP of their width does. Left out: the
+    grouped GEMM's int32 offsets ``[E/ep]``."""
+    e, h, T, E, k = D.e, D.h, D.shard_tokens, D.experts, D.top_k
+    R, f, local = T * k, D.moe_ffn, D.experts // D.ep
+    spec = arch_spec(D.arch)
+    topk = T * k * 8 + (T * k * 4 * 2 + T * 4 if k > 1 else T * 4)  # experts; scores (+ sum and weights when k > 1)
+    terms = {"router input (fp32)": T * h * 4, "router weight copy (fp32)": E * h * 4 if e != 4 else 0,
+             "router logits + scores (fp32)": 2 * T * E * 4, "router top-k (experts, scores, weights)": topk,
+             "router losses (lse, sums, loads)": T * 4 * (1 + D.sigmoid) + E * 4,
+             "dispatch indices (int64)": R * 8 * (2 + (D.ep > 1)), "dispatched rows": R * h * e}
+    if spec.swiglu:
+        terms |= {"expert gate/up output": R * 2 * f * e, "expert down input": R * f * e,
+                  "expert gate/up weight copy": local * 2 * f * h * e}
+    else:
+        terms |= {"expert GeLU input": R * f * e, "expert fc2 input": R * f * e}
+    if spec.bias:
+        terms["expert bias indices (int64)"] = 2 * R * 8
+    terms |= {"expert output rows": R * h * e * (1 + (D.ep > 1)), "combine rows (fp32)": R * h * 4}
+    if D.shared_ffn:  # its input is the router's when that is the MoE input itself (fp32, no gather)
+        same = e == 4 and not (D.sp and not D.recompute_allgather)
+        terms |= mlp_terms(D, D.shared_ffn // D.tp, "shared ", input_held=same)
+    return _nonzero(terms)
 
 
 def table2_layer_bytes(D: PlanDims, scores: bool = True) -> int:
@@ -138,16 +186,20 @@ class ChunkActivations:
     """Bytes one model chunk of a stage saves for one micro-batch."""
 
     layers: int
-    per_layer: dict[str, int]
+    per_layer: dict[str, int]  # a dense layer's terms (``layers − moe_layers`` of them)
     extra: dict[str, int]  # embedding, rotary tables, final norm, output layer, cross entropy (where held)
     shared: dict[str, int]  # shared by every micro-batch of the step (slices of this rank's batch): counted once
     transient: int  # extra bytes while one of its layers runs backward (the recomputed layer or attention core)
     freed: int = 0  # freed before the transient appears: the head's and, under selective, the last layer's MLP
+    moe_layers: int = 0  # of ``layers``, those with a MoE MLP ...
+    moe_per_layer: dict[str, int] = field(default_factory=dict)  # ... and their terms
 
     @property
     def per_micro_batch(self) -> int:
         """Layers × per-layer terms + the extras (``shared`` not included)."""
-        return self.layers * sum(self.per_layer.values()) + sum(self.extra.values())
+        dense = self.layers - self.moe_layers
+        return dense * sum(self.per_layer.values()) + self.moe_layers * sum(self.moe_per_layer.values()) + \
+            sum(self.extra.values())
 
 
 def chunk_activations(cfg: Config, pp_rank: int, chunk: int) -> ChunkActivations:
@@ -181,21 +233,25 @@ def chunk_activations(cfg: Config, pp_rank: int, chunk: int) -> ChunkActivations
         # the logits themselves (no fp32 copy) + max, Σexp (fp32), target index (int64), two flags
         extra["cross entropy (logits, per-token)"] = tok * (D.padded_vocab // D.tp) * e + tok * 18
         shared["loss mask"] = rank_samples * D.s_local * 4
-    per_layer = layer_terms(D)
+    layers = chunks[chunk]
+    moe = moe_layers_of(cfg, layers)
+    kinds = [k for k, n in ((False, len(layers) - moe), (True, moe)) if n]  # dense and/or MoE layers here
     transient = 0
     if D.recompute == "full":  # the recomputed layer; its input is already held (the norm may save it itself)
         norm_saves_input = (arch_spec(D.arch).layernorm and not (D.device == "cuda" and e == 2)) or \
             (not arch_spec(D.arch).layernorm and e == 4)
-        transient = sum(layer_terms(D, "none").values()) - (D.shard_tokens * h * e if norm_saves_input else 0)
+        transient = max((sum(layer_terms(D, "none", k).values()) for k in kinds), default=0) - \
+            (D.shard_tokens * h * e if norm_saves_input else 0)
     elif D.recompute == "selective":
         none, sel = attention_terms(D, "none"), attention_terms(D, "selective")
         transient = sum(none.values()) - sum(sel.values()) + sel.get("attention output", 0)
     freed = sum(v for k, v in extra.items() if k in ("final norm", "output layer input", "cross entropy (logits, per-token)"))
-    if D.recompute == "selective":
-        mlp = ("MLP input", "GeLU input", "fc2 input", "gate/up output", "down input", "gate/up weight copy")
-        freed += sum(v for k, v in per_layer.items() if k in mlp)
-    return ChunkActivations(layers=len(chunks[chunk]), per_layer=per_layer, extra=extra, shared=shared,
-                            transient=transient, freed=freed)
+    if D.recompute == "selective" and layers:  # backward of the chunk's last layer frees its MLP before the core reruns
+        moe_last = moe_layers_of(cfg, range(layers[-1], layers[-1] + 1)) > 0
+        freed += sum((moe_terms(D) if moe_last else mlp_terms(D, D.local_ffn)).values())
+    return ChunkActivations(layers=len(layers), per_layer=layer_terms(D), extra=extra, shared=shared,
+                            transient=transient, freed=freed, moe_layers=moe,
+                            moe_per_layer=layer_terms(D, moe=True) if moe else {})
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_sp.config.schema import Config
+from megatron_sp.model.moe import expert_ffn, is_moe_layer
 from megatron_sp.model.transformer import head_dim, rotary_dim
 from megatron_sp.pipeline.partition import stage_chunks
 
@@ -63,6 +64,22 @@ class PlanDims:
     mask_bytes: int  # a dropout mask element: CPU multiplies by one in the activation dtype; CUDA keeps a bool
     compiled: bool  # train.compile (unset: on CUDA): the loss runs compiled, without its fp32 chunk
     cpu_attention_max_scores: int | None  # model.cpu_attention_max_scores: the CPU block kernel's bound
+    experts: int = 0  # MoE: routed experts per MoE layer (0: a dense model; every field below is then 0 or 1)
+    top_k: int = 0
+    moe_ffn: int = 0  # the width of one expert
+    shared_ffn: int = 0  # the shared experts' MLP width, ``moe_shared_experts · moe_ffn`` (tensor-parallel like a dense MLP)
+    ep: int = 1  # expert parallelism: E/ep experts per rank
+    sigmoid: bool = False  # the router scores by sigmoid (else softmax)
+    capacity: bool = False  # model.moe_capacity_factor set (training drops assignments past each expert's capacity)
+    edp: int = 1  # expert data parallelism: ``expert_fold / ep`` ranks hold the same experts (their gradient and ZeRO group)
+
+
+def expert_fold(cfg: Config) -> int:
+    """The ranks of one pipeline stage whose experts fold as ep × edp (``mpu.ParallelDims.expert_fold``): tp·cp·dp
+    under sequence parallelism at tp > 1 (the TP ranks route different tokens), else cp·dp (experts replicated over
+    tp)."""
+    p = cfg.parallel
+    return p.cp * p.dp * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
 
 
 def dims_of(cfg: Config) -> PlanDims:
@@ -75,6 +92,8 @@ def dims_of(cfg: Config) -> PlanDims:
         schedule = "none"  # what forward_backward runs at pp == 1
     sp, e, device = p.sequence_parallel and p.tp > 1, DTYPE_BYTES[t.precision], p.device or "cpu"
     tokens, kv_split = t.micro_batch_size * (m.seq_length // p.cp), m.num_kv_heads % p.tp == 0
+    moe = m.num_experts > 0
+    moe_ffn = expert_ffn(m) if moe else 0
     return PlanDims(arch=m.arch, layers=m.num_layers, h=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads,
                     head_dim=head_dim(m), ffn=m.ffn_hidden_size, rotary_dim=rotary_dim(m), vocab=m.vocab_size,
                     padded_vocab=m.padded_vocab_size, seq=m.seq_length, micro_batch=t.micro_batch_size,
@@ -89,10 +108,18 @@ def dims_of(cfg: Config) -> PlanDims:
                     local_kv=m.num_kv_heads // p.tp if kv_split else 1, local_ffn=m.ffn_hidden_size // p.tp,
                     dp_cp=p.dp * p.cp, world=p.tp * p.pp * p.cp * p.dp, mask_bytes=1 if device == "cuda" else e,
                     compiled=t.compile if t.compile is not None else device == "cuda",
-                    cpu_attention_max_scores=m.cpu_attention_max_scores)
+                    cpu_attention_max_scores=m.cpu_attention_max_scores, experts=m.num_experts,
+                    top_k=m.moe_top_k if moe else 0, moe_ffn=moe_ffn, shared_ffn=m.moe_shared_experts * moe_ffn,
+                    sigmoid=m.moe_router_score == "sigmoid",
+                    capacity=moe and m.moe_capacity_factor is not None, ep=p.ep, edp=max(1, expert_fold(cfg) // p.ep))
 
 
 def stage_layers(cfg: Config, pp_rank: int) -> list[range]:
     """The layer ranges of pipeline rank ``pp_rank``'s model chunks (the pipeline's own split)."""
     p = cfg.parallel
     return stage_chunks(cfg.model, p.pp, pp_rank, p.virtual_stages, p.pp_partition)
+
+
+def moe_layers_of(cfg: Config, layers: range) -> int:
+    """How many of ``layers`` (global layer numbers) have a MoE MLP (``moe.is_moe_layer``)."""
+    return sum(is_moe_layer(cfg.model, i) for i in layers)

@@ -9,11 +9,11 @@ from typing import Any
 
 from megatron_sp.config.schema import Config
 from megatron_sp.errors import ConfigError
-from megatron_sp.model.gpt import parameter_parts
+from megatron_sp.model.gpt import _mlp_parameters, parameter_parts
 from megatron_sp.pipeline.schedules import theory_bubble
 
 from .activations import ChunkActivations, SchedulePeak, buffer_terms, chunk_activations, schedule_peak
-from .dims import DEFAULT_BUCKET_BYTES, DEFAULT_PEAK_TFLOPS, PlanDims, dims_of, stage_layers
+from .dims import DEFAULT_BUCKET_BYTES, DEFAULT_PEAK_TFLOPS, PlanDims, dims_of, expert_fold, moe_layers_of, stage_layers
 from .state import StateBytes, state_bytes
 from .traffic import comm_per_step
 
@@ -70,16 +70,22 @@ class LayoutPlan:
         return (self.dims.tp, self.dims.pp, self.dims.cp, self.dims.dp)
 
 
-def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None) -> float:
+def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None, executed: bool = False) -> float:
     """Model FLOPs per step on one rank of stage ``pp_rank``: ``6·N_stage + 6·L_stage·h·s`` per token
-    (``model.flops_per_token``: PaLM, attention over the causal half), N without the input embedding,
-    divided over TP and CP; ``recompute`` (default the config's) adds the recomputed forward:
-    ``2·N + 2·L·h·s`` (full) or ``2·L·h·s`` (selective)."""
+    (``model.flops_per_token``: PaLM, attention over the causal half), N without the input embedding and, in MoE
+    layers, the active parameters only (router E·h, top-k experts, shared experts), divided over TP and CP;
+    ``recompute`` (default the config's) adds the recomputed forward: ``2·N + 2·L·h·s`` (full) or ``2·L·h·s``
+    (selective). ``executed``: what the rank computes rather than its share of the model's FLOPs: without
+    sequence parallelism every TP rank runs the router and the routed experts on all its tokens (replicated
+    over tp), so their FLOPs are not divided by tp."""
     D = dims_of(cfg)
     recompute = D.recompute if recompute is None else recompute
     parts = parameter_parts(cfg.model)
-    layers = sum(len(c) for c in stage_layers(cfg, pp_rank))
-    n = layers * parts["layer"] + (parts["final_norm"] + parts["output_layer"] if pp_rank == D.pp - 1 else 0)
+    chunks = stage_layers(cfg, pp_rank)
+    layers = sum(len(c) for c in chunks)
+    moe = sum(moe_layers_of(cfg, c) for c in chunks)
+    n = (layers - moe) * parts["layer"] + moe * parts.get("moe_layer_active", 0) + \
+        (parts["final_norm"] + parts["output_layer"] if pp_rank == D.pp - 1 else 0)
     attention = 6 * layers * D.heads * D.head_dim * D.seq
     per_token = 6 * n + attention
     if recompute == "full":
@@ -87,7 +93,11 @@ def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None) -> floa
     elif recompute == "selective":
         per_token += attention / 3
     tokens = D.global_batch // D.dp * D.seq // D.cp
-    return tokens * per_token / D.tp
+    flops = tokens * per_token / D.tp
+    if executed and moe and D.tp > 1 and not D.sp:  # router + k experts per token on every TP rank
+        replicated = D.experts * D.h + D.top_k * _mlp_parameters(cfg.model, D.moe_ffn)
+        flops += tokens * (8 if recompute == "full" else 6) * moe * replicated * (1 - 1 / D.tp)
+    return flops
 
 
 def plan_layout(cfg: Config, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> LayoutPlan:
@@ -99,7 +109,7 @@ def plan_layout(cfg: Config, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Layout
         peak = schedule_peak(cfg, r, chunks)
         stages.append(RankPlan(pp_rank=r, state=state_bytes(cfg, r, bucket_bytes), chunks=chunks, schedule=peak,
                                buffers=buffer_terms(cfg, r, peak.in_flight), comm=comm_per_step(cfg, r, bucket_bytes),
-                               flops=stage_flops(cfg, r)))
+                               flops=stage_flops(cfg, r, executed=True)))
     return LayoutPlan(cfg=cfg, dims=D, stages=stages)
 
 
@@ -112,10 +122,10 @@ def estimate_step_time(lp: LayoutPlan, peak_tflops: float, bandwidth_gbs: float)
     compute = busiest.flops / peak / (1 - bubble)
     exposed = 0.0
     for r in lp.stages:
-        own = sum(r.comm_bytes(k) for k in ("tp", "cp", "pp")) / bw
-        dp = r.comm.get("dp", {})
-        gather = dp.get("all_gather", 0.0) / bw
-        reduce = (dp.get("reduce_scatter", 0.0) + dp.get("all_reduce", 0.0)) / bw
+        own = sum(r.comm_bytes(k) for k in ("tp", "cp", "pp", "ep")) / bw  # on the critical path
+        dp = [r.comm.get(k, {}) for k in ("dp", "edp")]  # the gradient reductions overlap backward
+        gather = sum(d.get("all_gather", 0.0) for d in dp) / bw
+        reduce = sum(d.get("reduce_scatter", 0.0) + d.get("all_reduce", 0.0) for d in dp) / bw
         last_backward = 2 / 3 * r.flops / peak / max(D.micro_batches, 1)
         exposed = max(exposed, own + gather + max(0.0, reduce - last_backward))
     step = compute + exposed
@@ -188,7 +198,8 @@ class Candidate:
 def search(build: Callable[[list[str]], Config], base: Config, devices: int, memory_bytes: int,
            peak_tflops: float, bandwidth_gbs: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Candidate]:
     """Every layout of ``devices`` ranks: ``build(overrides)`` makes the finalized config (raising
-    ``ConfigError`` when the config loader's checks refuse it); returns the candidates ranked: those
+    ``ConfigError`` when the config loader's checks refuse it; a MoE layout whose expert fold ``parallel.ep``
+    does not divide is refused too); returns the candidates ranked: those
     that fit first, by estimated step time, then those that do not fit, then the refused ones."""
     out = []
     for layout in factorizations(devices):
@@ -197,6 +208,11 @@ def search(build: Callable[[list[str]], Config], base: Config, devices: int, mem
             cfg = build(layout_overrides(base, *layout))
         except ConfigError as exc:
             cand.error = str(exc)
+            out.append(cand)
+            continue
+        fold = expert_fold(cfg)
+        if cfg.model.num_experts and fold % cfg.parallel.ep:  # parallel.ep stays as configured
+            cand.error = f"parallel.ep {cfg.parallel.ep} does not divide the {fold} ranks the experts fold over"
             out.append(cand)
             continue
         cand.plan = plan_layout(cfg, bucket_bytes)

@@ -82,10 +82,6 @@ def check(cfg: Config, build: Callable[[list[str]], Config], local_ranks: int) -
             log.warning("%d local ranks share %d cores: each rank gets a fraction of a core and steps are slow",
                         local_ranks, budget.cores)
         return note
-    if cfg.model.num_experts:  # the planner does not model MoE yet (every expert on every rank, dense activations)
-        log.warning("pre-flight: the planner counts ~%s per rank for this MoE model, more than this host gives each "
-                    "rank, but it does not model experts yet (docs/moe.md): starting anyway", format_bytes(need))
-        return note
     p = cfg.parallel
     layout = f"tp{p.tp} pp{p.pp} cp{p.cp} dp{p.dp}"
     if budget.device == "cpu":

@@ -10,6 +10,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from megatron_sp.config.schema import Config
+from megatron_sp.model.moe import Router
 from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 from megatron_sp.pipeline.partition import build_stage
@@ -33,7 +34,8 @@ class _NoInitDraws(TorchFunctionMode):
 def stage_parameters(cfg: Config, pp_rank: int = 0) -> list[tuple[str, nn.Parameter]]:
     """Stage ``pp_rank``'s trainable parameters as one TP rank holds them: meta tensors of the local shape and
     the model's TP/SP attributes, built by ``pipeline.build_stage`` at TP size 1 and then given the rules the
-    layers apply at ``tp`` (docs/planner.md, "Parameters, gradients, optimizer state")."""
+    layers apply at ``tp`` (docs/planner.md, "Parameters, gradients, optimizer state"); a MoE layer's routed experts
+    (``expert_parallel``: ``[E, out, in]`` stacks) are cut to the E/ep of expert-parallel rank 0."""
     D, p = dims_of(cfg), cfg.parallel
     key = _stage_key(cfg, pp_rank)
     if key in _STAGES:  # a search asks for each stage many times
@@ -46,6 +48,15 @@ def stage_parameters(cfg: Config, pp_rank: int = 0) -> list[tuple[str, nn.Parame
     built = {id(q): getattr(mod, "tp_size", 1) for mod in stage.modules() for q in mod.parameters(recurse=False)}
     norms = {id(q) for mod in stage.modules() if isinstance(mod, nn.LayerNorm | nn.RMSNorm) for q in mod.parameters()}
     named = named_trainable(stage)
+    routers = {id(mod.weight) for mod in stage.modules() if isinstance(mod, Router)}
+    for _, q in named:  # ``moe.MoE``'s rules at (tp, ep): it sees tp 1 and ep 1 here
+        if getattr(q, "expert_parallel", False):
+            if D.ep > 1:  # built with all E experts (meta: no memory); ep rank 0's E/ep
+                q.data = q.new_empty((q.shape[0] // D.ep, *q.shape[1:]))
+                q.ep_rank, q.ep_size = 0, D.ep
+            q.sequence_parallel = D.sp and D.ep == 1  # under SP every TP rank holding all experts sums their grads
+        elif id(q) in routers:
+            q.sequence_parallel = D.sp  # under SP each TP rank routes its own tokens
     for name, q in named:
         if built[id(q)] == D.tp:
             continue
@@ -70,6 +81,7 @@ class StateBytes:
     param_elements: int
     padded_elements: int  # of the flat buffers, bucket padding (to a multiple of dp·cp) included
     shard_elements: int
+    expert_elements: int  # of ``padded_elements``, the expert buckets' (ep > 1: reduced and ZeRO-sharded over edp)
     tp_synced: int  # elements of ``sequence_parallel`` gradients this rank sums over TP after the dp·cp reduction
     vocab_tables: int  # embedding / output layer on this stage: each has ``padded_vocab − vocab`` padding rows
     param_dtype: str
@@ -85,26 +97,52 @@ _STATE: dict[tuple[object, ...], StateBytes] = {}
 
 def _stage_key(cfg: Config, pp_rank: int) -> tuple[object, ...]:
     D = dims_of(cfg)
-    return (repr(cfg.model), D.tp, D.sp, D.pp, D.virtual_stages, cfg.parallel.pp_partition, pp_rank)
+    return (repr(cfg.model), D.tp, D.sp, D.pp, D.virtual_stages, cfg.parallel.pp_partition, D.ep, pp_rank)
+
+
+def _runs(named: list[tuple[str, nn.Parameter]], ep: int) -> list[tuple[bool, list[tuple[str, nn.Parameter]]]]:
+    """``named`` cut into maximal runs of expert / other parameters (one run at ep 1, where experts are reduced with
+    the rest): ``GradReducer`` closes a bucket wherever the kind changes, so each run has its own buckets."""
+    runs: list[tuple[bool, list[tuple[str, nn.Parameter]]]] = []
+    for name, q in named:
+        expert = ep > 1 and bool(getattr(q, "expert_parallel", False))
+        if not runs or runs[-1][0] != expert:
+            runs.append((expert, []))
+        runs[-1][1].append((name, q))
+    return runs
 
 
 def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StateBytes:
     """The sizes of ``DistributedOptimizer``'s ``param_buffer``, ``grad_buffer``, ``exp_avg``/``exp_avg_sq``
-    and fp32 masters on data-parallel rank 0 of stage ``pp_rank``: the real optimizer over the meta stage."""
+    and fp32 masters on data-parallel rank 0 of stage ``pp_rank``: the real optimizer over the meta stage.
+
+    Under expert parallelism (ep > 1) the optimizer puts the expert parameters in buckets of their own, padded,
+    reduced and ZeRO-sharded over edp instead of dp·cp; here each run of expert (or other) parameters gets its own
+    optimizer over a stand-in group of that size (edp or dp·cp). The buckets are the same as the real optimizer's
+    (it closes a bucket where the kind changes), so the sums are exact."""
     D = dims_of(cfg)
-    key = (*_stage_key(cfg, pp_rank), D.dp_cp, D.zero, D.precision, bucket_bytes)
+    key = (*_stage_key(cfg, pp_rank), D.dp_cp, D.edp, D.zero, D.precision, bucket_bytes)
     if key in _STATE:
         return _STATE[key]
     named = stage_parameters(cfg, pp_rank)
-    groups = types.SimpleNamespace(dp_cp_group=None, dp_cp_size=D.dp_cp, dp_cp_rank=0, tp_rank=0, tp_size=D.tp,
-                                   pp_size=D.pp, is_first_stage=pp_rank == 0)  # read at construction only
-    opt = DistributedOptimizer(named, cfg.train, groups, zero=D.zero, precision=D.precision, bucket_bytes=bucket_bytes)
-    opt.remove_hooks()
-    owned = [opt._info_of(q) for _, q in named if q.sequence_parallel]
-    moments = [opt.exp_avg, opt.exp_avg_sq] + ([opt._master_local] if opt._master_local is not None else [])
+    sizes = {"params": 0, "grads": 0, "optim": 0, "padded": 0, "shard": 0, "expert": 0, "tp_synced": 0}
+    for expert, run in _runs(named, D.ep):
+        size = D.edp if expert else D.dp_cp
+        groups = types.SimpleNamespace(dp_cp_group=None, dp_cp_size=size, dp_cp_rank=0, tp_rank=0, tp_size=D.tp,
+                                       pp_size=D.pp, is_first_stage=pp_rank == 0)  # read at construction only
+        opt = DistributedOptimizer(run, cfg.train, groups, zero=D.zero, precision=D.precision, bucket_bytes=bucket_bytes)
+        opt.remove_hooks()
+        moments = [opt.exp_avg, opt.exp_avg_sq] + ([opt._master_local] if opt._master_local is not None else [])
+        sizes["params"] += opt.param_buffer.numel() * opt.param_buffer.element_size()
+        sizes["grads"] += opt.grad_buffer.numel() * 4
+        sizes["optim"] += sum(t.numel() * t.element_size() for t in moments)
+        sizes["padded"] += opt.numel
+        sizes["shard"] += opt.shard_numel
+        sizes["expert"] += opt.numel if expert else 0
+        sizes["tp_synced"] += sum(i.own_end - i.own_start for i in (opt._info_of(q) for _, q in run if q.sequence_parallel))
     _STATE[key] = StateBytes(
-        params=opt.param_buffer.numel() * opt.param_buffer.element_size(), grads=opt.grad_buffer.numel() * 4,
-        optim=sum(t.numel() * t.element_size() for t in moments), param_elements=sum(q.numel() for _, q in named),
-        padded_elements=opt.numel, shard_elements=opt.shard_numel, tp_synced=sum(i.own_end - i.own_start for i in owned),
-        vocab_tables=sum(n in VOCAB_TABLES for n, _ in named), param_dtype=D.precision, master=D.precision != "fp32")
+        params=sizes["params"], grads=sizes["grads"], optim=sizes["optim"], param_elements=sum(q.numel() for _, q in named),
+        padded_elements=sizes["padded"], shard_elements=sizes["shard"], expert_elements=sizes["expert"],
+        tp_synced=sizes["tp_synced"], vocab_tables=sum(n in VOCAB_TABLES for n, _ in named), param_dtype=D.precision,
+        master=D.precision != "fp32")
     return _STATE[key]

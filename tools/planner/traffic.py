@@ -4,7 +4,7 @@ from __future__ import annotations
 from megatron_sp.config.schema import Config
 
 from .activations import cp_algo_of, ulysses_kv
-from .dims import DEFAULT_BUCKET_BYTES, GRAD_BYTES, dims_of, stage_layers
+from .dims import DEFAULT_BUCKET_BYTES, GRAD_BYTES, PlanDims, dims_of, moe_layers_of, stage_layers
 from .state import state_bytes
 
 
@@ -19,28 +19,57 @@ def _ar(n: int) -> float:
     return 2 * (n - 1) / n
 
 
+def _forwards(D: PlanDims) -> int:
+    """How often each layer's forward runs per micro-batch: twice under full recompute (again in backward)."""
+    return 2 if D.recompute == "full" else 1
+
+
+def moe_all_to_all_bytes(cfg: Config, pp_rank: int = 0) -> int:
+    """Bytes of the rows stage ``pp_rank``'s rank passes to the MoE all-to-alls per optimizer step: the sum of the
+    send splits times the row bytes, its own block included (``comm.count`` counts the rows to the other ranks only)
+
+        micro_batches · moe_layers · (2·forwards + 2) · T·k · h · e
+
+    T = ``shard_tokens`` (the tokens this rank routes: b·s/cp, /tp under sequence parallelism), k = ``moe_top_k``,
+    e = the activation element's bytes, ``forwards`` = 2 under full recompute (each forward runs again in backward)
+    else 1. Per MoE layer and forward: dispatch (this rank's T·k sorted rows out) and combine (the rows its experts
+    computed back); per backward the same two exchanges with the splits swapped. The counts exchange (int64 [E])
+    is not included; 0 at ep 1 (no all-to-all). Dropless: the dispatch forward and the combine backward pass
+    exactly T·k rows on every rank; the other two pass the rows this rank's experts received, T·k on the mean over
+    the ep group (exact for the group's sum), more or fewer on one rank as the router skews; a capacity factor
+    passes only the kept rows (fewer)."""
+    D = dims_of(cfg)
+    if D.ep == 1 or not D.experts:
+        return 0
+    layers = sum(moe_layers_of(cfg, c) for c in stage_layers(cfg, pp_rank))
+    return D.micro_batches * layers * (2 * _forwards(D) + 2) * D.shard_tokens * D.top_k * D.h * D.e
+
+
 def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, dict[str, float]]:
-    """``{dimension: {op: bytes}}`` this rank sends per step (``tp | cp | pp | dp | other``, ops named as
-    ``mpu.comm`` counts them, ``send`` for pipeline p2p, ``other`` the step's scalars); start-up and
-    first-step-only collectives are not included."""
+    """``{dimension: {op: bytes}}`` this rank sends per step (``tp | cp | pp | ep | dp | edp | other``, ops named as
+    ``mpu.comm`` counts them, ``send`` for pipeline p2p, ``ep`` the MoE dispatch, ``edp`` the expert gradients,
+    ``other`` the step's scalars); start-up and first-step-only collectives are not included."""
     D = dims_of(cfg)
     book: dict[str, dict[str, float]] = {}
     m, t, e = D.micro_batches, D.tp, D.e
     chunks = stage_layers(cfg, pp_rank)
     n_layers = sum(len(c) for c in chunks)
+    moe_layers = sum(moe_layers_of(cfg, c) for c in chunks)
+    mlp_layers = n_layers - (moe_layers if not D.shared_ffn else 0)  # a MoE MLP is TP-parallel only in its shared experts
     first, last = pp_rank == 0, pp_rank == D.pp - 1
-    forwards = 2 if D.recompute == "full" else 1  # full recompute repeats each layer's forward in backward
+    forwards = _forwards(D)
 
     if t > 1:
         act = D.tokens * D.h * e  # a gathered [s, b, h] activation
         ag = rs = (t - 1) / t * act
         ar = 2 * (t - 1) / t * act
-        if D.sp:
-            regather = (2 - (not D.kv_split)) if D.recompute_allgather else 0
-            _add(book, "tp", "all_gather", m * n_layers * ag * (2 * forwards + 2 + regather))
-            _add(book, "tp", "reduce_scatter", m * n_layers * rs * (2 * forwards + 2))
+        blocks = n_layers + mlp_layers  # attention, then the MLPs' column + row linears: forwards + 1 collectives each
+        if D.sp:  # backward gathers the column linears' inputs again (replicated QKV: no gather)
+            regather = (n_layers * D.kv_split + mlp_layers) if D.recompute_allgather else 0
+            _add(book, "tp", "all_gather", m * ag * (blocks * (forwards + 1) + regather))
+            _add(book, "tp", "reduce_scatter", m * rs * blocks * (forwards + 1))
         else:
-            _add(book, "tp", "all_reduce", m * n_layers * ar * (2 * forwards + 2))
+            _add(book, "tp", "all_reduce", m * ar * blocks * (forwards + 1))
         if first:
             _add(book, "tp", "reduce_scatter" if D.sp else "all_reduce", m * (rs if D.sp else ar))
             _add(book, "tp", "all_gather", m * ag if D.sp else 0)
@@ -92,16 +121,30 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
         sends = sum(s < last_stage for s in stages) + sum(s > 0 for s in stages)
         _add(book, "pp", "send", m * sends * D.shard_tokens * D.h * e)
 
-    if D.dp_cp > 1:
-        numel, n = state_bytes(cfg, pp_rank, bucket_bytes).padded_elements, D.dp_cp
-        if D.zero:
-            _add(book, "dp", "reduce_scatter", (n - 1) / n * numel * GRAD_BYTES)
-            _add(book, "dp", "all_gather", (n - 1) / n * numel * e)
-        else:
-            _add(book, "dp", "all_reduce", 2 * (n - 1) / n * numel * GRAD_BYTES)
+    if moe_layers:  # per forward: the micro-batch's expert counts [E] (int64) over the ranks sharing its tokens (tp
+        # under SP, cp) for the balancing losses; with a capacity factor under SP the selections [s, b, k] gathered over tp
+        for dim, n in (("tp", t if D.sp else 1), ("cp", D.cp)):
+            _add(book, dim, "all_reduce", m * moe_layers * forwards * _ar(n) * D.experts * 8)
+        if D.capacity and D.sp:
+            _add(book, "tp", "all_gather", m * moe_layers * forwards * (t - 1) / t * D.tokens * D.top_k * (8 + 4))
+    if D.ep > 1 and moe_layers:  # per forward the counts [E] (int64) and the rows both ways; backward the rows again
+        rows = moe_all_to_all_bytes(cfg, pp_rank) * (D.ep - 1) / D.ep  # comm counts the rows to the other ranks
+        _add(book, "ep", "all_to_all", rows + m * moe_layers * forwards * (D.ep - 1) / D.ep * D.experts * 8)
+
+    st = state_bytes(cfg, pp_rank, bucket_bytes)
+    for dim, numel, n in (("dp", st.padded_elements - st.expert_elements, D.dp_cp), ("edp", st.expert_elements, D.edp)):
+        if n > 1:  # expert buckets (ep > 1) are reduced and ZeRO-sharded over edp, the rest over dp·cp
+            if D.zero:
+                _add(book, dim, "reduce_scatter", (n - 1) / n * numel * GRAD_BYTES)
+                _add(book, dim, "all_gather", (n - 1) / n * numel * e)
+            else:
+                _add(book, dim, "all_reduce", 2 * (n - 1) / n * numel * GRAD_BYTES)
     # the scalars (fp64): the loss over the pipeline, the squared grad norm over the ZeRO shards and over tp·pp,
     # the step's token count and loss over dp·cp (training._global_sum); zero-bubble's agree_costs: 8 sums, broadcast
     scalars = _ar(D.pp) * 8 + (_ar(D.dp_cp) * 8 if D.zero else 0) + _ar(D.tp * D.pp) * 8 + 2 * _ar(D.dp_cp) * 8
+    if D.experts:  # moe.end_step: [num_layers, E + 4] fp64 stats over dp·cp, tp under SP, and pp; ep > 1: the experts'
+        stats = (_ar(D.dp_cp) + _ar(t if D.sp else 1) + _ar(D.pp)) * cfg.model.num_layers * (D.experts + 4) * 8
+        scalars += stats + (((_ar(D.edp) * 8 if D.zero else 0) + _ar(D.ep) * 8) if D.ep > 1 else 0)  # norm: edp, ep
     if D.schedule == "zero_bubble" and D.pp > 1:
         scalars += _ar(D.world) * 8 * 8
         _add(book, "other", "broadcast", (D.world - 1) / D.world * 8 * 8)
