@@ -88,6 +88,7 @@ class KVCacheLike(Protocol):
     """What ``GPTModel.forward`` needs of a KV cache (``model.inference.KVCache``; not imported here)."""
 
     length: int
+    pad: torch.Tensor | None  # [b]: left-padding tokens of each sequence (positions start after them)
 
     def layer(self, index: int) -> LayerKV: ...  # the cache of global layer ``index``
 
@@ -193,7 +194,8 @@ class GPTModel(nn.Module):
             hidden_states: ``[s, b, h]`` input of a stage without the embedding.
             token_index: ``[b, s]`` global index of each held token (CP: ``layout.shard_batch``).
             document_ids: ``[b, s]`` document of each token (packed documents): attention stays inside one.
-            kv_cache: ``inference.KVCache`` (whole model on one rank): ``tokens`` follow the cached ones.
+            kv_cache: ``inference.KVCache`` of this stage's layers: ``tokens`` / ``hidden_states`` follow the cached
+                ones (positions after them, less the cache's left padding).
 
         Returns: last stage: logits ``[b, s, padded_vocab]`` without ``labels``, else the per-token fp32
         cross entropy ``[b, s]`` (unreduced); other stages: hidden ``[s, b, h]``.
@@ -202,10 +204,6 @@ class GPTModel(nn.Module):
             raise ValueError(f"chunk {chunk} outside 0..{len(self.layer_chunks) - 1}")
         if kv_cache is not None:
             self.check_kv_cache_usable(document_ids)
-            if position_ids is None and tokens is not None:
-                b, s = tokens.shape
-                position_ids = torch.arange(kv_cache.length, kv_cache.length + s,
-                                            device=tokens.device).unsqueeze(0).expand(b, s)  # [b, s]
         if self.embedding is not None and chunk == 0:
             if tokens is None:
                 raise ValueError("the first stage needs tokens")
@@ -217,6 +215,10 @@ class GPTModel(nn.Module):
             x = hidden_states  # [s/t, b, h] under SP, else [s, b, h]
 
         par = self.parallel
+        if kv_cache is not None and position_ids is None:
+            position_ids = torch.arange(kv_cache.length, kv_cache.length + x.shape[0], device=x.device).unsqueeze(0)
+            position_ids = (position_ids - kv_cache.pad[:, None]).clamp_min(0) if kv_cache.pad is not None \
+                else position_ids.expand(x.shape[1], -1)  # [b, s]
         seq_len = x.shape[0] * (par.tp_size if par.sp else 1)
         angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         dev_type = x.device.type
@@ -257,12 +259,12 @@ class GPTModel(nn.Module):
 
     def kv_cache_unsupported(self) -> str | None:
         """Why this model cannot decode with a ``inference.KVCache`` (None when it can)."""
-        if self.parallel.tp_size > 1:
-            return f"tensor parallelism (tp={self.parallel.tp_size})"
+        if self.parallel.sp:
+            return "sequence parallelism (decode with parallel.sequence_parallel=false)"
         if comm.group_size(self.cp_group) > 1:
             return "context parallelism (set model.cp_group = comm.LOCAL to decode on one rank)"
-        if len(self.layer_chunks) != 1 or not self.pre_process or not self.post_process:
-            return "a pipeline stage (the model must hold every layer, the embedding and the output layer)"
+        if len(self.layer_chunks) != 1:
+            return "virtual pipeline stages (decode with parallel.virtual_stages=1)"
         return None
 
     def check_kv_cache_usable(self, document_ids: torch.Tensor | None = None) -> None:
@@ -273,7 +275,7 @@ class GPTModel(nn.Module):
         if reason is None and document_ids is not None:
             reason = "packed documents (document_ids)"
         if reason is not None:
-            raise ValueError(f"the KV cache is for inference on the whole model on one rank; not available with {reason}")
+            raise ValueError(f"the KV cache is for inference; not available with {reason}")
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters on this stage (a tied weight once); ``exclude_embeddings`` leaves out the input

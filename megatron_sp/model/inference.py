@@ -4,9 +4,16 @@ autoregressive ``generate``. The model uses the cache through its Protocols (``l
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatron_sp.model.gpt import GPTModel
+from megatron_sp.mpu import comm
+
+if TYPE_CHECKING:
+    from megatron_sp.mpu import ParallelState
 
 
 class KVCache:
@@ -14,10 +21,11 @@ class KVCache:
     every layer holds the same ``length`` tokens (``GPTModel.forward`` appends in every layer, then ``advance``).
     Trade-off: each layer preallocates ``[max_length, b, g, d]`` at its first ``append``: a step is a slice write."""
 
-    def __init__(self, max_length: int) -> None:
+    def __init__(self, max_length: int, pad: torch.Tensor | None = None) -> None:
         if max_length < 1:
             raise ValueError(f"KVCache max_length must be positive, got {max_length}")
         self.max_length = max_length
+        self.pad = pad  # [b]: left padding of each sequence (a batch of prompts of different lengths)
         self.length = 0
         self._layers: dict[int, LayerKVCache] = {}
 
@@ -44,6 +52,10 @@ class LayerKVCache:
         self.owner = owner
         self.k: torch.Tensor | None = None  # [max_length, b, g, d]
         self.v: torch.Tensor | None = None
+
+    @property
+    def pad(self) -> torch.Tensor | None:
+        return self.owner.pad
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new ``k``/``v`` ``[s, b, g, d]`` after the cached ones; return all ``[past + s, b, g, d]``."""
@@ -132,3 +144,163 @@ def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, eod: i
     finally:
         model.train(was_training)
     return tokens
+
+
+# ----------------------------------------------------------------------------- batches under any layout
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is picked (``sample_next``); a sampled sequence draws from its own generator, seeded by
+    ``seed`` and its prompt's index only, so its tokens do not depend on the layout or the other prompts."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 1234
+
+    def generator(self, index: int) -> torch.Generator | None:
+        return None if self.greedy else torch.Generator().manual_seed((self.seed * 1_000_003 + index) % 2**63)
+
+
+@dataclass
+class Completion:
+    """One prompt's result: its new tokens and why they stopped (``eod``, ``max_new_tokens``, or ``context``: the
+    model's ``seq_length`` is full)."""
+
+    index: int
+    prompt_ids: list[int]
+    new_ids: list[int] = field(default_factory=list)
+    stop: str = "max_new_tokens"
+    generator: torch.Generator | None = field(default=None, repr=False, compare=False)
+
+    def going(self, step: int) -> bool:
+        """Whether this sequence takes a token at decode step ``step``."""
+        return self.stop == "max_new_tokens" and len(self.new_ids) == step
+
+
+class _MicroBatch:
+    """Prompts decoded together: left-padded to the longest, one KV cache of this stage's layers; each sequence may
+    fill ``seq_length`` positions of its own, whatever the others' lengths."""
+
+    def __init__(self, items: list[Completion], seq_length: int, max_new_tokens: int, device: torch.device) -> None:
+        self.items = items
+        width = max(len(c.prompt_ids) for c in items)
+        self.pad = torch.tensor([width - len(c.prompt_ids) for c in items], device=device)
+        self.prompt = torch.tensor([[0] * (width - len(c.prompt_ids)) + c.prompt_ids for c in items], device=device)
+        # each sequence may fill the model's seq_length positions after its own padding
+        self.cache = KVCache(seq_length + int(self.pad.max()), self.pad if bool(self.pad.any()) else None)
+        self.limits = [min(max_new_tokens, seq_length - len(c.prompt_ids) + 1) for c in items]  # new tokens each
+        self.active = True
+
+    def input_ids(self, step: int) -> torch.Tensor:
+        """The tokens of decode step ``step``: the prompts, then each sequence's last token ``[b, 1]``."""
+        if step == 0:
+            return self.prompt
+        last = [c.new_ids[-1] if c.new_ids else 0 for c in self.items]
+        return torch.tensor(last, device=self.prompt.device).unsqueeze(1)
+
+    def context(self, step: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Without a KV cache (SP): the whole context of step ``step`` ``[b, W + step]`` right-padded to a multiple
+        of ``multiple``, its positions (from each prompt's first token) and documents (the left padding 0, the
+        tokens 1, the right padding 2: attention stays inside each)."""
+        b, width = self.prompt.shape
+        new = [c.new_ids[:step] + [0] * (step - len(c.new_ids[:step])) for c in self.items]
+        right = -(width + step) % multiple
+        ids = torch.cat([self.prompt, torch.tensor(new, dtype=torch.long, device=self.prompt.device).view(b, step),
+                         self.prompt.new_zeros(b, right)], dim=1)
+        cols = torch.arange(ids.shape[1], device=ids.device)
+        docs = (cols >= self.pad[:, None]).long() + (cols >= width + step).long()
+        return ids, (cols - self.pad[:, None]).clamp_min(0), docs
+
+    def take(self, ids: list[int], eod: int | None, step: int, max_new_tokens: int) -> None:
+        """Record step ``step``'s sampled ids; a sequence stops at its eod, the token limit or a full context."""
+        for c, new, limit in zip(self.items, ids, self.limits):
+            if not c.going(step):
+                continue  # stopped earlier
+            if eod is not None and new == eod:
+                c.stop = "eod"
+                continue
+            c.new_ids.append(new)
+            if len(c.new_ids) == limit < max_new_tokens:
+                c.stop = "context"
+        self.active = any(c.going(step + 1) and len(c.new_ids) < limit for c, limit in zip(self.items, self.limits))
+
+
+def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: int, eod: int | None,
+                   sampling: Sampling = Sampling(), micro_batch_size: int | None = None,
+                   state: ParallelState | None = None, indices: list[int] | None = None) -> list[Completion]:
+    """Continue every prompt (a list of token ids, at most ``seq_length`` long) by up to ``max_new_tokens`` tokens
+    with a KV cache, on this rank's part of the model; returns the completions in prompt order (every rank of the
+    model's TP × PP group gets them all). Collective over the model's TP and PP groups (``state``). ``indices``: the
+    prompts' numbers (default 0, 1, ...), which seed their sampling.
+
+    Prompts go in micro-batches of ``micro_batch_size`` (default: all at once, ``pp`` micro-batches under pipeline
+    parallelism), each left-padded (the padding masked, positions from each prompt's first token). Under PP each
+    stage decodes every micro-batch in turn, sending its hidden states on (``isend``) and taking the next input as
+    it comes, so ``pp`` micro-batches keep every stage busy; the last stage samples from the TP-gathered logits and
+    broadcasts the new ids over the PP group, which every other stage reads just before it needs them. Under
+    sequence parallelism (no KV cache) each step re-runs the whole contexts, split over tp."""
+    check_sampling(sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
+    recompute = model.parallel.sp  # no KV cache under SP (one new token cannot be split over tp): whole contexts
+    if model.training or not recompute and model.kv_cache_unsupported() is not None:
+        model.check_kv_cache_usable()
+    cfg, dev = model.cfg, next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    indices = list(range(len(prompts))) if indices is None else indices  # a prompt's index seeds its sampling
+    items = [Completion(i, list(p), generator=sampling.generator(i)) for i, p in zip(indices, prompts)]
+    for c in items:
+        if not 0 < len(c.prompt_ids) <= cfg.seq_length:
+            raise ValueError(f"prompt {c.index} has {len(c.prompt_ids)} tokens; it needs 1..seq_length "
+                             f"({cfg.seq_length})")
+    pp = state.pp_size if state is not None else 1
+    size = micro_batch_size or max(1, -(-len(items) // pp))
+    batches = [_MicroBatch(items[i:i + size], cfg.seq_length, max_new_tokens, dev) for i in range(0, len(items), size)]
+    first, last = model.pre_process, model.post_process
+    pp_ranks = state.group_ranks["pp"] if state is not None else [0]
+    me = pp_ranks.index(state.rank) if state is not None else 0
+    limit = model.cfg.vocab_size or model.padded_vocab_size
+    unread: list[tuple[int, int]] = []  # (step, micro-batch) whose new ids this stage has not read yet
+    sends: list[comm.Pending] = []
+
+    def exchange(step: int, j: int, ids: torch.Tensor) -> None:  # the new ids from the last stage to every stage
+        if pp > 1:
+            comm.broadcast(ids, pp_ranks[-1], state.pp_group)  # type: ignore[union-attr]
+        batches[j].take(ids.tolist(), eod, step, max_new_tokens)
+
+    def read_next() -> None:
+        step, j = unread.pop(0)
+        exchange(step, j, torch.zeros(len(batches[j].items), dtype=torch.long, device=dev))
+
+    with torch.no_grad():
+        for step in range(max_new_tokens):
+            for j, mb in enumerate(batches):
+                if unread and unread[0] == (step - 1, j):
+                    read_next()
+                if not mb.active:
+                    continue
+                ids, pos, docs, cache = mb.input_ids(step), None, None, mb.cache  # [b, s]
+                if recompute:
+                    (ids, pos, docs), cache = mb.context(step, model.parallel.tp_size), None
+                if first:
+                    out = model(ids, position_ids=pos, document_ids=docs, kv_cache=cache)
+                else:
+                    rows = ids.shape[1] // (model.parallel.tp_size if recompute else 1)
+                    hidden = torch.empty(rows, ids.shape[0], cfg.hidden_size, dtype=dtype, device=dev)
+                    src = pp_ranks[me - 1]
+                    hidden = comm.irecv(hidden, src, state.p2p_groups[(src, state.rank)]).wait()
+                    out = model(None, position_ids=pos, hidden_states=hidden, document_ids=docs, kv_cache=cache)
+                if not last:
+                    dst = pp_ranks[me + 1]
+                    sends.append(comm.isend(out.contiguous(), dst, state.p2p_groups[(state.rank, dst)]))
+                    unread.append((step, j))
+                    continue
+                logits = out[:, mb.prompt.shape[1] + step - 1 if recompute else -1, :limit].float()  # [b, V]
+                new = [sample_next(row, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p,
+                                   c.generator) if c.going(step) else 0 for row, c in zip(logits, mb.items)]
+                exchange(step, j, torch.tensor(new, dtype=torch.long, device=dev))
+        while unread:
+            read_next()
+        for pending in sends:
+            pending.wait()
+    return items

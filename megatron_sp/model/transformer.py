@@ -326,6 +326,8 @@ class ReplicatedGroupQKV(nn.Module):
 class LayerKV(Protocol):
     """What a layer needs of its KV cache (``model.inference.LayerKVCache``; the model does not import it)."""
 
+    pad: torch.Tensor | None  # [b]: left-padding keys of each sequence (None: no padding)
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ...  # store the new k/v [s, b, g, d]; return cached + new [past + s, b, g, d]
 
@@ -394,13 +396,13 @@ class SelfAttention(nn.Module):
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]``, cos/sin ``[s, b|1, rd/2]`` → same shape as x.
 
         Under CP ``s`` is this rank's ``s/cp`` tokens (``meta`` says which). With ``kv_cache``
-        (inference, tp 1) the tokens follow the cached ones and attend over all of them."""
+        (inference, no SP or CP) the tokens follow the cached ones and attend over all of them."""
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
         s, b = qkv.shape[0], qkv.shape[1]
         q, k, v = self.regions.rotary_qkv(qkv, cos, sin, self.q_per_kv, self.head_dim)  # [s, b, n/t | g_local, d]
         if kv_cache is not None:
             k_all, v_all = kv_cache.append(k, v)  # [past + s, b, g, d]
-            return self.out(cached_attention(q, k_all, v_all, self.max_scores).reshape(s, b, -1))
+            return self.out(cached_attention(q, k_all, v_all, self.max_scores, kv_cache.pad).reshape(s, b, -1))
         if self.parallel.recompute == "selective" and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core, q, k, v, meta, tracker=self.parallel.tracker)  # [s, b, n/t, d]
         else:

@@ -564,14 +564,21 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
     return _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_scores: int | None = None) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_scores: int | None = None,
+                     pad: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the new queries q ``[s, b, n, d]`` over cached + new keys k/v ``[past + s, b, g, d]``:
     query ``i`` sees keys ``0..past + i`` (bottom-right aligned, so not SDPA's top-left ``is_causal``; one new
     token needs no mask). → ``[s, b, n, d]``. The first call (no past) is ``dot_product_attention`` with
-    ``max_scores``."""
+    ``max_scores``. ``pad [b]``: sequence j is left-padded by ``pad[j]`` keys, which no other query sees (a padding
+    query sees only itself, so its row stays finite)."""
     s = q.shape[0]
     total = k.shape[0]
     past = total - s
+    if pad is not None:
+        key_pos = torch.arange(total, device=q.device)
+        query_pos = key_pos[past:, None]  # [s, 1]
+        visible = (key_pos >= pad[:, None, None]) & (key_pos <= query_pos) | (key_pos == query_pos)  # [b, s, total]
+        return _sdpa(q, k, v, attn_mask=visible.unsqueeze(1))
     if past == 0:
         return dot_product_attention(q, k, v, 0.0, max_scores)
     mask = None
