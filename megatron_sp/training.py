@@ -32,7 +32,8 @@ from .optim.grad_scaler import DynamicLossScaler
 from .optim import DistributedOptimizer, lr_at, named_trainable
 from .parity import full_main_grads
 from .pipeline.executor import ScheduleStats, agree_costs, forward_backward, forward_only
-from .model import count_parameters, flops_per_token, generate
+from .model import count_parameters, flops_per_token
+from .model.inference import generate_batch
 from .model import moe
 from .model.transformer import compile_cache_dir
 from .pipeline.partition import build_stage, stage_chunks, tied_embedding_params
@@ -392,17 +393,18 @@ def _loop(rt: Runtime) -> None:
     preemption.close()
     saver.wait()
     metrics.close()
-    if cfg.train.sample_prompt and st.pp_size > 1:
-        log.info("no sample: generation through pipeline stages is not available yet (parallel.pp > 1)")
+    if cfg.train.sample_prompt and cfg.parallel.virtual_stages > 1:
+        log.info("no sample: decoding through virtual pipeline stages is not available (tools/generate.py decodes the "
+                 "checkpoint at parallel.virtual_stages=1)")
     elif cfg.train.sample_prompt and (st.dp_rank == 0 and st.cp_rank == 0 or cfg.parallel.ep > 1):
-        # one model replica (its TP ranks) decodes; under ep every rank of the stage does, in lockstep, the same prompt
+        # one model replica (its TP × PP ranks) decodes; under ep every rank does, in lockstep, the same prompt
         # (each ep rank holds some experts: the dispatcher's all-to-all needs them all)
-        ids = rt.tokenizer.encode(cfg.train.sample_prompt)
+        ids = rt.tokenizer.encode(cfg.train.sample_prompt)[-cfg.model.seq_length:] or [rt.tokenizer.eod]
         rt.model.compile_regions(False)  # decoding shapes change every call: eager, not one compile per length
         cp_group, rt.model.cp_group = rt.model.cp_group, comm.LOCAL  # weights are replicated over CP: decode alone
         try:
-            out_ids = generate(rt.model, ids, cfg.train.sample_tokens, eod=rt.tokenizer.eod)
+            (done,) = generate_batch(rt.model, [ids], cfg.train.sample_tokens, rt.tokenizer.eod, state=st)
         finally:
             rt.model.cp_group = cp_group
-        log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(out_ids[len(ids):]))
+        log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(done.new_ids))
 

@@ -243,7 +243,7 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
     sequence parallelism (no KV cache) each step re-runs the whole contexts, split over tp."""
     check_sampling(sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
     recompute = model.parallel.sp  # no KV cache under SP (one new token cannot be split over tp): whole contexts
-    if model.training or not recompute and model.kv_cache_unsupported() is not None:
+    if not recompute and model.kv_cache_unsupported() is not None:
         model.check_kv_cache_usable()
     cfg, dev = model.cfg, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -272,35 +272,40 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
         step, j = unread.pop(0)
         exchange(step, j, torch.zeros(len(batches[j].items), dtype=torch.long, device=dev))
 
-    with torch.no_grad():
-        for step in range(max_new_tokens):
-            for j, mb in enumerate(batches):
-                if unread and unread[0] == (step - 1, j):
-                    read_next()
-                if not mb.active:
-                    continue
-                ids, pos, docs, cache = mb.input_ids(step), None, None, mb.cache  # [b, s]
-                if recompute:
-                    (ids, pos, docs), cache = mb.context(step, model.parallel.tp_size), None
-                if first:
-                    out = model(ids, position_ids=pos, document_ids=docs, kv_cache=cache)
-                else:
-                    rows = ids.shape[1] // (model.parallel.tp_size if recompute else 1)
-                    hidden = torch.empty(rows, ids.shape[0], cfg.hidden_size, dtype=dtype, device=dev)
-                    src = pp_ranks[me - 1]
-                    hidden = comm.irecv(hidden, src, state.p2p_groups[(src, state.rank)]).wait()
-                    out = model(None, position_ids=pos, hidden_states=hidden, document_ids=docs, kv_cache=cache)
-                if not last:
-                    dst = pp_ranks[me + 1]
-                    sends.append(comm.isend(out.contiguous(), dst, state.p2p_groups[(state.rank, dst)]))
-                    unread.append((step, j))
-                    continue
-                logits = out[:, mb.prompt.shape[1] + step - 1 if recompute else -1, :limit].float()  # [b, V]
-                new = [sample_next(row, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p,
-                                   c.generator) if c.going(step) else 0 for row, c in zip(logits, mb.items)]
-                exchange(step, j, torch.tensor(new, dtype=torch.long, device=dev))
-        while unread:
-            read_next()
-        for pending in sends:
-            pending.wait()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for step in range(max_new_tokens):
+                for j, mb in enumerate(batches):
+                    if unread and unread[0] == (step - 1, j):
+                        read_next()
+                    if not mb.active:
+                        continue
+                    ids, pos, docs, cache = mb.input_ids(step), None, None, mb.cache  # [b, s]
+                    if recompute:
+                        (ids, pos, docs), cache = mb.context(step, model.parallel.tp_size), None
+                    if first:
+                        out = model(ids, position_ids=pos, document_ids=docs, kv_cache=cache)
+                    else:
+                        rows = ids.shape[1] // (model.parallel.tp_size if recompute else 1)
+                        hidden = torch.empty(rows, ids.shape[0], cfg.hidden_size, dtype=dtype, device=dev)
+                        src = pp_ranks[me - 1]
+                        hidden = comm.irecv(hidden, src, state.p2p_groups[(src, state.rank)]).wait()
+                        out = model(None, position_ids=pos, hidden_states=hidden, document_ids=docs, kv_cache=cache)
+                    if not last:
+                        dst = pp_ranks[me + 1]
+                        sends.append(comm.isend(out.contiguous(), dst, state.p2p_groups[(state.rank, dst)]))
+                        unread.append((step, j))
+                        continue
+                    logits = out[:, mb.prompt.shape[1] + step - 1 if recompute else -1, :limit].float()  # [b, V]
+                    new = [sample_next(row, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p,
+                                       c.generator) if c.going(step) else 0 for row, c in zip(logits, mb.items)]
+                    exchange(step, j, torch.tensor(new, dtype=torch.long, device=dev))
+            while unread:
+                read_next()
+            for pending in sends:
+                pending.wait()
+    finally:
+        model.train(was_training)
     return items
