@@ -116,8 +116,9 @@ def describe(cfg: Config, vocab_source: str) -> list[str]:
     if D.experts:
         moe = plan.moe_layers_of(cfg, range(m.num_layers))
         shared = f", shared experts of width {D.shared_ffn}" if D.shared_ffn else ""
+        etp = f", each split over expert_tp {D.etp} (ffn {D.expert_local_ffn} per TP rank)" if D.etp > 1 else ""
         lines.append(f"experts: {moe} of {m.num_layers} layers MoE, {D.experts} experts of ffn {D.moe_ffn}, top-{D.top_k}"
-                     f"{shared}; ep {D.ep} ({D.experts // D.ep} experts per rank) × edp {D.edp} over the "
+                     f"{shared}; ep {D.ep} ({D.experts // D.ep} experts per rank{etp}) × edp {D.edp} over the "
                      f"{plan.expert_fold(cfg)} ranks they fold over (dropless, balanced routing assumed)")
     return lines
 
@@ -236,7 +237,8 @@ def print_layouts(cands: list[plan.Candidate], top: int, memory: int, own: tuple
 
 
 def plan_json(lp: plan.LayoutPlan) -> dict[str, Any]:
-    return {"layout": dict(zip(("tp", "pp", "cp", "dp"), lp.layout, strict=True)) | ({"ep": lp.dims.ep} if lp.dims.experts else {}),
+    moe = {"ep": lp.dims.ep, "expert_tp": lp.dims.etp} if lp.dims.experts else {}
+    return {"layout": dict(zip(("tp", "pp", "cp", "dp"), lp.layout, strict=True)) | moe,
             "peak_bytes": lp.peak_bytes,
             "stages": [{"pp_rank": r.pp_rank, "params": r.state.params, "grads": r.state.grads, "optim": r.state.optim,
                         "activations_per_micro_batch": r.per_micro_batch, "in_flight": r.schedule.in_flight,

@@ -371,7 +371,8 @@ class MoE(nn.Module):
         for param in self.experts.parameters():  # rank r holds experts [r·E/ep, (r+1)·E/ep) (mpu.sharding)
             param.expert_parallel, param.ep_rank, param.ep_size = True, comm.group_rank(ep_group), ep
             param.ep_tp = sp and ep > 1  # folded over tp: each TP rank holds its own experts (checkpoint writers)
-            param.sequence_parallel = sp and ep == 1  # every TP rank holds them all: grads summed over tp
+            # every TP rank holds them all (SP, ep 1), or the down/fc2 bias under expert TP: grads summed over tp
+            param.sequence_parallel = sp and ep == 1 or getattr(param, "sequence_parallel", False)
         # Under SP (tp) and CP this rank routes a shard of the micro-batch's tokens: the balancing losses count the
         # whole micro-batch (docs/moe.md); the router's gradient is summed over tp as a LayerNorm's is (over cp by
         # the dp_cp reduction).

@@ -143,12 +143,13 @@ def moe_terms(D: PlanDims) -> dict[str, int]:
     also the received rows' permutation). Experts: the dispatched rows ``[R, h]`` (the grouped GEMM's input), the
     gate/up output ``[R, 2f]`` (the SwiGLU input) and the down input ``[R, f]`` (GeLU: its input and fc2's),
     SwiGLU's concatenated gate/up weights ``[E/ep, 2f, h]``, with biases the int64 index each
-    ``repeat_interleave`` keeps. Combine: the expert outputs ``[R, h]`` each ``index_copy`` keeps as its source
-    (under ep two: before and after the all-to-all back), the scattered outputs in fp32 ``[R, h]`` the weighted
-    sum keeps. The shared experts save what a dense tensor-parallel MLP of their width does. Left out: the
-    grouped GEMM's int32 offsets ``[E/ep]``."""
+    ``repeat_interleave`` keeps; under expert tensor parallelism f is ``moe_ffn / tp`` (the rows stay ``[R, h]``: the
+    TP all-reduces of the output rows and of the tokens' gradient save nothing). Combine: the expert outputs
+    ``[R, h]`` each ``index_copy`` keeps as its source (under ep two: before and after the all-to-all back), the
+    scattered outputs in fp32 ``[R, h]`` the weighted sum keeps. The shared experts save what a dense
+    tensor-parallel MLP of their width does. Left out: the grouped GEMM's int32 offsets ``[E/ep]``."""
     e, h, T, E, k = D.e, D.h, D.shard_tokens, D.experts, D.top_k
-    R, f, local = T * k, D.moe_ffn, D.experts // D.ep
+    R, f, local = T * k, D.expert_local_ffn, D.experts // D.ep
     spec = arch_spec(D.arch)
     topk = T * k * 8 + (T * k * 4 * 2 + T * 4 if k > 1 else T * 4)  # experts; scores (+ sum and weights when k > 1)
     terms = {"router input (fp32)": T * h * 4, "router weight copy (fp32)": E * h * 4 if e != 4 else 0,

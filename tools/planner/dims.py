@@ -72,6 +72,12 @@ class PlanDims:
     sigmoid: bool = False  # the router scores by sigmoid (else softmax)
     capacity: bool = False  # model.moe_capacity_factor set (training drops assignments past each expert's capacity)
     edp: int = 1  # expert data parallelism: ``expert_fold / ep`` ranks hold the same experts (their gradient and ZeRO group)
+    etp: int = 1  # expert tensor parallelism (``parallel.expert_tp``, 1 or tp, no SP): each TP rank holds moe_ffn/etp of every expert
+
+    @property
+    def expert_local_ffn(self) -> int:
+        """The width of one expert on a TP rank: ``moe_ffn / etp``."""
+        return self.moe_ffn // self.etp
 
 
 def expert_fold(cfg: Config) -> int:
@@ -111,7 +117,8 @@ def dims_of(cfg: Config) -> PlanDims:
                     cpu_attention_max_scores=m.cpu_attention_max_scores, experts=m.num_experts,
                     top_k=m.moe_top_k if moe else 0, moe_ffn=moe_ffn, shared_ffn=m.moe_shared_experts * moe_ffn,
                     sigmoid=m.moe_router_score == "sigmoid",
-                    capacity=moe and m.moe_capacity_factor is not None, ep=p.ep, edp=max(1, expert_fold(cfg) // p.ep))
+                    capacity=moe and m.moe_capacity_factor is not None, ep=p.ep, edp=max(1, expert_fold(cfg) // p.ep),
+                    etp=p.expert_tp if moe else 1)
 
 
 def stage_layers(cfg: Config, pp_rank: int) -> list[range]:

@@ -77,7 +77,7 @@ def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None, execute
     ``recompute`` (default the config's) adds the recomputed forward: ``2·N + 2·L·h·s`` (full) or ``2·L·h·s``
     (selective). ``executed``: what the rank computes rather than its share of the model's FLOPs: without
     sequence parallelism every TP rank runs the router and the routed experts on all its tokens (replicated
-    over tp), so their FLOPs are not divided by tp."""
+    over tp), so their FLOPs are not divided by tp; under expert tensor parallelism only the router's."""
     D = dims_of(cfg)
     recompute = D.recompute if recompute is None else recompute
     parts = parameter_parts(cfg.model)
@@ -94,8 +94,8 @@ def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None, execute
         per_token += attention / 3
     tokens = D.global_batch // D.dp * D.seq // D.cp
     flops = tokens * per_token / D.tp
-    if executed and moe and D.tp > 1 and not D.sp:  # router + k experts per token on every TP rank
-        replicated = D.experts * D.h + D.top_k * _mlp_parameters(cfg.model, D.moe_ffn)
+    if executed and moe and D.tp > 1 and not D.sp:  # router (+ k experts unless expert TP) per token on every TP rank
+        replicated = D.experts * D.h + (D.top_k * _mlp_parameters(cfg.model, D.moe_ffn) if D.etp == 1 else 0)
         flops += tokens * (8 if recompute == "full" else 6) * moe * replicated * (1 - 1 / D.tp)
     return flops
 
@@ -171,7 +171,8 @@ def factorizations(devices: int) -> list[tuple[int, int, int, int]]:
 def layout_overrides(base: Config, tp: int, pp: int, cp: int, dp: int) -> list[str]:
     """Dotted overrides that move ``base``'s parallel section to (tp, pp, cp, dp), keeping its choices
     where they still apply: sequence parallelism only at tp > 1, an interleaved schedule (and its
-    virtual stages) only at pp > 1 (else 1f1b), the cp algorithm as given."""
+    virtual stages) only at pp > 1 (else 1f1b), the cp algorithm as given, expert tensor parallelism (it is 1
+    or tp, without SP) at the new tp when the config splits its experts over tp > 1, else 1."""
     p = base.parallel
     sp = p.sequence_parallel and tp > 1
     schedule, virtual = p.pp_schedule, p.virtual_stages
@@ -179,7 +180,8 @@ def layout_overrides(base: Config, tp: int, pp: int, cp: int, dp: int) -> list[s
         schedule, virtual = "1f1b", 1
     out = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.dp={dp}",
            f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.pp_schedule={schedule}",
-           f"parallel.virtual_stages={virtual}", "parallel.world_size=none"]
+           f"parallel.virtual_stages={virtual}", "parallel.world_size=none",
+           f"parallel.expert_tp={tp if p.expert_tp > 1 and not sp else 1}"]
     if p.cp_algo == "usp" and (cp == 1 or cp % p.cp_ulysses):
         out += ["parallel.cp_algo=zigzag", "parallel.cp_ulysses=1"]
     return out

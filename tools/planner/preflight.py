@@ -132,6 +132,8 @@ def _layout_args(cfg: Config, layout: tuple[int, int, int, int]) -> list[str]:
     out = [f"parallel.{k}={v}" for k, v in zip(("tp", "pp", "cp", "dp"), layout, strict=True) if now[k] != v]
     if p.sequence_parallel and layout[0] == 1:
         out.append("parallel.sequence_parallel=false")
+    if p.expert_tp > 1 and layout[0] != p.tp:  # experts split over tp follow it (layout_overrides)
+        out.append(f"parallel.expert_tp={layout[0]}")
     return out
 
 

@@ -10,7 +10,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from megatron_sp.config.schema import Config
-from megatron_sp.model.moe import Router
+from megatron_sp.model.moe import Experts, Router
+from megatron_sp.model.transformer import arch_spec
 from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 from megatron_sp.pipeline.partition import build_stage
@@ -35,7 +36,8 @@ def stage_parameters(cfg: Config, pp_rank: int = 0) -> list[tuple[str, nn.Parame
     """Stage ``pp_rank``'s trainable parameters as one TP rank holds them: meta tensors of the local shape and
     the model's TP/SP attributes, built by ``pipeline.build_stage`` at TP size 1 and then given the rules the
     layers apply at ``tp`` (docs/planner.md, "Parameters, gradients, optimizer state"); a MoE layer's routed experts
-    (``expert_parallel``: ``[E, out, in]`` stacks) are cut to the E/ep of expert-parallel rank 0."""
+    (``expert_parallel``: ``[E, out, in]`` stacks) are cut to the E/ep of expert-parallel rank 0 and, under expert
+    tensor parallelism (``parallel.expert_tp`` = tp), take the TP tags ``moe.Experts`` gives them at that size."""
     D, p = dims_of(cfg), cfg.parallel
     key = _stage_key(cfg, pp_rank)
     if key in _STAGES:  # a search asks for each stage many times
@@ -49,12 +51,17 @@ def stage_parameters(cfg: Config, pp_rank: int = 0) -> list[tuple[str, nn.Parame
     norms = {id(q) for mod in stage.modules() if isinstance(mod, nn.LayerNorm | nn.RMSNorm) for q in mod.parameters()}
     named = named_trainable(stage)
     routers = {id(mod.weight) for mod in stage.modules() if isinstance(mod, Router)}
-    for _, q in named:  # ``moe.MoE``'s rules at (tp, ep): it sees tp 1 and ep 1 here
+    etp = _expert_tp_tags(cfg) if D.etp > 1 else {}
+    for name, q in named:  # ``moe.MoE``'s rules at (tp, ep, expert_tp): it sees tp 1 and ep 1 here
         if getattr(q, "expert_parallel", False):
+            for attr, value in etp.get(".".join(name.split(".")[-2:]), {}).items():
+                setattr(q, attr, value)  # split on ``partition_dim`` by the TP rule below
             if D.ep > 1:  # built with all E experts (meta: no memory); ep rank 0's E/ep
                 q.data = q.new_empty((q.shape[0] // D.ep, *q.shape[1:]))
                 q.ep_rank, q.ep_size = 0, D.ep
-            q.sequence_parallel = D.sp and D.ep == 1  # under SP every TP rank holding all experts sums their grads
+            # under SP every TP rank holding all experts sums their grads; so do the TP ranks the down/fc2 bias of
+            # expert TP (its tag from ``Experts``, kept by ``MoE``)
+            q.sequence_parallel = D.sp and D.ep == 1 or bool(getattr(q, "sequence_parallel", False))
         elif id(q) in routers:
             q.sequence_parallel = D.sp  # under SP each TP rank routes its own tokens
     for name, q in named:
@@ -69,6 +76,15 @@ def stage_parameters(cfg: Config, pp_rank: int = 0) -> list[tuple[str, nn.Parame
         q.sequence_parallel = q.sequence_parallel or (D.sp and id(q) in norms)
     _STAGES[key] = named
     return named
+
+
+def _expert_tp_tags(cfg: Config) -> dict[str, dict[str, object]]:
+    """{``gate.weight``, ...: the TP tags} of ``moe.Experts`` built over ``expert_tp`` ranks (one expert, on meta)."""
+    D = dims_of(cfg)
+    with torch.device("meta"):
+        probe = Experts(1, D.h, D.moe_ffn, arch_spec(D.arch), D.etp)
+    return {name: {attr: getattr(q, attr) for attr in ("tensor_model_parallel", "partition_dim", "sequence_parallel")}
+            for name, q in probe.named_parameters()}
 
 
 @dataclass
@@ -97,7 +113,7 @@ _STATE: dict[tuple[object, ...], StateBytes] = {}
 
 def _stage_key(cfg: Config, pp_rank: int) -> tuple[object, ...]:
     D = dims_of(cfg)
-    return (repr(cfg.model), D.tp, D.sp, D.pp, D.virtual_stages, cfg.parallel.pp_partition, D.ep, pp_rank)
+    return (repr(cfg.model), D.tp, D.sp, D.pp, D.virtual_stages, cfg.parallel.pp_partition, D.ep, D.etp, pp_rank)
 
 
 def _runs(named: list[tuple[str, nn.Parameter]], ep: int) -> list[tuple[bool, list[tuple[str, nn.Parameter]]]]:

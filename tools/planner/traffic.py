@@ -55,7 +55,7 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
     chunks = stage_layers(cfg, pp_rank)
     n_layers = sum(len(c) for c in chunks)
     moe_layers = sum(moe_layers_of(cfg, c) for c in chunks)
-    mlp_layers = n_layers - (moe_layers if not D.shared_ffn else 0)  # a MoE MLP is TP-parallel only in its shared experts
+    mlp_layers = n_layers - (moe_layers if not D.shared_ffn else 0)  # a MoE MLP's shared experts (routed experts: below)
     first, last = pp_rank == 0, pp_rank == D.pp - 1
     forwards = _forwards(D)
 
@@ -127,6 +127,10 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
             _add(book, dim, "all_reduce", m * moe_layers * forwards * _ar(n) * D.experts * 8)
         if D.capacity and D.sp:
             _add(book, "tp", "all_gather", m * moe_layers * forwards * (t - 1) / t * D.tokens * D.top_k * (8 + 4))
+    if D.etp > 1 and moe_layers:  # expert TP: per forward the expert output rows [T·k, h] (what this rank's experts
+        # received; balanced) summed over tp before the combine, per backward the tokens' gradient [T, h] (copy_to_tp)
+        rows = forwards * D.tokens * D.top_k + D.tokens
+        _add(book, "tp", "all_reduce", m * moe_layers * _ar(t) * rows * D.h * e)
     if D.ep > 1 and moe_layers:  # per forward the counts [E] (int64) and the rows both ways; backward the rows again
         rows = moe_all_to_all_bytes(cfg, pp_rank) * (D.ep - 1) / D.ep  # comm counts the rows to the other ranks
         _add(book, "ep", "all_to_all", rows + m * moe_layers * forwards * (D.ep - 1) / D.ep * D.experts * 8)
