@@ -27,7 +27,7 @@ import shutil
 import sys
 import uuid
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,8 @@ from megatron_sp.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf
 
 log = logging.getLogger("megatron_sp")
 
-HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama"}
+HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama",
+            "Qwen2MoeForCausalLM": "llama"}
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "virtual_stages", "pp_schedule", "pp_partition", "sequence_parallel", "cp_algo",
                "cp_ulysses", "zero", "ep")  # the parallel.* values a checkpoint's config records as its layout
 
@@ -277,7 +278,7 @@ def to_hf(src: Path, out: Path, iteration: int | None) -> Path:
     m = cfg.model
     if any(any(b) for b in (meta.get("moe_expert_bias") or {}).values()):
         raise DataError(f"{ckpt}: its experts are chosen with a learned routing bias (model.moe_bias_update_rate), "
-                        "which MixtralForCausalLM has no place for: the export would route differently")
+                        "which MixtralForCausalLM and Qwen2MoeForCausalLM have no place for: the export would route differently")
     vocab = weights["embedding.weight"].shape[0]  # stored without the layout's padding rows
     special = special_token_ids(cfg)
     hf_cfg = {**hf_config_dict(m), "vocab_size": vocab, "torch_dtype": "float32", **special}
@@ -298,8 +299,30 @@ def _rope(raw: dict[str, Any], key: str, legacy: str, default: float) -> float:
     return float(params.get(key, raw.get(legacy, default)))
 
 
+def qwen2_moe_keys(raw: dict[str, Any], num_layers: int, refuse: Callable[[str], DataError]) -> dict[str, Any]:
+    """Our ``moe_*`` keys for a Qwen2MoeForCausalLM config (absent keys: Qwen2MoeConfig's defaults); refused: a top-k
+    renormalised otherwise than ours (exactly when k > 1), a shared width not a multiple of the experts', sparse layers
+    not of the form ``is_moe_layer`` picks (every ``moe_layer_freq``-th from ``moe_first_dense_layers`` on)."""
+    k, step = int(raw.get("num_experts_per_tok", 4)), int(raw.get("decoder_sparse_step", 1))
+    if bool(raw.get("norm_topk_prob", False)) != (k > 1):
+        raise refuse(f"norm_topk_prob={raw.get('norm_topk_prob', False)} with num_experts_per_tok={k} (ours renormalises "
+                     "the top-k weights exactly when k > 1)")
+    ffn, shared = int(raw.get("moe_intermediate_size", 1408)), int(raw.get("shared_expert_intermediate_size", 5632))
+    if shared % ffn:
+        raise refuse(f"shared_expert_intermediate_size {shared} (not a multiple of moe_intermediate_size {ffn})")
+    sparse = [i for i in range(num_layers) if (i + 1) % step == 0 and i not in (raw.get("mlp_only_layers") or [])]
+    first = sparse[0] if sparse else num_layers
+    freq = sparse[1] - first if len(sparse) > 1 else max(num_layers - first, 1)
+    if not sparse or sparse != list(range(first, num_layers, freq)):
+        raise refuse(f"sparse layers {sparse} (ours: every moe_layer_freq-th layer from moe_first_dense_layers on)")
+    return {"num_experts": int(raw.get("num_experts", 60)), "moe_top_k": k, "moe_ffn_hidden_size": ffn,
+            "moe_shared_experts": shared // ffn, "moe_first_dense_layers": first, "moe_layer_freq": freq,
+            "moe_aux_loss_coeff": float(raw.get("router_aux_loss_coef", 0.001))}
+
+
 def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
-    """Our model section for an HF GPTNeoX / Llama config dict; unsupported variants are refused."""
+    """Our model section for an HF GPTNeoX / Llama / Mixtral / Qwen2-MoE config dict; unsupported variants are
+    refused (Qwen2-MoE's q/k/v biases and shared-expert gate are checked to be zero with the weights)."""
     names = [a for a in raw.get("architectures") or [] if a in HF_ARCHS]
     if not names:
         raise DataError(f"{source}: architectures {raw.get('architectures')} is not one of {', '.join(HF_ARCHS)}")
@@ -337,11 +360,14 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
     if raw.get("head_dim") not in (None, hidden // heads):
         raise refuse(f"head_dim {raw.get('head_dim')} != hidden_size / num_attention_heads")
     moe: dict[str, Any] = {}
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", names[0] == "MixtralForCausalLM") else None
+    if window not in (None, 0) and int(window) < common["seq_length"]:
+        raise refuse(f"sliding_window {window}")
+    if names[0] == "Qwen2MoeForCausalLM":
+        moe = qwen2_moe_keys(raw, common["num_layers"], refuse)
     if names[0] == "MixtralForCausalLM":  # llama with a MoE MLP in every layer
         if int(raw.get("num_experts_per_tok", 2)) < 2:
             raise refuse("num_experts_per_tok=1 (Mixtral renormalises a top-1 weight to 1; ours keeps the score)")
-        if raw.get("sliding_window") not in (None, 0) and int(raw["sliding_window"]) < common["seq_length"]:
-            raise refuse(f"sliding_window {raw['sliding_window']}")
         moe = {"num_experts": int(raw["num_local_experts"]), "moe_top_k": int(raw.get("num_experts_per_tok", 2)),
                "moe_ffn_hidden_size": common["ffn_hidden_size"],
                "moe_aux_loss_coeff": float(raw.get("router_aux_loss_coef", 0.01))}

@@ -1,7 +1,9 @@
 """Name and layout mapping between our GPTModel state dict and Hugging Face ``GPTNeoXForCausalLM`` (neox) /
-``LlamaForCausalLM`` (llama), with the Hub checkpoints' names (``embed_out.weight`` for GPT-NeoX's output layer;
-transformers >= 5 loads it as ``lm_head.weight``) and the padded vocabulary. neox is a pure renaming; llama
-splits our fused QKV rows into ``q_proj``/``k_proj``/``v_proj``. A tied output layer is not written.
+``LlamaForCausalLM`` (llama) / ``MixtralForCausalLM`` or ``Qwen2MoeForCausalLM`` (a MoE llama), with the Hub
+checkpoints' names (``embed_out.weight`` for GPT-NeoX's output layer, transformers >= 5 loads it as
+``lm_head.weight``; one tensor per expert, which transformers >= 5 stacks on load and splits again on save) and the
+padded vocabulary. neox is a pure renaming; llama splits our fused QKV rows into ``q_proj``/``k_proj``/``v_proj``.
+A tied output layer is not written.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.errors import ConfigError
+from megatron_sp.model.moe import is_moe_layer
 from megatron_sp.model.transformer import check_model_config, head_dim
 
 _NEOX_LAYER = {
@@ -37,7 +40,11 @@ _GLOBAL = {
     "llama": {"embedding": "model.embed_tokens", "final_norm": "model.norm", "output_layer": "lm_head"},
 }
 _LAYER_PREFIX = {"neox": "gpt_neox.layers", "llama": "model.layers"}
-_MIXTRAL_EXPERT = {"gate": "w1", "down": "w2", "up": "w3"}  # ours [E, out, in] ↔ block_sparse_moe.experts.{e}.wN
+MIXTRAL, QWEN2_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM"
+# per HF MoE class: its sparse block's module, and our stacked expert matrices [E, out, in] ↔ {block}.experts.{e}.NAME
+_MOE_BLOCK = {MIXTRAL: ("block_sparse_moe", {"gate": "w1", "down": "w2", "up": "w3"}),
+              QWEN2_MOE: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
+_HF_MOE_RE = re.compile(r"(?:block_sparse_moe|mlp)\.(?:(gate)|experts\.(\d+)\.(\w+)|shared_expert\.(\w+)_proj|(shared_expert_gate))")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"^(?:gpt_neox|model)\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -50,20 +57,38 @@ def _resolve_arch(cfg: ModelConfig, arch: str | None) -> str:
     return arch
 
 
+def _unmet(cfg: ModelConfig, hf_class: str) -> list[str]:
+    """What a MoE ``cfg`` lacks to export exactly as ``hf_class``: both need llama experts and a softmax router;
+    Mixtral renormalises the top-k (so k ≥ 2: its top-1 weight is 1 where ours keeps the score), has no shared
+    experts and a MoE MLP in every layer. Qwen2-MoE holds those (``norm_topk_prob = k > 1``, ``mlp_only_layers``)."""
+    needs = [("model.arch=llama", cfg.arch != "llama"), ("model.moe_router_score=softmax", cfg.moe_router_score != "softmax")]
+    if hf_class == MIXTRAL:
+        needs += [("model.moe_top_k >= 2", cfg.moe_top_k < 2), ("model.moe_shared_experts=0", cfg.moe_shared_experts > 0),
+                  ("every layer MoE (moe_layer_freq 1, moe_first_dense_layers 0)",
+                   cfg.moe_layer_freq != 1 or cfg.moe_first_dense_layers > 0)]
+    return [what for what, broken in needs if broken]
+
+
 def check_mixtral(cfg: ModelConfig) -> None:
-    """A MoE model exports exactly as ``MixtralForCausalLM`` only with llama experts in every layer, softmax top-k
-    (k ≥ 2: Mixtral renormalises the top-k, so a top-1 weight is 1 where ours keeps the score) and no shared experts."""
-    bad = [what for what, broken in (
-        ("model.arch=llama", cfg.arch != "llama"), ("model.moe_router_score=softmax", cfg.moe_router_score != "softmax"),
-        ("model.moe_top_k >= 2", cfg.moe_top_k < 2), ("model.moe_shared_experts=0", cfg.moe_shared_experts > 0),
-        ("every layer MoE (moe_layer_freq 1, moe_first_dense_layers 0)", cfg.moe_layer_freq != 1 or cfg.moe_first_dense_layers)
-    ) if broken]
-    if bad:
-        raise ConfigError(f"this MoE model has no exact transformers class: MixtralForCausalLM needs {', '.join(bad)}")
+    """ConfigError unless the MoE ``cfg`` exports exactly as ``MixtralForCausalLM``."""
+    if bad := _unmet(cfg, MIXTRAL):
+        raise ConfigError(f"this MoE model is not exactly a Mixtral: MixtralForCausalLM needs {', '.join(bad)}")
+
+
+def hf_moe_class(cfg: ModelConfig) -> str:
+    """The transformers class a MoE ``cfg`` exports to exactly: Mixtral when it can, else Qwen2-MoE (shared experts,
+    dense layers, top-1); a ConfigError naming what each lacks when neither can."""
+    unmet = {hf_class: _unmet(cfg, hf_class) for hf_class in _MOE_BLOCK}
+    if exact := [hf_class for hf_class, bad in unmet.items() if not bad]:
+        return exact[0]
+    raise ConfigError("this MoE model has no exact transformers class: "
+                      + "; ".join(f"{hf_class} needs {', '.join(bad)}" for hf_class, bad in unmet.items()))
 
 
 def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
-    """Keyword arguments (and ``config.json`` content) of the matching HF config class (Mixtral for a MoE llama)."""
+    """Keyword arguments (and ``config.json`` content) of the matching HF config class (``hf_moe_class`` for MoE).
+    Qwen2-MoE: ``decoder_sparse_step`` 1 with every dense layer in ``mlp_only_layers``; q/k/v biases on (written as
+    zeros: transformers < 5 and other Qwen2-MoE readers always build them)."""
     arch = _resolve_arch(cfg, arch)
     common: dict[str, Any] = {
         "vocab_size": cfg.padded_vocab_size,
@@ -87,11 +112,18 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
              "head_dim": head_dim(cfg)}
     if not cfg.num_experts:
         return llama
-    check_mixtral(cfg)
-    return {**llama, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-            "intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
-            "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+    hf_class = hf_moe_class(cfg)
+    moe = {"architectures": [hf_class], "num_experts_per_tok": cfg.moe_top_k, "output_router_logits": False,
+           "router_aux_loss_coef": cfg.moe_aux_loss_coeff}  # transformers uses it only when training
+    if hf_class == MIXTRAL:
+        return {**llama, **moe, "model_type": "mixtral", "intermediate_size": cfg.moe_ffn_hidden_size,
+                "num_local_experts": cfg.num_experts, "router_jitter_noise": 0.0, "sliding_window": None}
+    llama = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias")}
+    return {**llama, **moe, "model_type": "qwen2_moe", "num_experts": cfg.num_experts,
+            "moe_intermediate_size": cfg.moe_ffn_hidden_size, "norm_topk_prob": cfg.moe_top_k > 1,
+            "shared_expert_intermediate_size": cfg.moe_shared_experts * cfg.moe_ffn_hidden_size,
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)],
+            "qkv_bias": True, "use_sliding_window": False}
 
 
 def _layer_items(sd: Mapping[str, torch.Tensor], layer_re: re.Pattern, top: dict[str, str], cfg: ModelConfig,
@@ -122,22 +154,36 @@ def _split_llama_qkv(weight: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tens
 def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
                      arch: str | None = None) -> dict[str, torch.Tensor]:
     """Our full-model state dict → HF names and layouts (views or fresh copies); ``arch`` must equal ``cfg.arch``.
-    A tied ``output_layer.weight`` (the last stage's copy of the embedding) is dropped."""
+    A tied ``output_layer.weight`` (the last stage's copy of the embedding) is dropped. Qwen2-MoE scales its shared
+    expert by ``sigmoid(x · shared_expert_gate)``: written as a zero gate (sigmoid(0) = 0.5 exactly) and ``2·down``,
+    bit for bit our ungated shared experts (a width-0 shared expert without them); its q/k/v biases as zeros."""
     arch = _resolve_arch(cfg, arch)
     top = _GLOBAL[arch]
+    hf_class = hf_moe_class(cfg) if cfg.num_experts else ""
+    block, expert_names = _MOE_BLOCK.get(hf_class, ("", {}))
     out: dict[str, torch.Tensor] = {}
     for name, tensor, index, module, leaf in _layer_items(our_sd, _LAYER_RE, top, cfg, out, "no HF name for"):
         prefix = f"{_LAYER_PREFIX[arch]}.{index}"
         if arch == "llama" and module == "attention.qkv":
             for proj, part in zip("qkv", _split_llama_qkv(tensor, cfg)):
                 out[f"{prefix}.self_attn.{proj}_proj.{leaf}"] = part
+                if hf_class == QWEN2_MOE:
+                    out[f"{prefix}.self_attn.{proj}_proj.bias"] = part.new_zeros(part.shape[0])
             continue
         if module == "mlp.router":
-            out[f"{prefix}.block_sparse_moe.gate.{leaf}"] = tensor
+            out[f"{prefix}.{block}.gate.{leaf}"] = tensor
+            if hf_class == QWEN2_MOE:
+                out[f"{prefix}.mlp.shared_expert_gate.{leaf}"] = tensor.new_zeros(1, cfg.hidden_size)
+                h = cfg.hidden_size
+                for proj, shape in (("gate", (0, h)), ("up", (0, h)), ("down", (h, 0))) if not cfg.moe_shared_experts else ():
+                    out[f"{prefix}.mlp.shared_expert.{proj}_proj.{leaf}"] = tensor.new_zeros(shape)
             continue
-        if module.startswith("mlp.experts.") and module[12:] in _MIXTRAL_EXPERT:  # [E, out, in]: one matrix per expert
+        if module.startswith("mlp.experts.") and module[12:] in expert_names:  # [E, out, in]: one matrix per expert
             for e, matrix in enumerate(tensor.unbind(0)):
-                out[f"{prefix}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT[module[12:]]}.{leaf}"] = matrix
+                out[f"{prefix}.{block}.experts.{e}.{expert_names[module[12:]]}.{leaf}"] = matrix
+            continue
+        if module.startswith("mlp.shared.") and hf_class == QWEN2_MOE:
+            out[f"{prefix}.mlp.shared_expert.{module[11:]}_proj.{leaf}"] = tensor * 2 if module == "mlp.shared.down" else tensor
             continue
         table = _NEOX_LAYER if arch == "neox" else _LLAMA_LAYER
         if module not in table:
@@ -149,7 +195,9 @@ def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
                        arch: str | None = None) -> dict[str, torch.Tensor]:
     """HF names and layouts → our full-model state dict (the inverse of ``to_hf_state_dict``). Accepts
-    ``lm_head.weight`` or ``embed_out.weight`` for GPT-NeoX; drops the output layer when ``cfg.tie_embeddings``."""
+    ``lm_head.weight`` or ``embed_out.weight`` for GPT-NeoX; drops the output layer when ``cfg.tie_embeddings``.
+    llama: q/k/v biases and Qwen2-MoE's ``shared_expert_gate`` must be zero (ValueError naming the tensor), its
+    shared expert's ``down_proj`` is halved (the inverse of the export), a width-0 shared expert dropped."""
     arch = _resolve_arch(cfg, arch)
     top_inverse = {hf: ours for ours, hf in _GLOBAL[arch].items()}
     if arch == "neox":
@@ -158,18 +206,28 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
     out: dict[str, torch.Tensor] = {}
     pending_qkv: dict[str, dict[str, torch.Tensor]] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}  # our stacked name → expert index → matrix
-    expert_of = {hf: ours for ours, hf in _MIXTRAL_EXPERT.items()}
+    expert_of = {hf: ours for _, names in _MOE_BLOCK.values() for ours, hf in names.items()}
     for name, tensor, index, module, leaf in _layer_items(hf_sd, _HF_LAYER_RE, top_inverse, cfg, out,
                                                          "unexpected HF parameter"):
+        moe = _HF_MOE_RE.fullmatch(module) if arch == "llama" else None
+        if moe and moe.group(5) or arch == "llama" and leaf == "bias" and module.startswith("self_attn."):
+            if tensor.any():  # ours has no place for it
+                raise ValueError(f"{name} is not zero: megatron_sp's llama has no "
+                                 + ("shared-expert gate" if moe else "attention biases"))
+            continue
+        if moe and moe.group(4) and not tensor.numel():  # a width-0 shared expert: none
+            continue
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
             pending_qkv.setdefault(f"layers.{index}.attention.qkv.{leaf}", {})[module[-6]] = tensor
             continue
-        moe = re.fullmatch(r"block_sparse_moe\.(gate|experts\.(\d+)\.(w[123]))", module)
-        if arch == "llama" and moe is not None:
-            if moe.group(2) is None:
-                out[f"layers.{index}.mlp.router.{leaf}"] = tensor
-            else:
-                experts.setdefault(f"layers.{index}.mlp.experts.{expert_of[moe.group(3)]}.{leaf}", {})[int(moe.group(2))] = tensor
+        if moe and moe.group(1):
+            out[f"layers.{index}.mlp.router.{leaf}"] = tensor
+            continue
+        if moe and moe.group(3) in expert_of:
+            experts.setdefault(f"layers.{index}.mlp.experts.{expert_of[moe.group(3)]}.{leaf}", {})[int(moe.group(2))] = tensor
+            continue
+        if moe and moe.group(4) in ("gate", "up", "down"):
+            out[f"layers.{index}.mlp.shared.{moe.group(4)}.{leaf}"] = tensor / 2 if moe.group(4) == "down" else tensor
             continue
         if module not in layer_inverse:
             raise KeyError(f"unexpected HF parameter {name!r}")

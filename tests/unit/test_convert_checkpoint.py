@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ ARCH = {"neox": ["model.arch=neox", "model.ffn_hidden_size=256"],
         "llama": ["model.arch=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=96"],
         "mixtral": ["model.arch=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=96", "model.num_experts=4",
                     "model.moe_top_k=2", "model.moe_ffn_hidden_size=48"]}
-ARCH["shared"] = [*ARCH["mixtral"], "model.moe_shared_experts=1"]  # a MoE llama no transformers class holds exactly
+ARCH["qwen2_moe"] = [*ARCH["mixtral"], "model.moe_shared_experts=1", "model.moe_first_dense_layers=1"]  # not a Mixtral
+ARCH["sigmoid"] = [*ARCH["mixtral"], "model.moe_router_score=sigmoid"]  # a MoE llama no transformers class holds exactly
 
 
 def save_ours(tmp_path: Path, arch: str, tied: bool = False, tokenizer: list[str] | None = None,
@@ -53,7 +55,16 @@ def run(*args: str) -> int:
     return convert.main([str(a) for a in args])
 
 
-@pytest.mark.parametrize("arch,tied", [("neox", False), ("llama", False), ("llama", True), ("mixtral", False)])
+def generate_tool():
+    """tools/generate.py as a module (run in this process)."""
+    spec = importlib.util.spec_from_file_location("generate_tool", ROOT / "tools" / "generate.py")
+    tool = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(tool)  # type: ignore[union-attr]
+    return tool
+
+
+@pytest.mark.parametrize("arch,tied", [("neox", False), ("llama", False), ("llama", True), ("mixtral", False),
+                                       ("qwen2_moe", True)])
 def test_export_to_hf_matches_logits_and_greedy_tokens(tmp_path: Path, arch: str, tied: bool) -> None:
     ckpt, model = save_ours(tmp_path, arch, tied)
     out = tmp_path / "hf"
@@ -61,6 +72,8 @@ def test_export_to_hf_matches_logits_and_greedy_tokens(tmp_path: Path, arch: str
     assert {"config.json", "model.safetensors", "generation_config.json"} <= {p.name for p in out.iterdir()}
     hf_config = json.loads((out / "config.json").read_text())
     assert hf_config["vocab_size"] == VOCAB
+    assert hf_config["architectures"] == [{"neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
+                                           "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[arch]]
     assert (hf_config["bos_token_id"], hf_config["eos_token_id"], hf_config["pad_token_id"]) == (256, 256, 257)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert hf.dtype == torch.float32
@@ -81,7 +94,7 @@ def test_export_to_hf_matches_logits_and_greedy_tokens(tmp_path: Path, arch: str
     assert mine == hf_ids
 
 
-@pytest.mark.parametrize("arch", ["neox", "llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["neox", "llama", "mixtral", "qwen2_moe"])
 def test_hf_to_megatron_sp_to_hf_is_bit_identical(tmp_path: Path, arch: str) -> None:
     torch.manual_seed(0)
     if arch == "neox":
@@ -93,6 +106,16 @@ def test_hf_to_megatron_sp_to_hf_is_bit_identical(tmp_path: Path, arch: str) -> 
                                             num_key_value_heads=2, intermediate_size=48, max_position_embeddings=32,
                                             num_local_experts=4, num_experts_per_tok=2)
         src_model = transformers.MixtralForCausalLM(hf_cfg)
+    elif arch == "qwen2_moe":  # top-1, the shared expert 2 experts wide, layers 0 and 2 dense
+        hf_cfg = transformers.Qwen2MoeConfig(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=96, max_position_embeddings=32,
+                                             num_experts=4, num_experts_per_tok=1, moe_intermediate_size=24,
+                                             shared_expert_intermediate_size=48, mlp_only_layers=[0, 2])
+        src_model = transformers.Qwen2MoeForCausalLM(hf_cfg)
+        with torch.no_grad():  # what ours can hold: no gate on the shared expert, no q/k/v biases
+            for name, p in src_model.named_parameters():
+                if name.endswith("shared_expert_gate.weight") or name.endswith("_proj.bias"):
+                    p.zero_()
     else:
         hf_cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=96, max_position_embeddings=32,
@@ -124,11 +147,65 @@ def test_hf_to_megatron_sp_to_hf_is_bit_identical(tmp_path: Path, arch: str) -> 
 
 
 def test_moe_without_an_exact_transformers_class_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    ckpt, _ = save_ours(tmp_path, "shared")
+    ckpt, _ = save_ours(tmp_path, "sigmoid")
     assert run("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf") == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "MixtralForCausalLM needs model.moe_shared_experts=0" in err
+    assert err.startswith("error: ") and "\n" not in err and "Qwen2MoeForCausalLM needs model.moe_router_score=softmax" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_qwen2_moe_export_imports_back_identical_and_refuses_a_gate(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Shared experts export as Qwen2-MoE with a zero shared_expert_gate and 2·down: tools/generate.py's greedy tokens
+    are transformers'; importing gives our tensors bit for bit; a non-zero gate or q/k/v bias (which ours cannot
+    hold) is one line naming the tensor, nothing written."""
+    ckpt, model = save_ours(tmp_path, "qwen2_moe")
+    assert run("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf") == 0
+    capsys.readouterr()
+    assert generate_tool().main(["--load", str(ckpt), "--prompt", "def main(", "--max-new-tokens", "12", "--greedy",
+                                 "--json"]) == 0
+    mine = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        hf_ids = hf.generate(torch.tensor([mine["prompt_ids"]]), max_new_tokens=12, do_sample=False)[0].tolist()
+    hf_new = hf_ids[len(mine["prompt_ids"]):]
+    assert mine["new_ids"] == (hf_new[:hf_new.index(256)] if 256 in hf_new else hf_new) and mine["new_ids"]
+    capsys.readouterr()  # transformers' loading progress
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: hf_config[k] for k in ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "qkv_bias")} == {
+        "mlp_only_layers": [0], "decoder_sparse_step": 1, "norm_topk_prob": True, "qkv_bias": True}
+    assert run("--input", tmp_path / "hf", "--output", tmp_path / "back", "--to", "megatron_sp") == 0
+    back = checkpointing.read_full(checkpointing.resolve(tmp_path / "back"))
+    ours = {n: p[:VOCAB] if n in ("embedding.weight", "output_layer.weight") else p for n, p in model.named_parameters()}
+    assert back.keys() == ours.keys()  # without the vocabulary padding rows
+    for name, tensor in back.items():
+        assert torch.equal(tensor, ours[name]), name
+    model_cfg = checkpointing.read_meta(checkpointing.resolve(tmp_path / "back"))["config"]["model"]
+    assert (model_cfg["moe_shared_experts"], model_cfg["moe_first_dense_layers"], model_cfg["moe_layer_freq"]) == (1, 1, 1)
+    weights = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    for bad in ("model.layers.1.mlp.shared_expert_gate.weight", "model.layers.0.self_attn.k_proj.bias"):
+        changed = {**weights, bad: weights[bad] + 1e-3}
+        (tmp_path / bad).mkdir()
+        (tmp_path / bad / "config.json").write_text(json.dumps(hf_config))
+        safetensors_torch.save_file(changed, tmp_path / bad / "model.safetensors")
+        assert run("--input", tmp_path / bad, "--output", tmp_path / "refused", "--to", "megatron_sp") == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and f"{bad} is not zero" in err
+        assert not (tmp_path / "refused").exists()
+
+
+def test_qwen2_moe_layers_ours_cannot_hold_are_refused() -> None:
+    raw = {"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+           "num_hidden_layers": 4, "max_position_embeddings": 32, "vocab_size": 300, "num_experts": 4,
+           "num_experts_per_tok": 2, "norm_topk_prob": True, "moe_intermediate_size": 24,
+           "shared_expert_intermediate_size": 0}
+    for layers, first, freq in (({}, 0, 1), ({"mlp_only_layers": [0, 2]}, 1, 2), ({"decoder_sparse_step": 4}, 3, 1)):
+        cfg = convert.model_config_from_hf({**raw, **layers}, "config.json")
+        assert (cfg.moe_first_dense_layers, cfg.moe_layer_freq, cfg.moe_shared_experts) == (first, freq, 0)
+    for bad, says in (({"mlp_only_layers": [2]}, "sparse layers [0, 1, 3]"), ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+                      ({"shared_expert_intermediate_size": 36}, "shared_expert_intermediate_size 36"),
+                      ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16")):
+        with pytest.raises(convert.DataError, match=re.escape(says)):
+            convert.model_config_from_hf({**raw, **bad}, "config.json")
 
 
 def test_moe_with_a_learned_routing_bias_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -141,10 +218,7 @@ def test_moe_with_a_learned_routing_bias_is_refused(tmp_path: Path, capsys: pyte
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "learned routing bias" in err and not (tmp_path / "hf").exists()
     # tools/generate.py routes with the bias, as training did
-    spec = importlib.util.spec_from_file_location("generate_tool", ROOT / "tools" / "generate.py")
-    tool = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(tool)  # type: ignore[union-attr]
-    loaded, _, _ = tool.load_checkpoint(str(ckpt))
+    loaded, _, _ = generate_tool().load_checkpoint(str(ckpt))
     from megatron_sp.model.moe import moe_layers
     for i, layer in moe_layers(loaded).items():
         assert layer.router.expert_bias.tolist() == pytest.approx(bias[str(i)], abs=1e-9)
