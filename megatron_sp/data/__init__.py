@@ -37,7 +37,7 @@ __all__ = [
     "BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter", "PackedDataset", "Tokenizer",
     "batch_indices", "best_dtype", "build_datasets", "build_tokenizer", "check_inputs", "collate",
     "convert_packed_jsonl", "ensure_demo_data", "make_demo_corpus", "open_dataset", "parse_blend", "preprocess_jsonl",
-    "split_documents", "train_sentencepiece",
+    "split_documents", "train_sentencepiece", "whole_dataset",
 ]
 
 _TOKEN_CHECK_LIMIT = 1 << 22
@@ -175,6 +175,24 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_train_samples: int,
     train_blend = blend(0, "train", num_train_samples)
     assert train_blend is not None  # every train split is non-empty (checked above)
     return train_blend, blend(1, "valid", num_valid_samples) if num_valid_samples > 0 else None
+
+
+def whole_dataset(cfg: Config, tokenizer: Tokenizer, prefix: str | Path) -> Dataset:
+    """Every document of ``prefix`` once (tools/evaluate.py): one epoch of samples in the order ``train.seed`` gives
+    them — EOD-delimited, the ``(tokens - 1) // seq_length`` samples of ``seq_length + 1`` tokens the documents fill
+    (built as ``build_datasets`` builds a split); pre-packed (``data.packing=position_ids``), each sample once."""
+    indexed = open_dataset(prefix)
+    check_dataset_kind(indexed.prefix, cfg.data.packing, cfg.model.seq_length)
+    _check_vocabulary(indexed, tokenizer)
+    documents = np.arange(indexed.num_documents, dtype=np.int64)
+    seq_length, seed = cfg.model.seq_length, cfg.train.seed
+    if cfg.data.packing == "position_ids":
+        return PackedDataset(indexed, documents, seq_length, documents.size, seed, "eval")
+    samples = (int(indexed.document_sizes.sum()) - 1) // seq_length
+    if samples < 1:
+        raise DataError(f"dataset {indexed.bin_path} holds {int(indexed.document_sizes.sum())} tokens, fewer than one "
+                        f"sample of model.seq_length + 1 = {seq_length + 1}")
+    return GPTDataset(indexed, documents, seq_length, samples, seed, None, "eval")  # one epoch: indices in memory
 
 
 def open_dataset(prefix: str | Path) -> IndexedDataset:

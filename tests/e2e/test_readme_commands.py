@@ -50,7 +50,8 @@ RULES = [  # first match wins
     Rule(r"^(python (train|deepy)\.py|torchrun) .*--conf ", "a training run: shortened", QUICK),
     Rule(r"^python tools/plan\.py ", "the planner (meta device; --verify runs 2 steps)"),
     Rule(r"^python tools/(make_demo_corpus|train_tokenizer|preprocess_data)\.py ", "data preparation"),
-    Rule(r"^python tools/(convert_checkpoint|generate|plot_metrics)\.py ", "reads what earlier commands wrote"),
+    Rule(r"^python tools/(convert_checkpoint|generate|plot_metrics|evaluate)\.py ", "reads what earlier commands wrote"),
+    Rule(r"^torchrun .*tools/evaluate\.py ", "evaluation under torchrun: reads what earlier commands wrote"),
 ]
 
 
