@@ -22,27 +22,23 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parent) not in sys.path:  # inference_setup beside this script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch
-import torch.distributed as dist
+from inference_setup import checkpoint_config, load_tokenizer, loaded_stage, resolve_checkpoint, run_tool
 
-from megatron_sp import checkpointing, device as device_mod, faults, launcher, metrics as metrics_mod
+from megatron_sp import checkpointing
 from megatron_sp.config import Config
-from megatron_sp.config.loader import _apply_section, apply_override, finalize, set_vocab
-from megatron_sp.data import (build_datasets, build_tokenizer, check_inputs, open_dataset, parse_blend,
-                              split_documents, whole_dataset)
+from megatron_sp.data import (build_datasets, check_inputs, open_dataset, parse_blend, split_documents,
+                              whole_dataset)
 from megatron_sp.data.tokenizer import Tokenizer
-from megatron_sp.errors import ConfigError, DataError, OneLineArgumentParser, UserError
-
-EXIT_USER_ERROR = 2  # every user error of this tool: a bad path, a layout that cannot hold the model, ...
+from megatron_sp.errors import DataError, OneLineArgumentParser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -57,49 +53,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="Print one JSON object: checkpoint, step, layout and a result per dataset.")
     parser.add_argument("overrides", nargs="*", help="dotted overrides like parallel.tp=2 train.micro_batch_size=1")
     return parser.parse_args(argv)
-
-
-def resolve_checkpoint(load: str) -> Path:
-    """The checkpoint directory ``--load`` names (its ``latest``, or itself)."""
-    root = Path(load)
-    if not root.is_dir():
-        raise DataError(f"--load: '{root}' is not a directory; give a checkpoint.save directory or an iter_* "
-                        "directory inside it")
-    try:
-        return checkpointing.resolve(root)
-    except DataError as exc:
-        raise DataError(str(exc).replace("checkpoint.load:", "--load:", 1)) from None
-
-
-def eval_config(meta: dict[str, Any], ckpt: Path, overrides: list[str], world_size: int | None) -> Config:
-    """The checkpoint's config without its layout (``parallel`` is the overrides', one rank by default), the values
-    derived from the layout recomputed, then ``overrides`` (not ``model.*``: the model is the checkpoint's)."""
-    saved = meta.get("config")
-    if not isinstance(saved, dict):
-        raise DataError(f"checkpoint file '{ckpt / 'meta.json'}' holds no config")
-    cfg = Config()
-    for section, values in saved.items():
-        if section != "parallel":
-            _apply_section(cfg, str(section), values, f"checkpoint file '{ckpt / 'meta.json'}'")
-    cfg.model.padded_vocab_size = None  # padded for this layout's tp (the checkpoint stores the vocabulary unpadded)
-    cfg.train.grad_accum_steps = None  # derived from this layout's dp
-    cfg.train.compile = False  # evaluation runs eager
-    cfg.data.build_demo = False  # evaluate the files there are: never build a corpus or train a tokenizer
-    for item in overrides:
-        if item.split("=", 1)[0].strip().startswith("model."):
-            raise ConfigError(f"override '{item}': the model is the checkpoint's; set the layout (parallel.*), batch "
-                              "sizes (train.*) or data (data.*)")
-        apply_override(cfg, item)
-    if not cfg.train.eval_interval:  # a run without validation: its first eval_iters batches (as at its last step)
-        cfg.train.eval_interval = cfg.train.iters + 1
-    return finalize(cfg, world_size)
-
-
-def load_tokenizer(cfg: Config) -> Tokenizer:
-    """The checkpoint's tokenizer; the vocabulary sizes of ``cfg.model`` set from it (padded for this layout)."""
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    set_vocab(cfg, tokenizer.vocab_size)
-    return tokenizer
 
 
 def prepare(cfg: Config, prefixes: list[str]) -> None:
@@ -128,35 +81,9 @@ def dataset(cfg: Config, tokenizer: Tokenizer, prefix: str) -> Any:
 def evaluate_checkpoint(cfg: Config, ckpt: Path, meta: dict[str, Any], prefixes: list[str]) -> list[dict[str, Any]]:
     """On every rank: {name, samples, tokens, loss, perplexity} per dataset of ``prefixes`` (none: the validation
     train.py reports at the checkpoint's step). Creates the default process group unless it exists."""
-    from megatron_sp import training  # the model side: imported by the ranks only, not by the launching process
-    from megatron_sp.model import moe
-    from megatron_sp.mpu import ParallelContext, init_default_group, initialize
-    from megatron_sp.mpu.random import get_tracker, init_rng
-    from megatron_sp.optim.reducer import PRECISIONS
-    from megatron_sp.pipeline.partition import build_stage
+    from megatron_sp import training
 
-    p = cfg.parallel
-    created = not dist.is_initialized()
-    if created:
-        init_default_group(p.backend, p.timeout_s)  # type: ignore[arg-type]
-    state = None
-    try:
-        rank = dist.get_rank()
-        metrics_mod.setup_logging(cfg.logging.level, rank)
-        metrics_mod.log.handlers[0].setStream(sys.stderr)  # stdout holds the results only
-        state = initialize(training.parallel_dims(cfg), timeout_s=p.timeout_s)
-        dev = device_mod.local_device(p.device, int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[arg-type]
-        if dev.type == "cpu" and p.world_size > 1:  # type: ignore[operator]
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        tokenizer = load_tokenizer(cfg)
-        init_rng(get_tracker(), cfg.train.seed, state.tp_rank, state.pp_rank)
-        model = build_stage(cfg.model, cfg.train.seed, state, ParallelContext.from_state(state, cfg),
-                            virtual_stages=p.virtual_stages, partition=p.pp_partition,
-                            label_smoothing=cfg.train.label_smoothing, z_loss=cfg.train.z_loss).to(dev)
-        for param in model.parameters():  # bf16/fp16 runs validate with 16-bit weights (the optimizer casts them)
-            param.data = param.data.to(PRECISIONS[cfg.train.precision])
-        checkpointing.load_model_state(model, ckpt, state)
-        moe.load_expert_bias(model, meta.get("moe_expert_bias"))
+    with loaded_stage(cfg, ckpt, meta) as (state, model, tokenizer, dev):
         rt = training.Runtime(cfg, state, dev, model, None, tokenizer, None, None, None,  # type: ignore[arg-type]
                               step=int(meta.get("step", 0)))
         gbs: int = cfg.train.global_batch_size  # type: ignore[assignment]
@@ -166,7 +93,8 @@ def evaluate_checkpoint(cfg: Config, ckpt: Path, meta: dict[str, Any], prefixes:
             starts = list(range(0, len(ds) - gbs + 1, gbs))
             results.append(_result(str(prefix), len(starts) * gbs, *training.loss_sums(rt, ds, starts)))
         if not prefixes:
-            rt.valid_ds = training._rank0_first(rank, lambda: build_datasets(cfg, tokenizer, *training.split_samples(cfg)))[1]
+            rt.valid_ds = training._rank0_first(state.rank, lambda: build_datasets(cfg, tokenizer,
+                                                                                  *training.split_samples(cfg)))[1]
             if rt.valid_ds is None:
                 raise DataError(f"the validation split of data.paths {cfg.data.paths} is empty (data.split="
                                 f"{cfg.data.split}); give --data PREFIX or a data.split with a validation share")
@@ -174,11 +102,6 @@ def evaluate_checkpoint(cfg: Config, ckpt: Path, meta: dict[str, Any], prefixes:
             results.append(_result(f"validation at step {rt.step}", len(starts) * gbs,
                                    *training.loss_sums(rt, rt.valid_ds, starts)))
         return results
-    finally:
-        if state is not None:
-            state.destroy()
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _result(name: str, samples: int, loss_sum: float, tokens: float) -> dict[str, Any]:
@@ -201,31 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     """``tools/evaluate.py``: returns the exit code; a user error is one ``error:`` line (exit code 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    torchrun = launcher.under_torchrun()
-    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
-    cfg = None
-    try:
-        ckpt = resolve_checkpoint(args.load)
-        meta = checkpointing.read_meta(ckpt)
-        cfg = eval_config(meta, ckpt, args.overrides, int(os.environ["WORLD_SIZE"]) if torchrun else None)
-        if not torchrun:
+    found: dict[str, Any] = {}
+
+    def configure(world: int | None) -> Config:
+        found["ckpt"] = ckpt = resolve_checkpoint(args.load)
+        found["meta"] = meta = checkpointing.read_meta(ckpt)
+        cfg = checkpoint_config(meta, ckpt, args.overrides, world)
+        if world is None:
             prepare(cfg, args.data)  # a missing file or tokenizer: one line before any rank starts
-            if cfg.parallel.world_size > 1:  # type: ignore[operator]
-                with tempfile.TemporaryDirectory(prefix="evaluate_ranks_") as logs:
-                    return launcher.start_local(cfg.parallel.world_size, argv, Path(logs), None,  # type: ignore[arg-type]
-                                                cpu=cfg.parallel.device == "cpu")
-            launcher.single_rank_env()
-        results = evaluate_checkpoint(cfg, ckpt, meta, args.data)
-        if rank == 0:
-            print(report(results, ckpt, int(meta.get("step", 0)), cfg, args.json), flush=True)
-    except UserError as exc:
-        if cfg is not None or rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        faults.record_error(f"error: {exc}")
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        return 130
-    return 0
+        return cfg
+
+    def work(cfg: Config) -> str:
+        results = evaluate_checkpoint(cfg, found["ckpt"], found["meta"], args.data)
+        return report(results, found["ckpt"], int(found["meta"].get("step", 0)), cfg, args.json)
+
+    return run_tool(argv, configure, work)
 
 
 if __name__ == "__main__":

@@ -62,13 +62,14 @@ def _cli(*args: str, torchrun: int = 0) -> subprocess.CompletedProcess:
 
 def _evaluate_layouts(rank: int, world_size: int, ckpt: Path, data: str, layouts: dict[str, list[str]]) -> dict:
     """On each rank: {layout: (the validation result, the --data result)}."""
-    from tools.evaluate import eval_config, evaluate_checkpoint
+    from tools.evaluate import evaluate_checkpoint
+    from tools.inference_setup import checkpoint_config
 
     ckpt = checkpointing.resolve(ckpt)
     meta = checkpointing.read_meta(ckpt)
     out = {}
     for name, overrides in layouts.items():
-        cfg = eval_config(meta, ckpt, overrides, world_size)
+        cfg = checkpoint_config(meta, ckpt, overrides, world_size)
         out[name] = (*evaluate_checkpoint(cfg, ckpt, meta, []), *evaluate_checkpoint(cfg, ckpt, meta, [data]))
     return out
 

@@ -28,7 +28,7 @@ GROUP_MAKING = {
     "new_group": {"megatron_sp/mpu/parallel_state.py"},
     "init_process_group": {"megatron_sp/mpu/parallel_state.py", "megatron_sp/testing.py"},
     "destroy_process_group": {"megatron_sp/mpu/parallel_state.py", "megatron_sp/testing.py", "megatron_sp/training.py",
-                              "tools/evaluate.py"},
+                              "tools/inference_setup.py"},
     "TCPStore": {"megatron_sp/mpu/parallel_state.py"},
     "PrefixStore": {"megatron_sp/mpu/parallel_state.py"},
     "distributed_c10d": {"megatron_sp/faults.py"},  # the default store's key-value reads (peer diagnosis)
