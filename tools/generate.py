@@ -1,19 +1,23 @@
 #!/usr/bin/env python
-"""Generate text from a checkpoint written by train.py.
+"""Generate text from a checkpoint written by train.py, under any layout.
 
     python tools/generate.py --load checkpoints/demo --prompt "def main(" --max-new-tokens 64 --greedy
-    python tools/generate.py --load checkpoints/demo/iter_0000150 --prompt "import " --temperature 0.8 \\
-        --top-p 0.95 --seed 7 --json
+    python tools/generate.py --load checkpoints/demo --prompt-file prompts.txt --temperature 0.8 --top-p 0.95 --json
+    python tools/generate.py --load checkpoints/demo --prompt-file prompts.jsonl parallel.tp=2 parallel.pp=2
     python tools/generate.py --load checkpoints/demo --interactive < prompts.txt
 
-A checkpoint of any parallel layout loads into this one process (its files are layout-free); the
-model and tokenizer come from the config in its meta.json. Decoding is greedy unless a sampling
-flag is given. An empty prompt starts from the end-of-document token.
+A checkpoint of any layout loads into any generation layout (its files are layout-free): ``section.key=value``
+overrides set it as for train.py (``parallel.tp``, ``parallel.pp``, ``parallel.dp`` for replicas that share the
+prompts); run plainly it starts the local ranks the layout needs, or runs under torchrun. The model and tokenizer
+come from the config in the checkpoint's meta.json. The prompts are decoded in batches (``--batch-size``; under
+pipeline parallelism several micro-batches keep the stages busy), each stopping at its own end-of-document or
+``--max-new-tokens``, or when it fills the model's seq_length. Decoding is greedy unless a sampling flag is given;
+a sampled prompt draws from its own generator (``--seed`` and its number), so its tokens do not depend on the layout
+or on the other prompts. An empty prompt starts from the end-of-document token. Details: docs/generation.md.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import sys
@@ -22,134 +26,174 @@ from typing import Any
 
 if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parent) not in sys.path:  # inference_setup beside this script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch
+from inference_setup import checkpoint_config, load_tokenizer, loaded_stage, resolve_checkpoint, run_tool
 
 from megatron_sp import checkpointing
-from megatron_sp.config import ModelConfig, TokenizerConfig
+from megatron_sp.config import Config
 from megatron_sp.config.loader import MAX_NEW_TOKENS  # past the context window every token re-runs it
-from megatron_sp.data.tokenizer import Tokenizer, build_tokenizer
-from megatron_sp.errors import DataError, OneLineArgumentParser, UserError
-from megatron_sp.model import GPTModel, generate
-from megatron_sp.model.moe import load_expert_bias
+from megatron_sp.data.tokenizer import Tokenizer
+from megatron_sp.errors import ConfigError, DataError, OneLineArgumentParser
+from megatron_sp.model.inference import Completion, Sampling, generate_batch
+from megatron_sp.mpu import comm
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = OneLineArgumentParser(prog="generate.py", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, metavar="DIR",
                         help="Checkpoint directory: a checkpoint.save directory (uses 'latest') or an iter_* dir.")
-    parser.add_argument("--prompt", help="Text to continue (or --interactive).")
+    parser.add_argument("--prompt", help="Text to continue.")
+    parser.add_argument("--prompt-file", metavar="FILE",
+                        help="Prompts, one per line (blank lines skipped), or JSONL with a 'text' key per line.")
     parser.add_argument("--interactive", action="store_true",
-                        help="Read prompts from stdin, one per line, until EOF; print one completion each.")
+                        help="Read prompts from stdin, one per line, until EOF; print each completion at once (1 rank).")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
-                        help="Generate at most this many tokens; stops early at end-of-document (default: %(default)s).")
+                        help="Generate at most this many tokens per prompt (default: %(default)s).")
     parser.add_argument("--greedy", action="store_true", help="Argmax decoding (the default without sampling flags).")
-    parser.add_argument("--temperature", type=float, help="Sample with this softmax temperature (> 0; default 1.0).")
+    parser.add_argument("--temperature", type=float, help="Sample with this softmax temperature (0: greedy).")
     parser.add_argument("--top-k", type=int, help="Sample among the k most likely tokens (0: all).")
     parser.add_argument("--top-p", type=float, help="Nucleus sampling: the most likely tokens up to this mass (0, 1].")
     parser.add_argument("--seed", type=int, default=1234, help="Seed of the sampling (default: %(default)s).")
+    parser.add_argument("--batch-size", type=int, metavar="B",
+                        help="Prompts decoded together (default: all of a replica's, split in pp micro-batches).")
     parser.add_argument("--json", action="store_true",
-                        help="Print one JSON object per prompt: prompt, prompt_ids, new_ids, text.")
+                        help="Print one JSON object per prompt: index, prompt, prompt_ids, new_ids, text, stop.")
     parser.add_argument("--no-cache", action="store_true",
                         help="Re-run the whole context for every token instead of using the KV cache.")
     parser.add_argument("--tokenizer-model", metavar="FILE",
                         help="SentencePiece .model to use instead of the path saved in the checkpoint's config.")
+    parser.add_argument("overrides", nargs="*", help="the layout as dotted overrides, e.g. parallel.tp=2 parallel.pp=2")
     args = parser.parse_args(argv)
     sampling = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
                                          ("--top-p", args.top_p)) if value is not None]
     if args.greedy and sampling:
         parser.error(f"--greedy cannot be combined with {', '.join(sampling)}")
-    if (args.prompt is None) == (not args.interactive):
-        parser.error("give exactly one of --prompt TEXT or --interactive")
-    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
-        parser.error(f"--max-new-tokens must be in 0..{MAX_NEW_TOKENS} (tokens per prompt), got {args.max_new_tokens}")
-    if args.temperature is not None and not args.temperature > 0:
-        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if sum(x is not None and x is not False for x in (args.prompt, args.prompt_file, args.interactive)) != 1:
+        parser.error("give exactly one of --prompt TEXT, --prompt-file FILE or --interactive")
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        parser.error(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS} (tokens per prompt), got {args.max_new_tokens}")
+    if args.temperature is not None and not args.temperature >= 0:
+        parser.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 0:
         parser.error(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    args.sample = bool(sampling)
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    greedy = not sampling or args.temperature == 0
+    args.sampling = Sampling(greedy=greedy, seed=args.seed) if greedy else Sampling(
+        greedy=False, temperature=1.0 if args.temperature is None else args.temperature, top_k=args.top_k or 0,
+        top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
     return args
 
 
-def _section(config: dict[str, Any], name: str, cls: type, path: Path) -> Any:
-    """``cls`` built from the saved config section ``name`` (strict: an unknown key is an error)."""
-    values = config.get(name)
-    if not isinstance(values, dict):
-        raise DataError(f"checkpoint file '{path}': the saved config has no '{name}' section")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise DataError(f"checkpoint file '{path}': unknown key '{name}.{unknown[0]}' in the saved config (written by "
-                        "a different version?)")
-    return cls(**values)
-
-
-def load_checkpoint(load: str, tokenizer_model: str | None = None) -> tuple[GPTModel, Tokenizer, Path]:
-    """The eval-mode 1-rank model, the tokenizer and the checkpoint directory of ``--load``."""
-    root = Path(load)
-    if not root.is_dir():
-        raise DataError(f"--load: '{root}' is not a directory; give a checkpoint.save directory or an iter_* "
-                        "directory inside it")
+def read_prompts(path: str) -> list[str]:
+    """``--prompt-file``: one prompt per line (blank lines skipped), or JSONL objects with a ``text`` string."""
+    file = Path(path)
     try:
-        ckpt = checkpointing.resolve(root)
-    except DataError as exc:
-        raise DataError(str(exc).replace("checkpoint.load:", "--load:", 1)) from None
-    meta = checkpointing.read_meta(ckpt)
-    config = meta.get("config")
-    if not isinstance(config, dict):
-        raise DataError(f"checkpoint file '{ckpt / 'meta.json'}' holds no config")
-    model_cfg = _section(config, "model", ModelConfig, ckpt / "meta.json")
-    tok_cfg = _section(config, "tokenizer", TokenizerConfig, ckpt / "meta.json")
-    if tokenizer_model is not None:
-        tok_cfg = dataclasses.replace(tok_cfg, type="sentencepiece", model=tokenizer_model)
-    if tok_cfg.type.lower().startswith("sentencepiece") and tok_cfg.model and not Path(tok_cfg.model).is_file():
-        flag = "--tokenizer-model" if tokenizer_model is not None else "the checkpoint's tokenizer.model"
-        raise DataError(f"{flag}: SentencePiece model '{tok_cfg.model}' not found (pass --tokenizer-model FILE)")
-    tokenizer = build_tokenizer(tok_cfg)
-    vocab = model_cfg.vocab_size or model_cfg.padded_vocab_size
-    if vocab is None or tokenizer.vocab_size > vocab:
-        raise DataError(f"tokenizer {tokenizer!r} has {tokenizer.vocab_size} ids but the checkpoint's model has "
-                        f"vocab_size {vocab}: not the tokenizer it was trained with")
-    try:
-        model = GPTModel(model_cfg, seed=0)
-    except ValueError as exc:
-        raise DataError(f"checkpoint file '{ckpt / 'meta.json'}': bad model config ({exc})") from None
-    checkpointing.load_model_state(model, ckpt, None)
-    load_expert_bias(model, meta.get("moe_expert_bias"))  # aux-loss-free balancing: routing as in training
-    return model.eval(), tokenizer, ckpt
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"--prompt-file: cannot read '{file}' ({exc.__class__.__name__}: {exc})") from None
+    prompts: list[str] = []
+    jsonl = file.suffix == ".jsonl" or next((ln for ln in lines if ln.strip()), "").lstrip().startswith("{")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            prompts.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"--prompt-file: '{file}' line {number} is not JSON ({exc.msg}); write one object with a "
+                            "'text' string per line, or plain text one prompt per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise DataError(f"--prompt-file: '{file}' line {number} has no 'text' string")
+        prompts.append(row["text"])
+    if not prompts:
+        raise DataError(f"--prompt-file: '{file}' holds no prompt; write one per line")
+    return prompts
 
 
-def complete(model: GPTModel, tokenizer: Tokenizer, prompt: str, args: argparse.Namespace,
-             generator: torch.Generator) -> dict[str, Any]:
-    """One completion of ``prompt`` as the ``--json`` object."""
-    prompt_ids = tokenizer.encode(prompt)
-    context = prompt_ids or [tokenizer.eod]  # an empty prompt starts a new document
-    sampling = {"greedy": True}
-    if args.sample:
-        sampling = {"greedy": False, "temperature": 1.0 if args.temperature is None else args.temperature,
-                    "top_k": args.top_k or 0, "top_p": 1.0 if args.top_p is None else args.top_p}
-    out = generate(model, context, args.max_new_tokens, tokenizer.eod, generator=generator,
-                   use_cache=not args.no_cache, **sampling)
-    new_ids = out[len(context):]
-    return {"prompt": prompt, "prompt_ids": prompt_ids, "new_ids": new_ids, "text": tokenizer.decode(new_ids)}
+def encode(tokenizer: Tokenizer, prompts: list[str], seq_length: int) -> list[list[int]]:
+    """Token ids of each prompt (an empty one: the end-of-document token); too long: one line, never truncated."""
+    out = []
+    for index, text in enumerate(prompts):
+        ids = tokenizer.encode(text) or [tokenizer.eod]
+        if len(ids) > seq_length:
+            raise DataError(f"prompt {index} has {len(ids)} tokens, more than the model's seq_length {seq_length}: "
+                            "shorten it (prompts are not truncated)")
+        out.append(ids)
+    return out
+
+
+def check_layout(cfg: Config, args: argparse.Namespace) -> None:
+    """What generation does not run (yet), each one line naming the override."""
+    p = cfg.parallel
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp: {p.cp}: generation under context parallelism is not available yet; set "
+                          "parallel.cp=1 (tp and pp split the model and its KV cache)")
+    if p.virtual_stages > 1:
+        raise ConfigError(f"parallel.virtual_stages: {p.virtual_stages}: generation runs one model chunk per stage; "
+                          "set parallel.virtual_stages=1")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.ep: {p.ep}: generation holds every expert on each rank; set parallel.ep=1 (or "
+                          "parallel.expert_tp=<tp> to split the experts over tp)")
+    if args.interactive and p.world_size > 1:  # type: ignore[operator]
+        raise ConfigError("--interactive runs on one rank; use --prompt-file for a layout of several ranks")
+
+
+def result(c: Completion, text: str, tokenizer: Tokenizer, as_json: bool) -> str:
+    """One prompt's output line: JSON, or the prompt followed by its continuation."""
+    new = tokenizer.decode(c.new_ids)
+    if as_json:
+        return json.dumps({"index": c.index, "prompt": text, "prompt_ids": c.prompt_ids, "new_ids": c.new_ids,
+                           "text": new, "stop": c.stop})
+    return text + new
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``tools/generate.py``: returns the exit code; a user error is one ``error:`` line (exit code 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    try:
-        model, tokenizer, _ = load_checkpoint(args.load, args.tokenizer_model)
-        generator = torch.Generator().manual_seed(args.seed)
-        prompts = (line.rstrip("\n") for line in sys.stdin) if args.interactive else iter([args.prompt])
-        for prompt in prompts:
-            result = complete(model, tokenizer, prompt, args, generator)
-            print(json.dumps(result) if args.json else prompt + result["text"], flush=True)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    found: dict[str, Any] = {}
+
+    def configure(world: int | None) -> Config:
+        found["ckpt"] = ckpt = resolve_checkpoint(args.load)
+        found["meta"] = meta = checkpointing.read_meta(ckpt)
+        tokenizer_keys = [f"tokenizer.model={args.tokenizer_model}", "tokenizer.type=sentencepiece"] \
+            if args.tokenizer_model else []
+        cfg = checkpoint_config(meta, ckpt, [*args.overrides, *tokenizer_keys], world, batches=False)
+        check_layout(cfg, args)
+        tokenizer = load_tokenizer(cfg)  # a missing tokenizer file: one line before any rank starts
+        found["prompts"] = [] if args.interactive else read_prompts(args.prompt_file) if args.prompt_file \
+            else [args.prompt]
+        found["ids"] = encode(tokenizer, found["prompts"], cfg.model.seq_length)
+        return cfg
+
+    def work(cfg: Config) -> str | None:
+        with loaded_stage(cfg, found["ckpt"], found["meta"]) as (state, model, tokenizer, _):
+            def decode(ids: list[list[int]], indices: list[int]) -> list[Completion]:
+                return generate_batch(model, ids, args.max_new_tokens, tokenizer.eod, args.sampling, args.batch_size,
+                                      state, indices, use_cache=not args.no_cache)
+            if args.interactive:
+                for index, line in enumerate(sys.stdin):
+                    text = line.rstrip("\n")
+                    (done,) = decode(encode(tokenizer, [text], cfg.model.seq_length), [index])
+                    print(result(done, text, tokenizer, args.json), flush=True)
+                return None
+            mine = list(range(state.dp_rank, len(found["ids"]), state.dp_size))  # this replica's prompts
+            done = decode([found["ids"][i] for i in mine], mine)
+            for c in done:
+                c.generator = None  # (gathered below)
+            every = sorted((c for part in comm.all_gather_object(done, state.groups["dp"]) for c in part),
+                           key=lambda c: c.index)
+            return "\n".join(result(c, found["prompts"][c.index], tokenizer, args.json) for c in every)
+
+    return run_tool(argv, configure, work)
 
 
 if __name__ == "__main__":

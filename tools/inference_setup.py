@@ -39,9 +39,11 @@ def resolve_checkpoint(load: str) -> Path:
         raise DataError(str(exc).replace("checkpoint.load:", "--load:", 1)) from None
 
 
-def checkpoint_config(meta: dict[str, Any], ckpt: Path, overrides: list[str], world_size: int | None) -> Config:
+def checkpoint_config(meta: dict[str, Any], ckpt: Path, overrides: list[str], world_size: int | None,
+                      batches: bool = True) -> Config:
     """The checkpoint's config without its layout (``parallel`` is the overrides', one rank by default), the values
-    derived from the layout recomputed, then ``overrides`` (not ``model.*``: the model is the checkpoint's)."""
+    derived from the layout recomputed, then ``overrides`` (not ``model.*``: the model is the checkpoint's).
+    ``batches`` False (generation): the training batch and schedule do not constrain the layout."""
     saved = meta.get("config")
     if not isinstance(saved, dict):
         raise DataError(f"checkpoint file '{ckpt / 'meta.json'}' holds no config")
@@ -53,6 +55,8 @@ def checkpoint_config(meta: dict[str, Any], ckpt: Path, overrides: list[str], wo
     cfg.train.grad_accum_steps = None  # derived from this layout's dp
     cfg.train.compile = False  # inference runs eager
     cfg.data.build_demo = False  # use the files there are: never build a corpus or train a tokenizer
+    if not batches:
+        cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.parallel.pp_schedule = None, 1, "none"
     for item in overrides:
         if item.split("=", 1)[0].strip().startswith("model."):
             raise ConfigError(f"override '{item}': the model is the checkpoint's; set the layout (parallel.*), batch "

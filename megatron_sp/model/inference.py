@@ -229,7 +229,8 @@ class _MicroBatch:
 
 def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: int, eod: int | None,
                    sampling: Sampling = Sampling(), micro_batch_size: int | None = None,
-                   state: ParallelState | None = None, indices: list[int] | None = None) -> list[Completion]:
+                   state: ParallelState | None = None, indices: list[int] | None = None,
+                   use_cache: bool = True) -> list[Completion]:
     """Continue every prompt (a list of token ids, at most ``seq_length`` long) by up to ``max_new_tokens`` tokens
     with a KV cache, on this rank's part of the model; returns the completions in prompt order (every rank of the
     model's TP × PP group gets them all). Collective over the model's TP and PP groups (``state``). ``indices``: the
@@ -240,9 +241,9 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
     stage decodes every micro-batch in turn, sending its hidden states on (``isend``) and taking the next input as
     it comes, so ``pp`` micro-batches keep every stage busy; the last stage samples from the TP-gathered logits and
     broadcasts the new ids over the PP group, which every other stage reads just before it needs them. Under
-    sequence parallelism (no KV cache) each step re-runs the whole contexts, split over tp."""
+    sequence parallelism (no KV cache), or without ``use_cache``, each step re-runs the whole contexts."""
     check_sampling(sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
-    recompute = model.parallel.sp  # no KV cache under SP (one new token cannot be split over tp): whole contexts
+    recompute = model.parallel.sp or not use_cache  # no KV cache under SP (one new token cannot be split over tp)
     if not recompute and model.kv_cache_unsupported() is not None:
         model.check_kv_cache_usable()
     cfg, dev = model.cfg, next(model.parameters()).device

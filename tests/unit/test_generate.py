@@ -166,9 +166,7 @@ def test_sample_next_filters() -> None:
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny llama checkpoint written by ``checkpointing.save`` (byte tokenizer)."""
     root = tmp_path_factory.mktemp("gen") / "ckpt"
-    cfg = config.load(overrides=["data.paths=[x]", "tokenizer.type=byte", "model.arch=llama", "model.num_layers=2",
-                                 "model.hidden_size=32", "model.num_heads=2", "model.seq_length=48",
-                                 "model.init_std=0.2", f"checkpoint.save={root}"])
+    cfg = config.load(overrides=CKPT_CONFIG + [f"checkpoint.save={root}"])
     config.set_vocab(cfg, build_tokenizer(cfg.tokenizer).vocab_size)
     model = GPTModel(cfg.model, seed=3)
     optimizer = DistributedOptimizer(named_trainable(model), cfg.train, None)
@@ -176,59 +174,91 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+CKPT_CONFIG = ["data.paths=[x]", "tokenizer.type=byte", "model.arch=llama", "model.num_layers=2", "model.hidden_size=32",
+               "model.num_heads=2", "model.seq_length=48", "model.init_std=0.2"]
+
+
+def saved_model() -> GPTModel:
+    """The fixture's model, rebuilt in this process (the same seed: the same weights)."""
+    cfg = config.load(overrides=CKPT_CONFIG)
+    config.set_vocab(cfg, build_tokenizer(cfg.tokenizer).vocab_size)
+    return GPTModel(cfg.model, seed=3)
+
+
 def run_tool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, input=stdin,
-                          timeout=120, cwd=ROOT)
+                          timeout=300, cwd=ROOT)
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("generate_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
 def test_cli_json_greedy_matches_library(checkpoint_dir: Path) -> None:
-    proc = run_tool("--load", str(checkpoint_dir), "--prompt", "def f(x):", "--max-new-tokens", "12", "--greedy",
-                    "--json")
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
-    assert set(result) == {"prompt", "prompt_ids", "new_ids", "text"}
-    tool = load_tool()
-    model, tokenizer, ckpt = tool.load_checkpoint(str(checkpoint_dir))
-    assert ckpt.name == "iter_0000002"
+    (result,) = json_lines(run_tool("--load", str(checkpoint_dir), "--prompt", "def f(x):", "--max-new-tokens", "12",
+                                    "--greedy", "--json"))
+    assert set(result) == {"index", "prompt", "prompt_ids", "new_ids", "text", "stop"}
+    tokenizer = build_tokenizer(config.load(overrides=CKPT_CONFIG).tokenizer)
     ids = tokenizer.encode("def f(x):")
-    expected = generate(model, ids, 12, tokenizer.eod)[len(ids):]
-    assert result["prompt_ids"] == ids and result["new_ids"] == expected
+    expected = generate(saved_model(), ids, 12, tokenizer.eod)[len(ids):]
+    assert result["prompt_ids"] == ids and result["new_ids"] == expected and result["stop"] == "max_new_tokens"
     assert result["text"] == tokenizer.decode(expected) and len(expected) > 0
 
 
-def test_cli_interactive_sampling_and_no_cache(checkpoint_dir: Path, capsys: pytest.CaptureFixture,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    tool = load_tool()
-    outputs = []
-    for extra in ([], ["--no-cache"]):
-        monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("abc\n\nxyz\n"))
-        args = ["--load", str(checkpoint_dir / "iter_0000002"), "--interactive", "--json", "--max-new-tokens", "6",
-                "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "11", *extra]
-        assert tool.main(args) == 0
-        outputs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
-    assert [r["prompt"] for r in outputs[0]] == ["abc", "", "xyz"]
-    assert outputs[0] == outputs[1]  # same seed, cache or not: same samples
+def test_cli_prompt_file_layouts_interactive_and_no_cache(checkpoint_dir: Path, tmp_path: Path) -> None:
+    """A prompt file (text, and JSONL) decoded at tp2 × pp2, and by two data-parallel replicas sharing the prompts,
+    gives the 1-rank tokens, greedy and sampled; --interactive and --no-cache give the same samples."""
+    texts = ["abc", "", "def main(x):", "xyz"]
+    (tmp_path / "p.txt").write_text("abc\n\n\ndef main(x):\nxyz\n")  # blank lines are skipped ...
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))  # ... JSONL keeps ""
+    sample = ["--json", "--max-new-tokens", "6", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "11"]
+    one = json_lines(run_tool("--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.jsonl"), *sample))
+    assert [r["prompt"] for r in one] == texts and [r["index"] for r in one] == [0, 1, 2, 3]
+    assert one[1]["prompt_ids"] == [256]  # an empty prompt starts a document
+    assert json_lines(run_tool("--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.jsonl"), *sample,
+                               "parallel.dp=2")) == one
+    interactive = json_lines(run_tool("--load", str(checkpoint_dir / "iter_0000002"), "--interactive", *sample,
+                                      "--no-cache", stdin="\n".join(texts) + "\n"))
+    assert interactive == one  # each prompt draws from its own generator: alone or in a batch, cached or not
+    greedy = ["--json", "--max-new-tokens", "8", "--greedy"]
+    want = json_lines(run_tool("--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.txt"), *greedy))
+    assert [r["prompt"] for r in want] == ["abc", "def main(x):", "xyz"]
+    assert json_lines(run_tool("--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.txt"), *greedy,
+                               "parallel.tp=2", "parallel.pp=2", "--batch-size", "1")) == want
 
 
 @pytest.mark.parametrize("args,needle", [
     (["--load", "/nonexistent/ckpt", "--prompt", "x"], "--load"),
     (["--load", ".", "--prompt", "x"], "--load"),
     (["--load", "CKPT", "--prompt", "x", "--top-p", "1.5"], "--top-p"),
+    (["--load", "CKPT", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
     (["--load", "CKPT", "--prompt", "x", "--greedy", "--temperature", "0.5"], "--greedy"),
     (["--load", "CKPT"], "--prompt"),
-    (["--load", "CKPT", "--prompt", "x", "--max-new-tokens", "1000000000"], "--max-new-tokens must be in 0..100000"),
+    (["--load", "CKPT", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be in 1..100000"),
     (["--load", "CKPT", "--prompt", "x", "--max-new-tokens", "1e9"], "--max-new-tokens"),
+    (["--load", "CKPT", "--prompt", "x" * 49], "prompt 0 has 49 tokens, more than the model's seq_length 48"),
+    (["--load", "CKPT", "--prompt-file", "EMPTY"], "holds no prompt"),
+    (["--load", "CKPT", "--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file"),
+    (["--load", "CKPT", "--prompt", "x", "parallel.tp=3"], "parallel.tp"),
+    (["--load", "CKPT", "--prompt", "x", "parallel.pp=3"], "parallel.pp"),
+    (["--load", "CKPT", "--prompt", "x", "parallel.cp=2"], "parallel.cp=1"),
+    (["--load", "CKPT", "--prompt", "x", "model.num_layers=4"], "the model is the checkpoint's"),
+    (["--load", "CKPT", "--interactive", "parallel.tp=2"], "--interactive runs on one rank"),
 ])
-def test_cli_bad_input_is_one_line(checkpoint_dir: Path, args: list[str], needle: str) -> None:
-    proc = run_tool(*[str(checkpoint_dir) if a == "CKPT" else a for a in args])
-    assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
+def test_cli_bad_input_is_one_line(checkpoint_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                   args: list[str], needle: str) -> None:
+    """In this process: each is refused before any rank or process group starts."""
+    (tmp_path / "empty.txt").write_text("\n\n")
+    swap = {"CKPT": str(checkpoint_dir), "EMPTY": str(tmp_path / "empty.txt")}
+    spec = importlib.util.spec_from_file_location("generate_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(tool)  # type: ignore[union-attr]
+    try:
+        code = tool.main([swap.get(a, a) for a in args])
+    except SystemExit as exc:  # argparse's one line
+        code = exc.code
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.err
+    assert "Traceback" not in out.err and out.out == ""
