@@ -7,13 +7,14 @@
     python tools/generate.py --load checkpoints/demo --interactive < prompts.txt
 
 A checkpoint of any layout loads into any generation layout (its files are layout-free): ``section.key=value``
-overrides set it as for train.py (``parallel.tp``, ``parallel.pp``, ``parallel.dp`` for replicas that share the
-prompts); run plainly it starts the local ranks the layout needs, or runs under torchrun. The model and tokenizer
-come from the config in the checkpoint's meta.json. The prompts are decoded in batches (``--batch-size``; under
-pipeline parallelism several micro-batches keep the stages busy), each stopping at its own end-of-document or
-``--max-new-tokens``, or when it fills the model's seq_length. Decoding is greedy unless a sampling flag is given;
-a sampled prompt draws from its own generator (``--seed`` and its number), so its tokens do not depend on the layout
-or on the other prompts. An empty prompt starts from the end-of-document token. Details: docs/generation.md.
+overrides set it as for train.py (``parallel.tp``, ``parallel.pp``, ``parallel.cp`` to prefill long prompts split
+over ranks, ``parallel.dp`` for replicas that share the prompts); run plainly it starts the local ranks the layout
+needs, or runs under torchrun. The model and tokenizer come from the config in the checkpoint's meta.json. The
+prompts are decoded in batches (``--batch-size``; under pipeline parallelism several micro-batches keep the stages
+busy), each stopping at its own end-of-document or ``--max-new-tokens``, or when it fills the model's seq_length.
+Decoding is greedy unless a sampling flag is given; a sampled prompt draws from its own generator (``--seed`` and
+its number), so its tokens do not depend on the layout or on the other prompts. An empty prompt starts from the end-
+of-document token. Details: docs/generation.md.
 """
 from __future__ import annotations
 
@@ -133,9 +134,9 @@ def encode(tokenizer: Tokenizer, prompts: list[str], seq_length: int) -> list[li
 def check_layout(cfg: Config, args: argparse.Namespace) -> None:
     """What generation does not run (yet), each one line naming the override."""
     p = cfg.parallel
-    if p.cp > 1:
-        raise ConfigError(f"parallel.cp: {p.cp}: generation under context parallelism is not available yet; set "
-                          "parallel.cp=1 (tp and pp split the model and its KV cache)")
+    if p.cp > 1 and p.sequence_parallel:
+        raise ConfigError(f"parallel.cp: {p.cp} prefills into the KV cache, which sequence parallelism does not use; "
+                          "set parallel.sequence_parallel=false")
     if p.virtual_stages > 1:
         raise ConfigError(f"parallel.virtual_stages: {p.virtual_stages}: generation runs one model chunk per stage; "
                           "set parallel.virtual_stages=1")

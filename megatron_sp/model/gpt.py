@@ -195,15 +195,16 @@ class GPTModel(nn.Module):
             token_index: ``[b, s]`` global index of each held token (CP: ``layout.shard_batch``).
             document_ids: ``[b, s]`` document of each token (packed documents): attention stays inside one.
             kv_cache: ``inference.KVCache`` of this stage's layers: ``tokens`` / ``hidden_states`` follow the cached
-                ones (positions after them, less the cache's left padding).
+                ones (positions after them, less the cache's left padding). Under CP with ``token_index``: a
+                prefill, each rank its shard, the whole sequence's keys/values filled into every rank's cache.
 
         Returns: last stage: logits ``[b, s, padded_vocab]`` without ``labels``, else the per-token fp32
         cross entropy ``[b, s]`` (unreduced); other stages: hidden ``[s, b, h]``.
         """
         if not 0 <= chunk < len(self.layer_chunks):
             raise ValueError(f"chunk {chunk} outside 0..{len(self.layer_chunks) - 1}")
-        if kv_cache is not None:
-            self.check_kv_cache_usable(document_ids)
+        if kv_cache is not None and (token_index is None or comm.group_size(self.cp_group) == 1):
+            self.check_kv_cache_usable(document_ids)  # (a CP prefill: each rank its shard, the cache filled whole)
         if self.embedding is not None and chunk == 0:
             if tokens is None:
                 raise ValueError("the first stage needs tokens")
@@ -238,13 +239,13 @@ class GPTModel(nn.Module):
         for index in self.layer_chunks[chunk]:
             layer = self.layers[str(index)]
             if kv_cache is not None:
-                x = layer(x, cos, sin, None, kv_cache.layer(index))  # [s, b, h]
+                x = layer(x, cos, sin, meta, kv_cache.layer(index))  # [s, b, h] (CP prefill: [s/cp, b, h])
             elif full_recompute:
                 x = checkpoint(layer, x, cos, sin, meta, tracker=par.tracker)  # keeps only the layer input
             else:
                 x = layer(x, cos, sin, meta)  # [s/t, b, h] under SP, else [s, b, h]
         if kv_cache is not None:
-            kv_cache.advance(x.shape[0])
+            kv_cache.advance(x.shape[0] * (meta.size if meta is not None else 1))
         if not self.post_process or chunk != len(self.layer_chunks) - 1:
             return x
 

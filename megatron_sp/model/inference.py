@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard_batch
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.mpu import comm
 
 if TYPE_CHECKING:
+    from megatron_sp.model.attention.context_parallel import AttentionMeta
     from megatron_sp.mpu import ParallelState
 
 
@@ -56,6 +58,17 @@ class LayerKVCache:
     @property
     def pad(self) -> torch.Tensor | None:
         return self.owner.pad
+
+    def fill(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> None:
+        """A CP prefill (nothing cached yet): this rank's ``k``/``v`` ``[s/cp, b, g, d]`` all-gathered over
+        ``meta.group`` and stored in position order (``meta.positions``: each gathered row's global index), so
+        every cp rank then decodes with the whole cache; ``GPTModel.forward`` advances the length by ``s``."""
+        order = torch.cat(meta.positions, dim=1).t()  # [s, b]
+
+        def placed(t: torch.Tensor) -> torch.Tensor:
+            full = comm.all_gather(t.contiguous(), meta.group, dim=0)  # [s, b, g, d], by cp rank
+            return torch.empty_like(full).scatter_(0, order[..., None, None].expand_as(full), full)
+        self.append(placed(k), placed(v))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new ``k``/``v`` ``[s, b, g, d]`` after the cached ones; return all ``[past + s, b, g, d]``."""
@@ -183,13 +196,15 @@ class _MicroBatch:
     """Prompts decoded together: left-padded to the longest, one KV cache of this stage's layers; each sequence may
     fill ``seq_length`` positions of its own, whatever the others' lengths."""
 
-    def __init__(self, items: list[Completion], seq_length: int, max_new_tokens: int, device: torch.device) -> None:
+    def __init__(self, items: list[Completion], seq_length: int, max_new_tokens: int, device: torch.device,
+                 room: int = 0) -> None:
         self.items = items
         width = max(len(c.prompt_ids) for c in items)
         self.pad = torch.tensor([width - len(c.prompt_ids) for c in items], device=device)
         self.prompt = torch.tensor([[0] * (width - len(c.prompt_ids)) + c.prompt_ids for c in items], device=device)
         # each sequence may fill the model's seq_length positions after its own padding
-        self.cache = KVCache(seq_length + int(self.pad.max()), self.pad if bool(self.pad.any()) else None)
+        # (``room``: the right padding a CP prefill writes before the decode overwrites it)
+        self.cache = KVCache(seq_length + int(self.pad.max()) + room, self.pad if bool(self.pad.any()) else None)
         self.limits = [min(max_new_tokens, seq_length - len(c.prompt_ids) + 1) for c in items]  # new tokens each
         self.active = True
 
@@ -241,11 +256,16 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
     stage decodes every micro-batch in turn, sending its hidden states on (``isend``) and taking the next input as
     it comes, so ``pp`` micro-batches keep every stage busy; the last stage samples from the TP-gathered logits and
     broadcasts the new ids over the PP group, which every other stage reads just before it needs them. Under
-    sequence parallelism (no KV cache), or without ``use_cache``, each step re-runs the whole contexts."""
+    sequence parallelism (no KV cache), or without ``use_cache``, each step re-runs the whole contexts. Under context
+    parallelism the prompts are prefilled split over the cp ranks (``model.cp_group``, the config's algorithm), each
+    layer's cache filled with the whole keys/values, then every cp rank decodes the same tokens."""
     check_sampling(sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
     recompute = model.parallel.sp or not use_cache  # no KV cache under SP (one new token cannot be split over tp)
-    if not recompute and model.kv_cache_unsupported() is not None:
-        model.check_kv_cache_usable()
+    cp_group = model.cp_group
+    cp, cp_rank = comm.group_size(cp_group), comm.group_rank(cp_group)
+    if cp > 1 and recompute:
+        raise ValueError("context parallelism prefills into the KV cache: not with sequence parallelism or "
+                         "use_cache=False")
     cfg, dev = model.cfg, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     indices = list(range(len(prompts))) if indices is None else indices  # a prompt's index seeds its sampling
@@ -256,7 +276,9 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
                              f"({cfg.seq_length})")
     pp = state.pp_size if state is not None else 1
     size = micro_batch_size or max(1, -(-len(items) // pp))
-    batches = [_MicroBatch(items[i:i + size], cfg.seq_length, max_new_tokens, dev) for i in range(0, len(items), size)]
+    room = required_divisor(model.parallel.cp_algo, cp) - 1 if cp > 1 else 0
+    batches = [_MicroBatch(items[i:i + size], cfg.seq_length, max_new_tokens, dev, room)
+               for i in range(0, len(items), size)]
     first, last = model.pre_process, model.post_process
     pp_ranks = state.group_ranks["pp"] if state is not None else [0]
     me = pp_ranks.index(state.rank) if state is not None else 0
@@ -273,8 +295,24 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
         step, j = unread.pop(0)
         exchange(step, j, torch.zeros(len(batches[j].items), dtype=torch.long, device=dev))
 
+    def inputs(mb: _MicroBatch, step: int) -> tuple[torch.Tensor, dict, torch.Tensor | int]:
+        """This stage's (token ids ``[b, s]``, forward keywords, the column whose logits give the next token)."""
+        if recompute:
+            ids, pos, docs = mb.context(step, model.parallel.tp_size)
+            return ids, {"position_ids": pos, "document_ids": docs}, mb.prompt.shape[1] + step - 1
+        if cp > 1 and step == 0:  # CP prefill: this rank's part of the prompts (right-padded to the CP divisor)
+            ids, pos, docs = mb.context(0, required_divisor(model.parallel.cp_algo, cp))
+            part = shard_batch({"tokens": ids, "position_ids": pos, "document_ids": docs}, cp, cp_rank,
+                               sequence_layout(model.parallel.cp_algo))
+            return part["tokens"], {"position_ids": part["position_ids"], "document_ids": part["document_ids"],
+                                    "token_index": part["token_index"], "kv_cache": mb.cache}, part["token_index"]
+        return mb.input_ids(step), {"kv_cache": mb.cache}, -1
+
     was_training = model.training
     model.eval()
+    model.cp_group = comm.LOCAL  # decoding: every cp rank the same tokens over the whole cache
+    if not recompute and model.kv_cache_unsupported() is not None:
+        model.check_kv_cache_usable()
     try:
         with torch.no_grad():
             for step in range(max_new_tokens):
@@ -283,23 +321,28 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
                         read_next()
                     if not mb.active:
                         continue
-                    ids, pos, docs, cache = mb.input_ids(step), None, None, mb.cache  # [b, s]
-                    if recompute:
-                        (ids, pos, docs), cache = mb.context(step, model.parallel.tp_size), None
+                    ids, kwargs, column = inputs(mb, step)
+                    model.cp_group = cp_group if "token_index" in kwargs else comm.LOCAL
                     if first:
-                        out = model(ids, position_ids=pos, document_ids=docs, kv_cache=cache)
+                        out = model(ids, **kwargs)
                     else:
                         rows = ids.shape[1] // (model.parallel.tp_size if recompute else 1)
                         hidden = torch.empty(rows, ids.shape[0], cfg.hidden_size, dtype=dtype, device=dev)
                         src = pp_ranks[me - 1]
                         hidden = comm.irecv(hidden, src, state.p2p_groups[(src, state.rank)]).wait()
-                        out = model(None, position_ids=pos, hidden_states=hidden, document_ids=docs, kv_cache=cache)
+                        out = model(None, hidden_states=hidden, **kwargs)
+                    if "token_index" in kwargs:
+                        mb.cache.length = mb.prompt.shape[1]  # the right padding's keys are overwritten from here on
                     if not last:
                         dst = pp_ranks[me + 1]
                         sends.append(comm.isend(out.contiguous(), dst, state.p2p_groups[(state.rank, dst)]))
                         unread.append((step, j))
                         continue
-                    logits = out[:, mb.prompt.shape[1] + step - 1 if recompute else -1, :limit].float()  # [b, V]
+                    if isinstance(column, int):
+                        logits = out[:, column, :limit].float()  # [b, V]
+                    else:  # CP prefill: the last prompt token's logits, from the cp rank that holds it
+                        held = (column == mb.prompt.shape[1] - 1).unsqueeze(-1)  # [b, s/cp, 1]
+                        logits = comm.all_reduce((out[..., :limit].float() * held).sum(dim=1), cp_group)
                     new = [sample_next(row, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p,
                                        c.generator) if c.going(step) else 0 for row, c in zip(logits, mb.items)]
                     exchange(step, j, torch.tensor(new, dtype=torch.long, device=dev))
@@ -309,4 +352,5 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
                 pending.wait()
     finally:
         model.train(was_training)
+        model.cp_group = cp_group
     return items

@@ -331,6 +331,9 @@ class LayerKV(Protocol):
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ...  # store the new k/v [s, b, g, d]; return cached + new [past + s, b, g, d]
 
+    def fill(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> None:
+        ...  # CP prefill: store every cp rank's k/v [s/cp, b, g, d] (gathered) in position order
+
 
 KernelHook = Callable[..., torch.Tensor]
 """``hook(kernel, q, k, v, dropout_p) -> output``: see ``SelfAttention.register_kernel_hook``."""
@@ -400,7 +403,9 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
         s, b = qkv.shape[0], qkv.shape[1]
         q, k, v = self.regions.rotary_qkv(qkv, cos, sin, self.q_per_kv, self.head_dim)  # [s, b, n/t | g_local, d]
-        if kv_cache is not None:
+        if kv_cache is not None and meta is not None:  # CP prefill: cache the whole sequence, attend as in training
+            kv_cache.fill(k, v, meta)
+        elif kv_cache is not None:
             k_all, v_all = kv_cache.append(k, v)  # [past + s, b, g, d]
             return self.out(cached_attention(q, k_all, v_all, self.max_scores, kv_cache.pad).reshape(s, b, -1))
         if self.parallel.recompute == "selective" and self.training and torch.is_grad_enabled():

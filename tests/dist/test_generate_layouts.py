@@ -4,7 +4,8 @@ Each rank builds its stage of the same tiny GPT (initialisation is layout-free) 
 different lengths: greedy and seeded top-p sampling must give the 1-rank tokens; the sampled tokens of a prompt
 must not depend on the other prompts of the batch nor on the micro-batching (several micro-batches in flight
 through the pipeline); a prompt that fills the context stops with ``context``; a tied llama with GQA and kv heads
-replicated over tp 4 too (tp > kv heads); under SP (no KV cache: the whole contexts re-run) too.
+replicated over tp 4 too (tp > kv heads); under SP (no KV cache: the whole contexts re-run) too; and with the
+prompts prefilled over two cp ranks (zigzag; llama3 with tp2), every cp rank then decoding with the whole cache.
 """
 from __future__ import annotations
 
@@ -40,16 +41,19 @@ def _decode(model: GPTModel, state=None, eod: int | None = None) -> dict[str, li
             "eod": ids(generate_batch(model, PROMPTS, NEW, eod, state=state)) if eod is not None else []}
 
 
-def _rank(rank: int, world: int, tp: int, pp: int, sp: bool, arch: str, eod: int) -> dict[str, list]:
+def _rank(rank: int, world: int, tp: int, pp: int, sp: bool, arch: str, eod: int, cp: int = 1,
+          algo: str = "ring") -> dict[str, list]:
     torch.set_num_threads(1)
-    state = initialize(ParallelDims(tp=tp, pp=pp, world_size=world))
-    model = build_stage(_cfg(arch), SEED, state, ParallelContext(tp_group=state.tp_group, sequence_parallel=sp))
+    state = initialize(ParallelDims(tp=tp, pp=pp, cp=cp, world_size=world))
+    model = build_stage(_cfg(arch), SEED, state, ParallelContext(tp_group=state.tp_group, sequence_parallel=sp,
+                                                                 cp_group=state.cp_group, cp_algo=algo))
     return _decode(model, state, eod)
 
 
-@pytest.mark.parametrize("arch,tp,pp,sp", [("neox", 2, 1, True), ("neox", 1, 2, False), ("llama", 2, 2, False),
-                                           ("llama", 4, 1, False)])
-def test_generate_batch_layouts_equal_one_rank(arch: str, tp: int, pp: int, sp: bool) -> None:
+@pytest.mark.parametrize("arch,tp,pp,sp,cp", [("neox", 2, 1, True, ""), ("neox", 1, 2, False, ""),
+                                              ("llama", 2, 2, False, ""), ("llama", 4, 1, False, ""),
+                                              ("neox", 1, 1, False, "zigzag"), ("llama", 2, 1, False, "llama3")])
+def test_generate_batch_layouts_equal_one_rank(arch: str, tp: int, pp: int, sp: bool, cp: str) -> None:
     torch.set_num_threads(1)
     model = GPTModel(_cfg(arch), seed=SEED)
     want = _decode(model)
@@ -60,5 +64,7 @@ def test_generate_batch_layouts_equal_one_rank(arch: str, tp: int, pp: int, sp: 
     assert want["sampled_alone"] == [want["sampled"][1]]  # independent of the other prompts
     assert want["greedy"][-1][2] == "context" and len(want["greedy"][-1][1]) == 3  # 14 + 3 - 1 = seq_length
     assert want["eod"][1][1:] == (tokens[:tokens.index(eod)], "eod")
-    for rank, got in enumerate(run_distributed(_rank, tp * pp, tp=tp, pp=pp, sp=sp, arch=arch, eod=eod)):
+    layout = {"cp": 2, "algo": cp} if cp else {}  # the prompts prefilled over two cp ranks with that algorithm
+    for rank, got in enumerate(run_distributed(_rank, tp * pp * (2 if cp else 1), tp=tp, pp=pp, sp=sp, arch=arch,
+                                               eod=eod, **layout)):
         assert got == want, (arch, tp, pp, rank)
