@@ -31,9 +31,8 @@ if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout witho
 if str(Path(__file__).resolve().parent) not in sys.path:  # inference_setup beside this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from inference_setup import checkpoint_config, load_tokenizer, loaded_stage, resolve_checkpoint, run_tool
+from inference_setup import load_tokenizer, loaded_stage, run_tool
 
-from megatron_sp import checkpointing
 from megatron_sp.config import Config
 from megatron_sp.data import (build_datasets, check_inputs, open_dataset, parse_blend, split_documents,
                               whole_dataset)
@@ -124,21 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     """``tools/evaluate.py``: returns the exit code; a user error is one ``error:`` line (exit code 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    found: dict[str, Any] = {}
 
-    def configure(world: int | None) -> Config:
-        found["ckpt"] = ckpt = resolve_checkpoint(args.load)
-        found["meta"] = meta = checkpointing.read_meta(ckpt)
-        cfg = checkpoint_config(meta, ckpt, args.overrides, world)
-        if world is None:
+    def check(cfg: Config, before_ranks: bool) -> None:
+        if before_ranks:
             prepare(cfg, args.data)  # a missing file or tokenizer: one line before any rank starts
-        return cfg
 
-    def work(cfg: Config) -> str:
-        results = evaluate_checkpoint(cfg, found["ckpt"], found["meta"], args.data)
-        return report(results, found["ckpt"], int(found["meta"].get("step", 0)), cfg, args.json)
+    def work(cfg: Config, ckpt: Path, meta: dict[str, Any]) -> str:
+        return report(evaluate_checkpoint(cfg, ckpt, meta, args.data), ckpt, int(meta.get("step", 0)), cfg, args.json)
 
-    return run_tool(argv, configure, work)
+    return run_tool(argv, args.load, args.overrides, work, check)
 
 
 if __name__ == "__main__":

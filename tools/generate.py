@@ -30,9 +30,8 @@ if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout witho
 if str(Path(__file__).resolve().parent) not in sys.path:  # inference_setup beside this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from inference_setup import checkpoint_config, load_tokenizer, loaded_stage, resolve_checkpoint, run_tool
+from inference_setup import load_tokenizer, loaded_stage, run_tool
 
-from megatron_sp import checkpointing
 from megatron_sp.config import Config
 from megatron_sp.config.loader import MAX_NEW_TOKENS  # past the context window every token re-runs it
 from megatron_sp.data.tokenizer import Tokenizer
@@ -160,25 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     """``tools/generate.py``: returns the exit code; a user error is one ``error:`` line (exit code 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    found: dict[str, Any] = {}
+    prompts: list[str] = []
+    ids: list[list[int]] = []
 
-    def configure(world: int | None) -> Config:
-        found["ckpt"] = ckpt = resolve_checkpoint(args.load)
-        found["meta"] = meta = checkpointing.read_meta(ckpt)
-        tokenizer_keys = [f"tokenizer.model={args.tokenizer_model}", "tokenizer.type=sentencepiece"] \
-            if args.tokenizer_model else []
-        cfg = checkpoint_config(meta, ckpt, [*args.overrides, *tokenizer_keys], world, batches=False)
+    def check(cfg: Config, before_ranks: bool) -> None:
         check_layout(cfg, args)
         tokenizer = load_tokenizer(cfg)  # a missing tokenizer file: one line before any rank starts
-        found["prompts"] = [] if args.interactive else read_prompts(args.prompt_file) if args.prompt_file \
-            else [args.prompt]
-        found["ids"] = encode(tokenizer, found["prompts"], cfg.model.seq_length)
-        return cfg
+        if not args.interactive:
+            prompts.extend(read_prompts(args.prompt_file) if args.prompt_file else [args.prompt])
+            ids.extend(encode(tokenizer, prompts, cfg.model.seq_length))
 
-    def work(cfg: Config) -> str | None:
-        with loaded_stage(cfg, found["ckpt"], found["meta"]) as (state, model, tokenizer, _):
-            def decode(ids: list[list[int]], indices: list[int]) -> list[Completion]:
-                return generate_batch(model, ids, args.max_new_tokens, tokenizer.eod, args.sampling, args.batch_size,
+    def work(cfg: Config, ckpt: Path, meta: dict[str, Any]) -> str | None:
+        with loaded_stage(cfg, ckpt, meta) as (state, model, tokenizer, _):
+            def decode(batch: list[list[int]], indices: list[int]) -> list[Completion]:
+                return generate_batch(model, batch, args.max_new_tokens, tokenizer.eod, args.sampling, args.batch_size,
                                       state, indices, use_cache=not args.no_cache)
             if args.interactive:
                 for index, line in enumerate(sys.stdin):
@@ -186,15 +180,17 @@ def main(argv: list[str] | None = None) -> int:
                     (done,) = decode(encode(tokenizer, [text], cfg.model.seq_length), [index])
                     print(result(done, text, tokenizer, args.json), flush=True)
                 return None
-            mine = list(range(state.dp_rank, len(found["ids"]), state.dp_size))  # this replica's prompts
-            done = decode([found["ids"][i] for i in mine], mine)
+            mine = list(range(state.dp_rank, len(ids), state.dp_size))  # this replica's prompts
+            done = decode([ids[i] for i in mine], mine)
             for c in done:
                 c.generator = None  # (gathered below)
             every = sorted((c for part in comm.all_gather_object(done, state.groups["dp"]) for c in part),
                            key=lambda c: c.index)
-            return "\n".join(result(c, found["prompts"][c.index], tokenizer, args.json) for c in every)
+            return "\n".join(result(c, prompts[c.index], tokenizer, args.json) for c in every)
 
-    return run_tool(argv, configure, work)
+    tokenizer_keys = [f"tokenizer.model={args.tokenizer_model}", "tokenizer.type=sentencepiece"] \
+        if args.tokenizer_model else []
+    return run_tool(argv, args.load, [*args.overrides, *tokenizer_keys], work, check, batches=False)
 
 
 if __name__ == "__main__":

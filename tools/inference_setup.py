@@ -114,23 +114,29 @@ def loaded_stage(cfg: Config, ckpt: Path, meta: dict[str, Any]) -> Iterator[tupl
             dist.destroy_process_group()
 
 
-def run_tool(argv: list[str], configure: Callable[[int | None], Config], work: Callable[[Config], str | None]) -> int:
-    """A tool's ``main``: ``configure(world size under torchrun, else None)`` builds and checks the config (every
-    user error there: one line before any rank starts); run plainly with world size > 1 it starts the local ranks
-    with ``argv`` (each runs this again, under torchrun), else ``work(cfg)`` runs on this rank and global rank 0
-    prints what it returns. A user error is one ``error:`` line and exit code 2; Ctrl-C 130."""
+def run_tool(argv: list[str], load: str, overrides: list[str], work: Callable[[Config, Path, dict[str, Any]], str | None],
+             check: Callable[[Config, bool], None] | None = None, batches: bool = True) -> int:
+    """A tool's ``main``: the checkpoint ``load`` names, its config with ``overrides`` (``checkpoint_config``) and
+    ``check(cfg, before_ranks)`` (every user error there: one line before any rank starts); run plainly with world
+    size > 1 it starts the local ranks with ``argv`` (each runs this again, under torchrun), else ``work(cfg, ckpt,
+    meta)`` runs on this rank and global rank 0 prints what it returns. A user error is one ``error:`` line and exit
+    code 2; Ctrl-C 130."""
     torchrun = launcher.under_torchrun()
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
     cfg = None
     try:
-        cfg = configure(int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        ckpt = resolve_checkpoint(load)
+        meta = checkpointing.read_meta(ckpt)
+        cfg = checkpoint_config(meta, ckpt, overrides, int(os.environ["WORLD_SIZE"]) if torchrun else None, batches)
+        if check is not None:
+            check(cfg, not torchrun)
         if not torchrun:
             if cfg.parallel.world_size > 1:  # type: ignore[operator]
                 with tempfile.TemporaryDirectory(prefix="ranks_") as logs:
                     return launcher.start_local(cfg.parallel.world_size, argv, Path(logs), None,  # type: ignore[arg-type]
                                                 cpu=cfg.parallel.device == "cpu")
             launcher.single_rank_env()
-        out = work(cfg)
+        out = work(cfg, ckpt, meta)
         if rank == 0 and out is not None:
             print(out, flush=True)
     except UserError as exc:
