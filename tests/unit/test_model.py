@@ -532,54 +532,6 @@ def test_cuda_flash_path_matches_sdpa() -> None:
     assert (fast - ref).abs().max() / ref.abs().max() < 0.03
 
 
-@pytest.mark.parametrize("arch", ["neox", "llama"])
-def test_packed_documents_attend_within_their_document(arch: str) -> None:
-    """document_ids (data.reset_attention_mask) + restarted positions: each document's logits equal
-    the model run on that document alone; without document ids they differ."""
-    cfg = make_cfg(arch)
-    model = GPTModel(cfg, seed=3).double()
-    g = torch.Generator().manual_seed(0)
-    lengths = [5, 9, 2]
-    tokens = torch.randint(0, cfg.vocab_size, (1, sum(lengths)), generator=g)
-    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
-    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-    packed = model(tokens, position_ids=pos, document_ids=docs)  # [1, s, V]
-    start = 0
-    for n in lengths:
-        alone = model(tokens[:, start:start + n])
-        assert torch.allclose(packed[:, start:start + n], alone, rtol=0, atol=1e-12), n
-        start += n
-    plain = model(tokens, position_ids=pos)
-    assert (plain[:, lengths[0]:] - packed[:, lengths[0]:]).abs().max() > 1e-3
-
-
-def test_document_plan_is_made_once_per_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every layer's forward and backward attend over the same blocks: the block is classified and its
-    document plan made once per micro-batch (kept on the AttentionMeta), not once per layer and pass."""
-    from megatron_sp.model.attention import documents
-
-    calls = {"plan": 0, "classify": 0}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-    monkeypatch.setattr(documents, "plan", counted("plan", documents.plan))
-    monkeypatch.setattr(kernels, "classify", counted("classify", kernels.classify))
-    cfg = make_cfg("llama")
-    assert cfg.num_layers >= 2
-    model = GPTModel(cfg, seed=3)
-    lengths = [5, 9, 2]
-    tokens = torch.randint(0, cfg.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
-    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
-    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-    model(tokens, position_ids=pos, document_ids=docs).sum().backward()
-    assert calls == {"plan": 1, "classify": 1}
-    model(tokens, position_ids=pos, document_ids=docs).sum().backward()  # the next micro-batch: a new meta
-    assert calls == {"plan": 2, "classify": 2}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rd", [8, 4], ids=["full_rotary", "partial_rotary"])
 @pytest.mark.parametrize("r", [1, 3])
