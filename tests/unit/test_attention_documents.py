@@ -13,11 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_sp.model.attention import documents, kernels
 from megatron_sp.model.attention.kernels import attention_backward, attention_forward, visible
+from megatron_sp.model.gpt import GPTModel
 
 from test_attention_kernels import lse_err, make_qkv, oracle
 from test_model import make_cfg
-
-from megatron_sp.model.gpt import GPTModel
 
 S = 32
 
