@@ -207,9 +207,8 @@ def test_cli_json_greedy_matches_library(checkpoint_dir: Path) -> None:
 
 
 def test_cli_prompt_file_layouts_interactive_and_no_cache(checkpoint_dir: Path, tmp_path: Path) -> None:
-    """A prompt file (text, and JSONL) decoded at tp2 × pp2, and by two data-parallel replicas sharing the prompts
-    with each prompt prefilled over two cp ranks, gives the 1-rank tokens, greedy and sampled; --interactive and
-    --no-cache give the same samples."""
+    """A prompt file (text, and JSONL) decoded at tp2 × pp2, and by two data-parallel replicas sharing the prompts,
+    gives the 1-rank tokens, greedy and sampled; --interactive and --no-cache give the same samples."""
     texts = ["abc", "", "def main(x):", "xyz"]
     (tmp_path / "p.txt").write_text("abc\n\n\ndef main(x):\nxyz\n")  # blank lines are skipped ...
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))  # ... JSONL keeps ""
@@ -218,7 +217,7 @@ def test_cli_prompt_file_layouts_interactive_and_no_cache(checkpoint_dir: Path, 
     assert [r["prompt"] for r in one] == texts and [r["index"] for r in one] == [0, 1, 2, 3]
     assert one[1]["prompt_ids"] == [256]  # an empty prompt starts a document
     assert json_lines(run_tool("--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.jsonl"), *sample,
-                               "parallel.dp=2", "parallel.cp=2")) == one  # prefilled over two cp ranks
+                               "parallel.dp=2")) == one
     interactive = json_lines(run_tool("--load", str(checkpoint_dir / "iter_0000002"), "--interactive", *sample,
                                       "--no-cache", stdin="\n".join(texts) + "\n"))
     assert interactive == one  # each prompt draws from its own generator: alone or in a batch, cached or not
