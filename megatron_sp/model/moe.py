@@ -323,6 +323,10 @@ class Experts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, regions: Regions) -> torch.Tensor:
         """rows ``[N, h]`` sorted by expert, ``counts [E]`` → ``[N, h]``."""
+        if self.swiglu and not self.training and not torch.is_grad_enabled():  # inference: no concatenation per call
+            gate = expert_linear(rows, counts, self.gate.weight, self.gate.bias, self.backend)
+            up = expert_linear(rows, counts, self.up.weight, self.up.bias, self.backend)
+            return expert_linear(F.silu(gate) * up, counts, self.down.weight, self._out_bias(self.down.bias), self.backend)
         if self.swiglu:  # gate and up in one GEMM of their concatenated weights, as the dense MLP
             weight = torch.cat([self.gate.weight, self.up.weight], dim=1)  # [E, 2·ffn, h]
             bias = torch.cat([self.gate.bias, self.up.bias], dim=1) if self.gate.bias is not None else None

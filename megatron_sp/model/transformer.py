@@ -440,6 +440,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape."""
+        if self.swiglu and not self.training and not torch.is_grad_enabled() and not self.gate.sequence_parallel:
+            # inference: concatenating the weights would copy 2·ffn/t·h values per call, more than a decode step's
+            # few tokens read (no input all-gather or gradient all-reduce to share here); the same values
+            return self.down(F.silu(self.gate(x)) * self.up(x))
         if self.swiglu:
             # gate and up share one input all-gather (SP) / all-reduce of the input grad (TP):
             # one column-parallel matmul on their concatenated local weights.

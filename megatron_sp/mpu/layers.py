@@ -162,7 +162,10 @@ class _GatherLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with a deferrable weight gradient (``mpu.weight_grad``): ``_GatherLinear`` over a group of one."""
+    """``F.linear`` with a deferrable weight gradient (``mpu.weight_grad``): ``_GatherLinear`` over a group of one
+    (under ``no_grad``, F.linear itself: no autograd Function call per matmul while decoding)."""
+    if not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
     return _GatherLinear.apply(x, weight, bias, comm.LOCAL, False, default_gather_buffer())
 
 
