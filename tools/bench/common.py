@@ -107,6 +107,17 @@ def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def apply_quick(args: argparse.Namespace, argv: list[str] | None, quick: dict[str, Any]) -> None:
+    """``--quick``: set ``quick``'s values on ``args``, except the flags given on the command line (they keep theirs)."""
+    if not args.quick:
+        return
+    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (sys.argv[1:] if argv is None else argv)
+             if a.startswith("--")}
+    for key, value in quick.items():
+        if key not in given:
+            setattr(args, key, value)
+
+
 def per_rank(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any]:
     """``fn(rank, world_size, **kwargs)`` of every rank: in this process for one rank, else on gloo ranks."""
     if world_size == 1:

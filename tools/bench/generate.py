@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from common import LiveBytes, alternating, gpt_config, host_memory, ints, mib, names, opt, parser, print_json, wall_cpu
+from common import LiveBytes, alternating, apply_quick, gpt_config, host_memory, ints, mib, names, opt, parser, print_json, wall_cpu
 from megatron_sp import device
 from megatron_sp.config import Config
 from megatron_sp.model import GPTModel
@@ -59,12 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the in-process runs (ours at 1 rank, transformers); each rank runs one")
     args = p.parse_args(argv)
-    if args.quick:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (sys.argv[1:] if argv is None else argv)
-                 if a.startswith("--")}  # flags given with --quick keep their values
-        for key, value in QUICK.items():
-            if key not in given:
-                setattr(args, key, value)
+    apply_quick(args, argv, QUICK)  # flags given with --quick keep their values
     args.batch_sizes = sorted(set(ints(args.batches)))
     args.dims = {name: layout_dims(name) for name in names(args.layouts)}
     if not args.batch_sizes or min(args.batch_sizes) < 1 or min(args.reps, args.threads) < 1 or args.warmup < 0:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 
-from common import (DTYPES, alternating, build_layer, gpt_config, host_memory, names, parser, print_json, wall_cpu,
+from common import (DTYPES, alternating, apply_quick, build_layer, gpt_config, host_memory, names, parser, print_json, wall_cpu,
                     wall_cpu_stats)
 from megatron_sp import training
 from megatron_sp.config import Config
@@ -66,12 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=2, help="ep part: micro-batches per rank (of --batch sequences)")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: block,step,ep")
     args = p.parse_args(argv)
-    if args.quick:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (sys.argv[1:] if argv is None else argv)
-                 if a.startswith("--")}  # flags given with --quick keep their values
-        for key, value in QUICK.items():
-            if key not in given:
-                setattr(args, key, value)
+    apply_quick(args, argv, QUICK)  # flags given with --quick keep their values
     try:
         args.cases = [tuple(int(n) for n in case.split("x")) for case in names(args.block_cases)]
     except ValueError:
