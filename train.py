@@ -29,7 +29,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--conf", action="append", default=[], help="config file; repeat to merge (later wins)")
     parser.add_argument("--help-config", action="store_true", help="list every config key with its doc and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides like parallel.dp=2 train.iters=50")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides between --conf options (the ranks' argv gets one appended)
 
 
 def preflight(cfg: config_mod.Config, args: argparse.Namespace) -> str | None:
@@ -42,7 +42,8 @@ def preflight(cfg: config_mod.Config, args: argparse.Namespace) -> str | None:
     def build(extra: list[str]) -> config_mod.Config:
         return config_mod.load(args.conf, [*args.overrides, *extra])
 
-    return preflight_mod.check(cfg, build, preflight_mod.local_ranks(cfg))
+    command = " ".join(["python train.py", *(f"--conf {c}" for c in args.conf), *args.overrides])
+    return preflight_mod.check(cfg, build, preflight_mod.local_ranks(cfg), training=True, command=command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,23 +53,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.help_config:
         print(config_mod.help_text())
         return 0
-    torchrun = launcher.under_torchrun()
-    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
-    cfg = None
+    rank, cfg = 0, None
     try:
+        torchrun = launcher.under_torchrun()  # a partial torchrun environment: one line
+        rank = int(os.environ["RANK"]) if torchrun else 0
         world = int(os.environ["WORLD_SIZE"]) if torchrun else None
-        cfg = config_mod.load(args.conf, args.overrides, world_size=world)
+        notes: list[str] = []
+        cfg = config_mod.load(args.conf, args.overrides, world_size=world, notes=notes)
         metrics_mod.setup_logging(cfg.logging.level, rank)
+        for note in notes if torchrun or cfg.parallel.world_size == 1 else []:  # (not twice: the ranks say it)
+            metrics_mod.log.info(note)
         metrics_mod.check_sinks(cfg)  # a missing wandb/tensorboard: one line now, not a rank failing later
         checkpointing.check_output_dir(cfg.logging.dir, "logging.dir")  # a file there: one line, not after training
         if rank == 0:  # checkpoint.save: a file, in use by a run now, or another run's checkpoints: one line now
             checkpointing.check_save_dir(cfg)
         memory_note = preflight(cfg, args) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
         if not torchrun:
-            training.prepare_inputs(cfg)  # build the demo data once, check files, before any rank starts
-            if cfg.checkpoint.load and not (cfg.checkpoint.auto_resume and cfg.checkpoint.save
-                                            and (Path(cfg.checkpoint.save) / "latest").is_file()):
-                checkpointing.read_meta(checkpointing.resolve(cfg.checkpoint.load))  # a bad path: one line now
+            tokenizer = training.prepare_inputs(cfg)  # build the demo data once, check files, before any rank starts
+            ckpt = checkpointing.resume_source(cfg)  # a bad path: one line now
+            if ckpt is not None:  # so is another seq_length or tokenizer (allowed: rank 0 warns)
+                meta = checkpointing.read_meta(ckpt)
+                if not cfg.checkpoint.allow_data_change:
+                    training.check_resume_data(cfg, meta, ckpt, training.tokenizer_fingerprint(tokenizer))
             if cfg.parallel.world_size > 1:
                 ranks_argv = [*argv, "train.preflight=false"] if cfg.train.preflight else argv  # checked here, once
                 return launcher.start_local(cfg.parallel.world_size, ranks_argv, Path(cfg.logging.dir) / "ranks",

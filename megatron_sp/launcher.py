@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .errors import LaunchError, UserError
-from .multinode import (MAX_SLOTS, EnvSpec, Host, check_hostname, collect_env, env_prefix, hosts_text,
-                        parse_hostfile, remote_command, select_hosts, slurm_hosts, uniform_slots,
-                        with_devices)
+from .multinode import (MAX_SLOTS, EnvSpec, Host, check_hostname, check_port_free, collect_env, env_prefix,
+                        hosts_text, is_this_host, parse_hostfile, remote_command, select_hosts, slurm_hosts,
+                        uniform_slots, with_devices)
 
 LAUNCHERS = ("ssh", "pdsh", "slurm", "local")
 DEFAULT_MASTER_PORT = 29500
@@ -199,11 +199,13 @@ class Command:
 
 @dataclass
 class LaunchPlan:
-    """What ``deepy`` runs: the ``launcher`` used, its ``commands`` and a one-line ``summary``."""
+    """What ``deepy`` runs: the ``launcher`` used, its ``commands``, a one-line ``summary`` and the ``rendezvous``
+    (host, port) whose port must be free when that host is this one (--standalone: none)."""
 
     launcher: str
     commands: list[Command]
     summary: str
+    rendezvous: tuple[str, int] | None = None
 
 
 @dataclass
@@ -292,14 +294,12 @@ def _plan_local(req: _Request) -> LaunchPlan:
     if not nproc:
         nproc = req.layout.world or req.layout.model_parallel  # dp derived: 1, as train.py does on its own
     check_layout(req.layout, nproc, "on this machine")
-    if args.master_port is None:
-        rendezvous, where = ["--standalone"], "a free local port"
-    else:
-        addr = args.master_addr or "127.0.0.1"
-        rendezvous, where = req.c10d(addr), f"{addr}:{req.port}"
+    addr = args.master_addr or "127.0.0.1"
+    rendezvous = ["--standalone"] if args.master_port is None else req.c10d(addr)
+    where = "a free local port" if args.master_port is None else f"{addr}:{req.port}"
     argv = [*env_prefix(env), *req.torchrun(1, nproc, rendezvous)]
     return LaunchPlan("local", [Command("local", argv)], f"local launch of {req.command[0]}: {nproc} ranks on this machine, "
-                                                   f"rendezvous on {where}")
+                      f"rendezvous on {where}", None if args.master_port is None else (addr, req.port))
 
 
 def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
@@ -330,7 +330,8 @@ def _plan_slurm(req: _Request, environ: Mapping[str, str]) -> LaunchPlan:
         srun += ["--nodelist", ",".join(names)]
     argv = [*env_prefix(env), *srun, *req.torchrun(nodes, nproc, req.c10d(master))]
     return LaunchPlan("slurm", [Command("slurm", argv)],
-                      f"slurm launch of {req.command[0]}: {nodes} node(s) × {nproc} ranks, {req.c10d_text(master)}")
+                      f"slurm launch of {req.command[0]}: {nodes} node(s) × {nproc} ranks, {req.c10d_text(master)}",
+                      (master, req.port))
 
 
 def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
@@ -347,7 +348,7 @@ def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
         pdsh = ["pdsh", "-R", "ssh", "-S", "-f", "1024", "-w", ",".join(h.name for h in hosts)]
         # pdsh substitutes %h, %u, %n in the command it runs and turns %% into %
         return LaunchPlan("pdsh", [Command("pdsh", [*pdsh, remote.replace("%", "%%")])],
-                          summary + req.c10d_text(master))
+                          summary + req.c10d_text(master), (master, req.port))
     # -tt: closing the connection (deepy stopping) hangs up the remote torchrun, which then stops its workers
     ssh = ["ssh", "-tt", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
     if args.ssh_port is not None:
@@ -362,7 +363,7 @@ def _plan_remote(req: _Request, launcher: str) -> LaunchPlan:
         remote = remote_command(req.cwd, with_devices(env, h.visible_devices), argv)
         commands.append(Command(h.name, [*ssh, "--", h.name, remote]))
     how = f"static rendezvous at {master}:{req.port}" if args.rdzv_backend == "static" else req.c10d_text(master)
-    return LaunchPlan("ssh", commands, summary + how)
+    return LaunchPlan("ssh", commands, summary + how, (master, req.port))
 
 
 # ----------------------------------------------------------------------------- execution
@@ -460,8 +461,15 @@ def execute(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = No
 # ----------------------------------------------------------------------------- train.py's local ranks
 
 def under_torchrun() -> bool:
-    """Whether this process is a rank that torchrun started."""
-    return all(k in os.environ for k in TORCHRUN_ENV)
+    """Whether this process is a rank that torchrun started (all of ``TORCHRUN_ENV`` set; none: run plainly); a
+    partial set is a ``LaunchError`` naming what is missing (else a plain run would start ranks of its own)."""
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing and len(missing) < len(TORCHRUN_ENV):
+        given = [k for k in TORCHRUN_ENV if k not in missing]
+        raise LaunchError(f"a partial torchrun environment: {', '.join(given)} set but {', '.join(missing)} not; "
+                          f"launch with torchrun (it sets all {len(TORCHRUN_ENV)}), or unset {', '.join(given)} to "
+                          "run plainly")
+    return not missing
 
 
 def single_rank_env() -> None:
@@ -573,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, command = parse_args(list(sys.argv[1:] if argv is None else argv))
         plan = build_plan(args, command, os.environ, os.getcwd())
+        if not args.dry_run and plan.rendezvous and is_this_host(plan.rendezvous[0]):
+            check_port_free(plan.rendezvous[1], plan.rendezvous[0])  # taken: torchrun would join or hang, silently
         print(f"deepy: {plan.summary}", file=sys.stderr, flush=True)
         if args.dry_run:
             for cmd in plan.commands:

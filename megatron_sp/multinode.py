@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -235,3 +236,32 @@ def with_devices(env: Mapping[str, str], devices: str | None) -> dict[str, str]:
         raise LaunchError("CUDA_VISIBLE_DEVICES is given with --env/.deepy_env and by a slot selection "
                           "(--include/--exclude/--nproc-per-node); keep one of them")
     return {**env, "CUDA_VISIBLE_DEVICES": devices}
+
+
+# ----------------------------------------------------------------------------- the rendezvous port
+
+def is_this_host(name: str) -> bool:
+    """Whether host ``name`` is this machine, by torchrun's rule for who serves the c10d store: localhost, a loopback
+    address, this host name, or a name resolving to one of its addresses."""
+    if name == "localhost" or name.startswith("127."):
+        return True
+    this = socket.gethostname().lower()
+    if name in (this, this.split(".")[0]):
+        return True
+    try:
+        theirs = {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+        return bool(theirs & {info[4][0] for info in socket.getaddrinfo(this, None, proto=socket.IPPROTO_TCP)})
+    except (OSError, UnicodeError):
+        return False
+
+
+def check_port_free(port: int, host: str) -> None:
+    """A ``LaunchError`` naming ``port`` when the rendezvous served on this host (``host``) cannot bind it: torchrun
+    would join whatever listens there (another job's store: a traceback later; anything else: a silent hang)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
+        try:
+            s.bind(("", port))
+        except OSError as exc:
+            raise LaunchError(f"the rendezvous port {port} is in use on {host} (this host, which serves the rendezvous: "
+                              f"{exc.strerror}; another job's?); choose a free --master-port") from None

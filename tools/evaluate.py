@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true",
                         help="Print one JSON object: checkpoint, step, layout and a result per dataset.")
     parser.add_argument("overrides", nargs="*", help="dotted overrides like parallel.tp=2 train.micro_batch_size=1")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # the ranks get an override appended
 
 
 def prepare(cfg: Config, prefixes: list[str]) -> None:
@@ -60,6 +60,9 @@ def prepare(cfg: Config, prefixes: list[str]) -> None:
     for prefix in prefixes:
         dataset(cfg, tokenizer, prefix)
     if not prefixes:
+        if not cfg.data.paths:
+            raise DataError("the checkpoint's config has no data.paths (an imported checkpoint?); give --data PREFIX, "
+                            "or data.paths=[PREFIX] for the validation split of that data")
         check_inputs(cfg)
         if not any(split_documents(open_dataset(prefix).num_documents, cfg.data.split)[1].size
                    for prefix in parse_blend(cfg.data.paths)[0]):

@@ -39,6 +39,8 @@ from megatron_sp.errors import ConfigError, DataError, OneLineArgumentParser
 from megatron_sp.model.inference import Completion, Sampling, generate_batch
 from megatron_sp.mpu import comm
 
+SEPARATOR = "-" * 40  # plain-text output: the line between two prompts' completions (--json: one object a line)
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = OneLineArgumentParser(prog="generate.py", description=__doc__,
@@ -66,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokenizer-model", metavar="FILE",
                         help="SentencePiece .model to use instead of the path saved in the checkpoint's config.")
     parser.add_argument("overrides", nargs="*", help="the layout as dotted overrides, e.g. parallel.tp=2 parallel.pp=2")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # the ranks get an override appended
     sampling = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
                                          ("--top-p", args.top_p)) if value is not None]
     if args.greedy and sampling:
@@ -118,6 +120,18 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def utf8_text(text: str | bytes, where: str) -> str:
+    """``text`` (bytes from stdin, or an argument, whose undecodable bytes Python keeps as surrogates) as UTF-8 text;
+    else one line naming ``where``."""
+    try:
+        if isinstance(text, bytes):
+            return text.decode("utf-8")
+        text.encode("utf-8")
+        return text
+    except UnicodeError as exc:
+        raise DataError(f"{where} is not UTF-8 text (an undecodable byte at position {exc.start}); give UTF-8 text") from None
+
+
 def encode(tokenizer: Tokenizer, prompts: list[str], seq_length: int) -> list[list[int]]:
     """Token ids of each prompt (an empty one: the end-of-document token); too long: one line, never truncated."""
     out = []
@@ -146,13 +160,14 @@ def check_layout(cfg: Config, args: argparse.Namespace) -> None:
         raise ConfigError("--interactive runs on one rank; use --prompt-file for a layout of several ranks")
 
 
-def result(c: Completion, text: str, tokenizer: Tokenizer, as_json: bool) -> str:
-    """One prompt's output line: JSON, or the prompt followed by its continuation."""
+def result(c: Completion, text: str, tokenizer: Tokenizer, as_json: bool, position: int) -> str:
+    """The output of the ``position``-th prompt printed: a JSON line, or the prompt followed by its continuation (after
+    a ``SEPARATOR`` line from the second one on)."""
     new = tokenizer.decode(c.new_ids)
     if as_json:
         return json.dumps({"index": c.index, "prompt": text, "prompt_ids": c.prompt_ids, "new_ids": c.new_ids,
                            "text": new, "stop": c.stop})
-    return text + new
+    return f"{SEPARATOR}\n{text}{new}" if position else text + new
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         check_layout(cfg, args)
         tokenizer = load_tokenizer(cfg)  # a missing tokenizer file: one line before any rank starts
         if not args.interactive:
-            prompts.extend(read_prompts(args.prompt_file) if args.prompt_file else [args.prompt])
+            prompts.extend(read_prompts(args.prompt_file) if args.prompt_file else [utf8_text(args.prompt, "--prompt")])
             ids.extend(encode(tokenizer, prompts, cfg.model.seq_length))
 
     def work(cfg: Config, ckpt: Path, meta: dict[str, Any]) -> str | None:
@@ -175,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                 return generate_batch(model, batch, args.max_new_tokens, tokenizer.eod, args.sampling, args.batch_size,
                                       state, indices, use_cache=not args.no_cache)
             if args.interactive:
-                for index, line in enumerate(sys.stdin):
-                    text = line.rstrip("\n")
+                for index, line in enumerate(sys.stdin.buffer):
+                    text = utf8_text(line, f"stdin line {index + 1}").rstrip("\r\n")
                     (done,) = decode(encode(tokenizer, [text], cfg.model.seq_length), [index])
-                    print(result(done, text, tokenizer, args.json), flush=True)
+                    print(result(done, text, tokenizer, args.json, index), flush=True)
                 return None
             mine = list(range(state.dp_rank, len(ids), state.dp_size))  # this replica's prompts
             done = decode([ids[i] for i in mine], mine)
@@ -186,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 c.generator = None  # (gathered below)
             every = sorted((c for part in comm.all_gather_object(done, state.groups["dp"]) for c in part),
                            key=lambda c: c.index)
-            return "\n".join(result(c, prompts[c.index], tokenizer, args.json) for c in every)
+            return "\n".join(result(c, prompts[c.index], tokenizer, args.json, k) for k, c in enumerate(every))
 
     tokenizer_keys = [f"tokenizer.model={args.tokenizer_model}", "tokenizer.type=sentencepiece"] \
         if args.tokenizer_model else []

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_sp import checkpointing, device as device_mod, faults, launcher, metrics as metrics_mod
 from megatron_sp.config import Config
-from megatron_sp.config.loader import _apply_section, apply_override, finalize, set_vocab
+from megatron_sp.config.loader import apply_overrides, apply_sections, finalize, set_vocab
 from megatron_sp.data import build_tokenizer
 from megatron_sp.data.tokenizer import Tokenizer
 from megatron_sp.errors import ConfigError, DataError, UserError
@@ -43,14 +43,13 @@ def checkpoint_config(meta: dict[str, Any], ckpt: Path, overrides: list[str], wo
                       batches: bool = True) -> Config:
     """The checkpoint's config without its layout (``parallel`` is the overrides', one rank by default), the values
     derived from the layout recomputed, then ``overrides`` (not ``model.*``: the model is the checkpoint's).
-    ``batches`` False (generation): the training batch and schedule do not constrain the layout."""
+    ``batches`` False (generation): the training batch and schedule do not constrain the layout. ``data.paths`` may
+    be empty (no data to read)."""
     saved = meta.get("config")
     if not isinstance(saved, dict):
         raise DataError(f"checkpoint file '{ckpt / 'meta.json'}' holds no config")
     cfg = Config()
-    for section, values in saved.items():
-        if section != "parallel":
-            _apply_section(cfg, str(section), values, f"checkpoint file '{ckpt / 'meta.json'}'")
+    apply_sections(cfg, {s: v for s, v in saved.items() if s != "parallel"}, f"checkpoint file '{ckpt / 'meta.json'}'")
     cfg.model.padded_vocab_size = None  # padded for this layout's tp (the checkpoint stores the vocabulary unpadded)
     cfg.train.grad_accum_steps = None  # derived from this layout's dp
     cfg.train.compile = False  # inference runs eager
@@ -61,10 +60,16 @@ def checkpoint_config(meta: dict[str, Any], ckpt: Path, overrides: list[str], wo
         if item.split("=", 1)[0].strip().startswith("model."):
             raise ConfigError(f"override '{item}': the model is the checkpoint's; set the layout (parallel.*), batch "
                               "sizes (train.*) or data (data.*)")
-        apply_override(cfg, item)
+    apply_overrides(cfg, overrides)
     if not cfg.train.eval_interval:  # a run without validation: its first eval_iters batches (as at its last step)
         cfg.train.eval_interval = cfg.train.iters + 1
-    return finalize(cfg, world_size)
+    no_data = not cfg.data.paths  # an imported checkpoint: generation reads none (evaluate checks its own)
+    if no_data:
+        cfg.data.paths = ["<unset>"]  # finalize checks a training run's data.paths (as convert_checkpoint's probe)
+    cfg = finalize(cfg, world_size)
+    if no_data:
+        cfg.data.paths = []
+    return cfg
 
 
 def load_tokenizer(cfg: Config) -> Tokenizer:
@@ -120,20 +125,28 @@ def run_tool(argv: list[str], load: str, overrides: list[str], work: Callable[[C
     ``check(cfg, before_ranks)`` (every user error there: one line before any rank starts); run plainly with world
     size > 1 it starts the local ranks with ``argv`` (each runs this again, under torchrun), else ``work(cfg, ckpt,
     meta)`` runs on this rank and global rank 0 prints what it returns. A user error is one ``error:`` line and exit
-    code 2; Ctrl-C 130."""
-    torchrun = launcher.under_torchrun()
-    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
-    cfg = None
+    code 2; Ctrl-C 130. Before any rank starts, train.py's pre-flight (``train.preflight``) refuses a layout this host
+    cannot hold."""
+    rank, cfg = 0, None
     try:
+        torchrun = launcher.under_torchrun()  # a partial torchrun environment: one line
+        rank = int(os.environ["RANK"]) if torchrun else 0
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else None
         ckpt = resolve_checkpoint(load)
         meta = checkpointing.read_meta(ckpt)
-        cfg = checkpoint_config(meta, ckpt, overrides, int(os.environ["WORLD_SIZE"]) if torchrun else None, batches)
+        cfg = checkpoint_config(meta, ckpt, overrides, world, batches)
+        if cfg.train.preflight and int(os.environ.get("LOCAL_RANK", "0")) == 0:  # as train.py: before the data
+            from planner import preflight  # tools/planner (beside this file)
+
+            preflight.check(cfg, lambda extra: checkpoint_config(meta, ckpt, [*overrides, *extra], world, batches),
+                            preflight.local_ranks(cfg))
         if check is not None:
             check(cfg, not torchrun)
         if not torchrun:
             if cfg.parallel.world_size > 1:  # type: ignore[operator]
+                ranks_argv = [*argv, "train.preflight=false"] if cfg.train.preflight else argv  # checked here, once
                 with tempfile.TemporaryDirectory(prefix="ranks_") as logs:
-                    return launcher.start_local(cfg.parallel.world_size, argv, Path(logs), None,  # type: ignore[arg-type]
+                    return launcher.start_local(cfg.parallel.world_size, ranks_argv, Path(logs), None,  # type: ignore[arg-type]
                                                 cpu=cfg.parallel.device == "cpu")
             launcher.single_rank_env()
         out = work(cfg, ckpt, meta)

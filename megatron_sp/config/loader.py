@@ -25,6 +25,9 @@ _FALSE = {"false", "no", "off", "0"}
 MAX_INT = 2**53  # every integer key below this (exact in a float and in JSON); 1e21 iterations is a typo
 MAX_NEW_TOKENS = 100_000  # tokens generated per prompt: train.sample_tokens and tools/generate.py --max-new-tokens
 MAX_NODES = 100_000  # values a config file may expand to (YAML aliases share, a printed or walked tree does not)
+EXCLUSIVE = (("train.lr_warmup_iters", "train.lr_warmup_fraction"),)
+"""Pairs of keys that say one thing two ways. One source (a file, the command line) sets one of them (both only when
+they agree: a resolved config.yml holds both); a later source that sets one replaces the other's value (a note)."""
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -198,16 +201,48 @@ def apply_override(cfg: Config, item: str) -> None:
     _apply_section(cfg, parts[0], {parts[1]: value}, f"override '{item}'")
 
 
+def _exclusive_values(cfg: Config) -> dict[str, Any]:
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for pair in EXCLUSIVE for key in pair}
+
+
+def _replace_exclusive(cfg: Config, before: dict[str, Any], keys: set[str], source: str,
+                       notes: list[str] | None) -> None:
+    """After ``source`` set ``keys``: each ``EXCLUSIVE`` key it set (not null) drops the other's earlier value."""
+    now = _exclusive_values(cfg)
+    for pair in EXCLUSIVE:
+        for key, other in (pair, pair[::-1]):
+            if key in keys and other not in keys and now[key] is not None and before[other] is not None:
+                setattr(getattr(cfg, other.split(".")[0]), other.split(".")[1], None)
+                if notes is not None:
+                    notes.append(f"{key}={now[key]} ({source}) replaces {other}={before[other]} set before it")
+
+
+def apply_sections(cfg: Config, data: dict[str, Any], source: str, notes: list[str] | None = None) -> None:
+    """Apply one source's sections (a config file's, a checkpoint's); see ``EXCLUSIVE`` for ``notes``."""
+    before = _exclusive_values(cfg)
+    for section, values in data.items():
+        _apply_section(cfg, str(section), values, source)
+    keys = {f"{section}.{key}" for section, values in data.items() if isinstance(values, dict) for key in values}
+    _replace_exclusive(cfg, before, keys, source, notes)
+
+
+def apply_overrides(cfg: Config, items: list[str], notes: list[str] | None = None) -> None:
+    """Apply the command line's dotted overrides, one source; see ``EXCLUSIVE`` for ``notes``."""
+    before = _exclusive_values(cfg)
+    for item in items:
+        apply_override(cfg, item)
+    _replace_exclusive(cfg, before, {item.split("=", 1)[0].strip() for item in items}, "command line", notes)
+
+
 def load(conf_files: list[str | Path] | None = None, overrides: list[str] | None = None,
-         world_size: int | None = None, finalize_config: bool = True) -> Config:
+         world_size: int | None = None, finalize_config: bool = True, notes: list[str] | None = None) -> Config:
     """Defaults ← each file in order ← dotted overrides, then ``finalize``. ``world_size``: the ranks
-    launched (torchrun's WORLD_SIZE), or None before launch; it derives an unset ``parallel.dp``."""
+    launched (torchrun's WORLD_SIZE), or None before launch; it derives an unset ``parallel.dp``. ``notes``
+    receives a line for each ``EXCLUSIVE`` key a later source replaced (train.py logs them)."""
     cfg = Config()
     for path in conf_files or []:
-        for section, values in read_file(path).items():
-            _apply_section(cfg, str(section), values, f"{path}")
-    for item in overrides or []:
-        apply_override(cfg, item)
+        apply_sections(cfg, read_file(path), f"{path}", notes)
+    apply_overrides(cfg, overrides or [], notes)
     if finalize_config:
         finalize(cfg, world_size)
     return cfg

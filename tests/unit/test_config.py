@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_sp.model.attention.layout import DOCUMENT_CHUNK
+from megatron_sp.mpu.cp_layout import DOCUMENT_CHUNK
 from megatron_sp import config
 from megatron_sp.errors import ConfigError
 
@@ -248,11 +248,34 @@ def test_warmup_fraction_derives_the_warmup_from_the_decay():
     t = config.load(overrides=BASE + ["train.iters=40", "train.lr_decay_iters=30", "train.lr_warmup_fraction=0.25"]).train
     assert t.lr_warmup_iters == 8  # of lr_decay_iters, rounded (7.5 → 8)
     assert config.finalize(demo).train.lr_warmup_iters == 15  # the resolved config holds both, and they agree
-    with pytest.raises(ConfigError, match=r"train.lr_warmup_iters 3 and train.lr_warmup_fraction 0.1 are both set.*"
-                                          r"train.lr_warmup_fraction=null"):
-        config.load([DEMO], ["train.lr_warmup_iters=3"])
     assert config.load([DEMO], ["train.lr_warmup_iters=3", "train.lr_warmup_fraction=null"]
                        ).train.lr_warmup_iters == 3
+
+
+def test_a_later_source_replaces_the_other_exclusive_key(tmp_path):
+    """An exclusive key from a later source (file or command line) replaces the other one, with a note; both in one
+    source (one file, or the command line) stay an error unless they agree."""
+    notes: list[str] = []
+    t = config.load([DEMO], ["train.lr_warmup_iters=5"], notes=notes).train
+    assert (t.lr_warmup_iters, t.lr_warmup_fraction) == (5, None)
+    assert notes == ["train.lr_warmup_iters=5 (command line) replaces train.lr_warmup_fraction=0.1 set before it"]
+    later = tmp_path / "later.yml"
+    later.write_text("train: {lr_warmup_fraction: 0.2}\n")
+    assert config.load([DEMO, later], ["train.lr_warmup_iters=5"]).train.lr_warmup_iters == 5
+    t = config.load([DEMO, later], ["train.lr_warmup_iters=5", "train.lr_warmup_fraction=null"]).train
+    assert t.lr_warmup_iters == 5  # the command line sets both: as it says
+    resolved = tmp_path / "resolved.yml"  # a run's config.yml: both, agreeing; a later fraction wins
+    config.save(config.load([DEMO]), resolved)
+    assert config.load([resolved, later]).train.lr_warmup_iters == 30  # 0.2 of 150
+    with pytest.raises(ConfigError, match=r"train.lr_warmup_iters 3 and train.lr_warmup_fraction 0.1 are both set"):
+        config.load([DEMO], ["train.lr_warmup_iters=3", "train.lr_warmup_fraction=0.1"])
+    both = tmp_path / "both.yml"
+    both.write_text("train: {lr_warmup_iters: 3, lr_warmup_fraction: 0.1}\n")
+    with pytest.raises(ConfigError, match="are both set"):
+        config.load([DEMO, both])
+    from megatron_sp.config.loader import EXCLUSIVE
+
+    assert all(hasattr(getattr(config.Config(), k.split(".")[0]), k.split(".")[1]) for pair in EXCLUSIVE for k in pair)
     with pytest.raises(ConfigError, match=r"train.lr_warmup_fraction: 1.5 must be in \[0, 1\]"):
         config.load(overrides=BASE + ["train.lr_warmup_fraction=1.5"])
 

@@ -483,3 +483,51 @@ def test_torchrun_reports_a_config_error_as_its_root_cause(tmp_path: Path) -> No
     line = "error: override 'bad.key=1': unknown section 'bad'; known keys: checkpoint, data, logging"
     assert p.returncode == 1 and any(s.startswith(line) for s in p.stderr.splitlines()), p.stderr
     assert f"  traceback : {line}" in p.stderr and "To enable traceback" not in p.stderr, p.stderr
+
+
+# ----------------------------------------------------------------------------- a taken port, a partial environment
+
+@pytest.mark.parametrize("launch", [["--nproc-per-node", "1"], ["--hostfile", "localhost_hosts"]])
+def test_a_taken_master_port_fails_at_once_naming_it(work: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch, launch: list[str]) -> None:
+    """The rendezvous port of a launch served by this host (local, or a hostfile whose master is this machine) is
+    bound by another process: one line naming the port, before anything starts (torchrun would join it or hang)."""
+    (work / "localhost_hosts").write_text("localhost slots=1\n")
+    monkeypatch.setattr(launcher, "execute", lambda *_: pytest.fail("the launch started"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        start = time.monotonic()
+        rc = launcher.main(["--master-port", str(port), *launch, "train.py"])
+        err = capsys.readouterr().err
+    assert rc == 2 and time.monotonic() - start < 5, err
+    assert err.count("\n") == 1 and f"the rendezvous port {port} is in use on" in err and "Traceback" not in err, err
+    assert launcher.main(["--dry-run", "--master-port", str(port), *launch, "train.py"]) == 0  # prints, starts nothing
+    assert multinode.is_this_host("localhost") and not multinode.is_this_host("node1.invalid")
+
+
+@pytest.mark.parametrize("present", [("RANK", "WORLD_SIZE"), ("MASTER_ADDR",)])
+def test_a_partial_torchrun_environment_is_refused_naming_what_is_missing(
+        present: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """RANK and WORLD_SIZE without MASTER_ADDR (...) would start a job of its own: train.py and the tools refuse."""
+    import importlib.util
+
+    import train
+
+    for var in launcher.TORCHRUN_ENV:
+        monkeypatch.delenv(var, raising=False)
+    assert launcher.under_torchrun() is False
+    for var in present:
+        monkeypatch.setenv(var, "0")
+    missing = [v for v in launcher.TORCHRUN_ENV if v not in present]
+    spec = importlib.util.spec_from_file_location("generate_tool", ROOT / "tools" / "generate.py")
+    tool = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(tool)  # type: ignore[union-attr]
+    # the ranks' argv gets train.preflight=false appended, after options: overrides may come between options
+    assert train.parse_args(["--conf", "a", "x.y=1", "--conf", "b", "z.w=2"]).overrides == ["x.y=1", "z.w=2"]
+    assert tool.parse_args(["--load", "c", "x.y=1", "--json", "--prompt", "p", "z.w=2"]).overrides == ["x.y=1", "z.w=2"]
+    for main in (train.main, tool.main):
+        assert main(["--conf", "nope.yml"] if main is train.main else ["--load", "nope", "--prompt", "x"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"but {', '.join(missing)} not" in err and "Traceback" not in err, err
