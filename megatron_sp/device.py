@@ -131,6 +131,11 @@ def accelerator_memory_bytes(local_rank: int = 0) -> int:
     return int(torch.cuda.get_device_properties(local_rank).total_memory) if cuda_available() else 0
 
 
+def accelerator_name(local_rank: int = 0) -> str:
+    """The name of this host's CUDA device ``local_rank`` (e.g. ``NVIDIA H100 80GB HBM3``), else its CPU model."""
+    return torch.cuda.get_device_name(local_rank) if cuda_available() else _cpu_model()
+
+
 def memory_bytes(device: torch.device) -> int:
     """Memory in use for metrics: CUDA max allocated on GPU, peak resident set size on CPU."""
     if device.type == "cuda":
@@ -169,6 +174,14 @@ def host_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def load_average() -> float:
+    """The host's 1-minute load average (runnable processes, ours included), 0 where the OS does not say."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
 
 
 def _cpu_model() -> str:
@@ -221,7 +234,10 @@ def record_peak_flops(dtype: torch.dtype, flops: float) -> float:
 def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 1.0,
                         window: float = 0.2) -> float:
     """Dense-matmul FLOP/s of this host's CPU cores for ``dtype`` (sizes ramp from 256 unless ``n``; the fastest
-    ``window`` within ``seconds``: docs/metrics.md). Call it while no other rank of this host computes."""
+    ``window`` within ``seconds``: docs/metrics.md). Call it while no other rank of this host computes. Its matrices
+    come from a generator of its own: how many sizes it draws depends on timing, and the default generator is
+    dropout's stream (docs/metrics.md, "Randomness")."""
+    gen = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(host_cores())
     deadline = time.perf_counter() + seconds
@@ -233,7 +249,7 @@ def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int | None = None
 
         size, best = n or 256, 0.0
         while True:
-            a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+            a, b = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
             out = torch.empty(size, size, dtype=dtype)
             timed(a, b, out)  # warm-up: threads, kernel choice, first touch of the pages
             last = timed(a, b, out)

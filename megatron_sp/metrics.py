@@ -37,6 +37,21 @@ def setup_logging(level: str, rank: int) -> None:
     log.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
 
 
+def log_host_load(threads: int, local_ranks: int, cores: int, load: float, cpu: bool) -> None:
+    """The start-up line on this host's threads and load, and on CPU one warning when ranks × threads exceed its
+    cores or its load average already does (steps then wait for cores: docs/metrics.md)."""
+    log.info("host: %d local rank%s × %d torch threads on %d cores, load average %.2f", local_ranks,
+             "s" if local_ranks > 1 else "", threads, cores, load)
+    busy = []
+    if local_ranks * threads > cores:
+        busy.append(f"{local_ranks} ranks × {threads} threads = {local_ranks * threads} > {cores} cores")
+    if load > cores:
+        busy.append(f"load average {load:.2f} > {cores} cores before training")
+    if cpu and busy:
+        log.warning("host oversubscribed: %s; steps wait for cores (fewer threads: OMP_NUM_THREADS, fewer ranks, or "
+                    "a quieter host)", "; ".join(busy))
+
+
 class Peak:
     """The MFU denominator: peak FLOP/s of all devices (0: unknown, MFU 0). ``given`` (logging.peak_tflops): MFU
     capped at 1; measured: raised to any achieved rate above it (``on_raise`` caches it). See docs/metrics.md."""
@@ -147,6 +162,31 @@ def eta_seconds(step_seconds: Sequence[float], remaining: int) -> float:
     if not step_seconds:
         return math.inf
     return remaining * statistics.median(step_seconds)
+
+
+STEP_PROGRESS_AFTER_S = 60.0  # a step running longer than this logs its progress (rank 0) ...
+STEP_PROGRESS_EVERY_S = 30.0  # ... at most this often
+
+
+class StepProgress:
+    """Progress inside a long step: ``tick()`` at each micro-batch forward of this rank (``total`` in the step) logs,
+    once the step has run ``STEP_PROGRESS_AFTER_S`` and at most every ``STEP_PROGRESS_EVERY_S``, the forwards done
+    and the step's ETA at their mean time (a no-op unless ``enabled``: rank 0, which holds the first stage)."""
+
+    def __init__(self, step: int, total: int, enabled: bool) -> None:
+        self.step, self.total, self.enabled = step, total, enabled
+        self.done, self.start, self.logged = 0, time.perf_counter(), -math.inf
+
+    def tick(self) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        elapsed = now - self.start
+        if self.done and elapsed > STEP_PROGRESS_AFTER_S and now - self.logged >= STEP_PROGRESS_EVERY_S:
+            self.logged = now
+            log.info("step %d in progress: %d/%d micro-batches done in %s, ETA %s", self.step, self.done, self.total,
+                     format_eta(elapsed), format_eta(elapsed / self.done * max(0, self.total - self.done)))
+        self.done += 1
 
 
 def format_eta(seconds: float) -> str:

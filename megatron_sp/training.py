@@ -6,6 +6,7 @@ short and linear: ``loss = Σ token losses / global valid tokens``, gradients su
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ from .config import Config
 from .data import build_datasets, build_tokenizer, check_inputs, ensure_demo_data
 from .data.batching import next_train_batch, rank_batch
 from .data.index_cache import atomic_file
-from .errors import TrainingError
+from .errors import ConfigError, TrainingError
 from .mpu import ParallelContext, ParallelDims, ParallelState, comm, init_default_group, initialize
 from .mpu.random import get_tracker, init_rng
 from .optim.grad_scaler import DynamicLossScaler
@@ -72,6 +73,7 @@ class Runtime:
     pipeline_costs: dict[str, float] | None = None  # zero-bubble: the last step's agreed action costs
     train_loader: Any = None  # data.loader.BatchLoader reading ahead from consumed_samples (next_train_batch)
     lineage: checkpointing.Lineage | None = None  # which checkpoints are this run's history (set by setup)
+    tokenizer_sha256: str = ""  # tokenizer_fingerprint, recorded in each checkpoint's meta.json
 
 
 def setup(cfg: Config) -> Runtime:
@@ -87,10 +89,19 @@ def setup(cfg: Config) -> Runtime:
                  "no trim)" if host_cached else "not glibc, so the system allocator is left as it is")
     state = initialize(parallel_dims(cfg), timeout_s=p.timeout_s)
     dev = device_mod.local_device(p.device, int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[arg-type]
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if dev.type == "cpu" and p.world_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        torch.set_num_threads(max(1, device_mod.host_cores() // local_ranks))
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # each host's first rank
+        metrics_mod.log_host_load(torch.get_num_threads(), local_ranks, device_mod.host_cores(),
+                                  device_mod.load_average(), cpu=dev.type == "cpu")
 
     tokenizer = _rank0_first(rank, lambda: prepare_inputs(cfg))
+    tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
+    ckpt = checkpointing.resume_source(cfg)  # auto_resume: checkpoint.save's latest if any, else checkpoint.load
+    saved = checkpointing.read_meta(ckpt) if ckpt is not None else {"step": 0, "consumed_samples": 0}
+    if ckpt is not None:  # before anything is written: a refusal leaves the run directory as it was
+        check_resume_data(cfg, saved, ckpt, tokenizer_sha256)
     if rank == 0:  # an earlier run's different config.yml is kept as config.yml.N, like its metrics.jsonl
         metrics_mod.keep_earlier_config(Path(cfg.logging.dir) / "config.yml", config_mod.dumps(cfg))
         config_mod.save(cfg, Path(cfg.logging.dir) / "config.yml")
@@ -106,11 +117,11 @@ def setup(cfg: Config) -> Runtime:
     scaler = DynamicLossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init,
                                growth_interval=t.loss_scale_window, hysteresis=t.loss_scale_hysteresis)
 
-    n_train, n_valid = split_samples(cfg)
+    n_train, n_valid = split_samples(cfg, int(saved["step"]), int(saved["consumed_samples"]))
     train_ds, valid_ds = _rank0_first(rank, lambda: build_datasets(cfg, tokenizer, n_train, n_valid))
 
-    rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds, scaler)
-    ckpt = checkpointing.resume_source(cfg)  # auto_resume: checkpoint.save's latest if any, else checkpoint.load
+    rt = Runtime(cfg, state, dev, model, optimizer, tokenizer, train_ds, valid_ds, scaler,
+                 tokenizer_sha256=tokenizer_sha256)
     meta = None
     if ckpt is not None:
         if cfg.checkpoint.auto_resume and (Path(cfg.checkpoint.save) / "latest").is_file():  # type: ignore[arg-type]
@@ -135,12 +146,44 @@ def parallel_dims(cfg: Config) -> ParallelDims:
                         ep_tp=p.sequence_parallel and p.tp > 1)
 
 
-def split_samples(cfg: Config) -> tuple[int, int]:
-    """(train, valid) samples the run reads: ``train.iters`` global batches, and ``train.eval_iters`` per validation
-    (every ``train.eval_interval`` steps and at the end); the datasets are built for these counts."""
+def split_samples(cfg: Config, step: int = 0, consumed_samples: int = 0) -> tuple[int, int]:
+    """(train, valid) samples the run reads: the ``consumed_samples`` of a checkpoint at ``step`` and the
+    ``train.iters - step`` global batches still to go (Megatron's ramp-up: a resume with another global batch size goes
+    on from ``consumed_samples``), and ``train.eval_iters`` per validation (every ``train.eval_interval`` steps and at
+    the end); the datasets are built for these counts."""
     t = cfg.train
     n_valid = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0  # type: ignore[operator]
-    return t.iters * t.global_batch_size, n_valid  # type: ignore[operator]
+    return consumed_samples + max(0, t.iters - step) * t.global_batch_size, n_valid  # type: ignore[operator]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of the tokenizer's kind, vocabulary size, EOD id and the file that defines it (sentencepiece, hf)."""
+    digest = hashlib.sha256(f"{tokenizer.name} {tokenizer.vocab_size} {tokenizer.eod}".encode())
+    path = getattr(tokenizer, "model_path", None) or getattr(tokenizer, "path", None)
+    if path is not None:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()
+
+
+def check_resume_data(cfg: Config, meta: dict[str, Any], ckpt: Path, tokenizer_sha256: str) -> None:
+    """Refuse to resume from ``ckpt`` when its ``consumed_samples`` would index other samples than those it trained
+    on: another ``model.seq_length`` (once samples were consumed) or another tokenizer (its meta.json's
+    ``tokenizer_sha256``), unless ``checkpoint.allow_data_change`` (docs/checkpoints.md, "Resuming")."""
+    old = meta.get("config", {})
+    consumed, seq = int(meta["consumed_samples"]), old.get("model", {}).get("seq_length", cfg.model.seq_length)
+    changes = [f"model.seq_length {seq} -> {cfg.model.seq_length}"] if consumed and seq != cfg.model.seq_length else []
+    if meta.get("tokenizer_sha256", tokenizer_sha256) != tokenizer_sha256:
+        was = old.get("tokenizer", {})
+        changes.append(f"another tokenizer ({cfg.tokenizer.type} {cfg.tokenizer.model}; it trained with "
+                       f"{was.get('type')} {was.get('model')}, same name or not: the file's sha256 differs)")
+    if not changes:
+        return
+    if not cfg.checkpoint.allow_data_change:
+        raise ConfigError(f"resuming from {ckpt}: {'; '.join(changes)}; its consumed_samples {consumed} count samples "
+                          f"of its data: restore the setting, or set checkpoint.allow_data_change=true to go on from "
+                          f"sample {consumed} of the new data order")
+    log.warning("checkpoint.allow_data_change: %s; going on from sample %d of the new data order", "; ".join(changes),
+                consumed)
 
 
 def build_model(cfg: Config, state: ParallelState, dev: torch.device,
@@ -165,7 +208,8 @@ def _rank0_first(rank: int, fn: Callable[[], Any]) -> Any:
     return out if rank == 0 else fn()
 
 
-def _autocast(cfg: Config, dev: torch.device) -> contextlib.AbstractContextManager:
+def autocast(cfg: Config, dev: torch.device) -> contextlib.AbstractContextManager:
+    """The forward's mixed-precision context of ``train.precision`` (the planner measures under it too)."""
     if cfg.train.precision in ("bf16", "fp16"):
         return torch.autocast(dev.type, dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float16)
     return contextlib.nullcontext()
@@ -191,13 +235,20 @@ def train_step(rt: Runtime) -> dict[str, Any]:
     # The pipeline schedule (plain accumulation when pp == 1); the optimizer reduces gradients over dp_cp from the
     # last gradient-producing action on. Zero-bubble: list-scheduled on the action costs of the previous step.
     stats = ScheduleStats()
+    progress = metrics_mod.StepProgress(rt.step + 1, cfg.train.grad_accum_steps * cfg.parallel.virtual_stages,  # type: ignore[operator]
+                                        enabled=st.rank == 0)
+
+    def forward_context() -> contextlib.AbstractContextManager:
+        progress.tick()  # a step longer than a minute logs its micro-batches done and its ETA
+        return autocast(cfg, rt.device)
+
     grad_scale = rt.scaler.scale if rt.scaler.enabled else 1.0
     if cfg.model.num_experts:  # each micro-batch's MoE aux losses weigh mbs / gbs of the objective (docs/moe.md)
         moe.set_aux_loss_scale(rt.model, grad_scale * cfg.train.micro_batch_size / cfg.train.global_batch_size)  # type: ignore[operator]
     loss_sum = forward_backward(rt.model, _micro_batches(batch, cfg), st, loss_fn, cfg.parallel.pp_schedule,
                                 lambda on: setattr(opt, "sync_grads", on),
                                 grad_scale=grad_scale,
-                                forward_context=lambda: _autocast(cfg, rt.device), stats=stats,
+                                forward_context=forward_context, stats=stats,
                                 costs=rt.pipeline_costs)
     if cfg.parallel.pp_schedule == "zero_bubble" and st.pp_size > 1:
         rt.pipeline_costs = agree_costs(stats)
@@ -276,7 +327,7 @@ def loss_sums(rt: Runtime, ds: Any, starts: list[int]) -> tuple[float, float]:
     for start in starts:
         batch = rank_batch(rt, ds, start)
         total += forward_only(model, _micro_batches(batch, cfg), st, lambda tl, mb: (tl.float() * mb["loss_mask"]).sum(),
-                              forward_context=lambda: _autocast(cfg, rt.device))
+                              forward_context=lambda: autocast(cfg, rt.device))
         count += float(batch["loss_mask"].sum())
     model.train()
     total = comm.all_reduce(total, st.pp_group)  # the loss lives on the last stage
@@ -378,7 +429,8 @@ def _loop(rt: Runtime) -> None:
                                     or (done and cfg.checkpoint.save_at_end) or preempted):
             if preempted:
                 log.warning("%s: saving a checkpoint at step %d, then exiting", preemption.signal_name, rt.step)
-            extra = {"skipped_steps": rt.skipped_steps, "loss_scaler": rt.scaler.state_dict()}
+            extra = {"skipped_steps": rt.skipped_steps, "loss_scaler": rt.scaler.state_dict(),
+                     "tokenizer_sha256": rt.tokenizer_sha256}
             if cfg.model.num_experts:  # layout-free: {global layer: bias}, gathered over pp
                 extra["moe_expert_bias"] = moe.expert_bias_state(rt.model, cfg.model, st)
             saver.save(rt.step, rt.consumed_samples, rt.model, rt.optimizer, get_tracker(), extra=extra,
@@ -396,15 +448,14 @@ def _loop(rt: Runtime) -> None:
     if cfg.train.sample_prompt and cfg.parallel.virtual_stages > 1:
         log.info("no sample: decoding through virtual pipeline stages is not available (tools/generate.py decodes the "
                  "checkpoint at parallel.virtual_stages=1)")
-    elif cfg.train.sample_prompt and (st.dp_rank == 0 and st.cp_rank == 0 or cfg.parallel.ep > 1):
-        # one model replica (its TP × PP ranks) decodes; under ep every rank does, in lockstep, the same prompt
-        # (each ep rank holds some experts: the dispatcher's all-to-all needs them all)
+    elif cfg.train.sample_prompt and st.cp_size > 1 and rt.model.parallel.sp:
+        log.info("no sample: context parallelism prefills into the KV cache, which sequence parallelism does not use "
+                 "(tools/generate.py decodes the checkpoint at parallel.sequence_parallel=false)")
+    elif cfg.train.sample_prompt and (st.dp_rank == 0 or cfg.parallel.ep > 1):
+        # one model replica (its TP × CP × PP ranks: the prompt is prefilled split over cp) decodes; under ep every
+        # rank does, in lockstep, the same prompt (each ep rank holds some experts: the all-to-all needs them all)
         ids = rt.tokenizer.encode(cfg.train.sample_prompt)[-cfg.model.seq_length:] or [rt.tokenizer.eod]
         rt.model.compile_regions(False)  # decoding shapes change every call: eager, not one compile per length
-        cp_group, rt.model.cp_group = rt.model.cp_group, comm.LOCAL  # weights are replicated over CP: decode alone
-        try:
-            (done,) = generate_batch(rt.model, [ids], cfg.train.sample_tokens, rt.tokenizer.eod, state=st)
-        finally:
-            rt.model.cp_group = cp_group
+        (done,) = generate_batch(rt.model, [ids], cfg.train.sample_tokens, rt.tokenizer.eod, state=st)
         log.info("sample (greedy):\n%s%s", cfg.train.sample_prompt, rt.tokenizer.decode(done.new_ids))
 

@@ -220,6 +220,9 @@ class CheckpointConfig:
                                    "else from scratch), so a restarted or requeued job continues where it stopped.")
     overwrite: bool = doc(False, "Let this run save into a checkpoint.save directory holding checkpoints it does not "
                                  "resume from (refused at start-up when off; docs/checkpoints.md).")
+    allow_data_change: bool = doc(False, "Resume although model.seq_length or the tokenizer differs from the "
+                                         "checkpoint's (refused when off): the sample index goes on from its "
+                                         "consumed_samples in the new data order (docs/checkpoints.md).")
 
 
 @dataclass

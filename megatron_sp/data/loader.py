@@ -1,6 +1,6 @@
 """The training batch loader: one rank's share (``batch_indices``) of consecutive global batches from
-``start_sample`` on, optionally read ahead by ``DataLoader`` workers (the batches are the same either way).
-See docs/data.md, "Batches"."""
+``start_sample`` on (any sample: a resume with another global batch size continues from ``consumed_samples``),
+optionally read ahead by ``DataLoader`` workers (the batches are the same either way). See docs/data.md, "Batches"."""
 from __future__ import annotations
 
 import contextlib
@@ -19,17 +19,17 @@ from megatron_sp.data import batch_indices
 
 
 class _RankBatches(torch.utils.data.Dataset):
-    """Item ``step``: this rank's block of global batch ``step`` (``batch_indices``), read and collated in one
-    worker call."""
+    """Item ``k``: this rank's block (``batch_indices``) of the ``k``-th global batch from sample ``start_sample``,
+    read and collated in one worker call."""
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list[np.ndarray]], dict[str, torch.Tensor]],
-                 global_batch_size: int, dp_rank: int, dp_size: int) -> None:
-        self.dataset, self.collate_fn = dataset, collate_fn
+                 start_sample: int, global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        self.dataset, self.collate_fn, self.start_sample = dataset, collate_fn, start_sample
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
 
-    def __getitem__(self, step: int) -> dict[str, torch.Tensor]:
-        indices = batch_indices(step, self.global_batch_size, self.dp_rank, self.dp_size)
-        return self.collate_fn([self.dataset[i] for i in indices])
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+        indices = batch_indices(k, self.global_batch_size, self.dp_rank, self.dp_size)
+        return self.collate_fn([self.dataset[self.start_sample + i] for i in indices])
 
 
 def _init_worker(parent_pid: int, worker_id: int) -> None:
@@ -63,17 +63,15 @@ class BatchLoader:
     def __init__(self, dataset: Any, start_sample: int, global_batch_size: int, dp_rank: int, dp_size: int,
                  collate_fn: Callable[[list[np.ndarray]], dict[str, torch.Tensor]], num_workers: int = 1,
                  prefetch_factor: int = 2, pin_memory: bool = False) -> None:
-        if start_sample < 0 or start_sample % global_batch_size:
-            raise ValueError(f"start_sample {start_sample} must be a non-negative multiple of the global batch "
-                             f"size {global_batch_size}")
-        first_step = start_sample // global_batch_size
-        num_steps = max(0, len(dataset) // global_batch_size - first_step)
+        if start_sample < 0:
+            raise ValueError(f"start_sample {start_sample} must be non-negative")
+        num_steps = max(0, (len(dataset) - start_sample) // global_batch_size)
         self.global_batch_size = global_batch_size
         self.next_sample = start_sample
         self.num_workers = num_workers
         self._loader = torch.utils.data.DataLoader(
-            _RankBatches(dataset, collate_fn, global_batch_size, dp_rank, dp_size),
-            sampler=range(first_step, first_step + num_steps), batch_size=None, collate_fn=_unwrap,
+            _RankBatches(dataset, collate_fn, start_sample, global_batch_size, dp_rank, dp_size),
+            sampler=range(num_steps), batch_size=None, collate_fn=_unwrap,
             num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
             pin_memory=pin_memory, persistent_workers=False,
             worker_init_fn=functools.partial(_init_worker, os.getpid()) if num_workers else None,

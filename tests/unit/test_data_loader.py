@@ -67,8 +67,20 @@ def test_resume_mid_epoch_gives_the_same_next_batch(dataset: GPTDataset) -> None
     assert loader.next_sample == consumed + GBS
     assert _same(resumed, _expected(dataset, 2))
     loader.close()
-    with pytest.raises(ValueError, match="multiple"):
-        BatchLoader(dataset, 5, GBS, 0, 1, COLLATE)
+
+
+def test_another_global_batch_size_continues_from_consumed_samples(dataset: GPTDataset) -> None:
+    """A resume at consumed_samples 12 with global batch 8 (written at 4 or 6): samples 12..19, 20..27, 28..35, then the
+    dataset ends (40 samples: no partial batch)."""
+    for dp in (1, 2):
+        parts = [list(BatchLoader(dataset, 12, GBS, rank, dp, COLLATE, num_workers=0)) for rank in range(dp)]
+        assert [len(p) for p in parts] == [3] * dp
+        for k in range(3):
+            joined = {key: torch.cat([p[k][key] for p in parts]) for key in parts[0][k]}
+            want = collate([dataset[i] for i in range(12 + k * GBS, 20 + k * GBS)], EOD, True, True, True)
+            assert _same(joined, want)
+    with pytest.raises(ValueError, match="non-negative"):
+        BatchLoader(dataset, -1, GBS, 0, 1, COLLATE)
 
 
 def test_every_dp_layout_reads_the_same_global_batch(dataset: GPTDataset) -> None:

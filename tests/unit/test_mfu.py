@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,24 @@ def test_measurement_uses_every_core_and_restores_threads() -> None:
     assert seen and set(seen) == {device.host_cores()}
 
 
+def test_peak_measurement_leaves_the_dropout_streams_alone() -> None:
+    """However many sizes the measurement draws (timing decides: here forced to 64 or 128), the dropout masks drawn
+    after it under the training's seeding are bitwise the same (it draws from a generator of its own)."""
+    from megatron_sp.mpu.random import RNGTracker, init_rng
+
+    def masks(n: int) -> list[torch.Tensor]:
+        tracker = RNGTracker("cpu")
+        init_rng(tracker, 21, 0, 0)
+        device.measured_peak_flops.__wrapped__(torch.float32, n=n, seconds=0.0)
+        drop = torch.nn.Dropout(0.1)
+        with tracker.fork(tracker.names[0]):
+            attention = drop(torch.ones(256))
+        return [drop(torch.ones(256)), attention]
+
+    a, b = masks(64), masks(128)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 # ------------------------------------------------------------------------------------------ MFU ≤ 1
 
 
@@ -209,6 +228,42 @@ def test_eta_comes_from_recent_steps_not_start_up() -> None:
     assert metrics.eta_seconds([1.0] * 10 + [2.0] * 11, 10) == pytest.approx(20.0)  # follows a slowdown
     assert metrics.eta_seconds([], 10) == float("inf") and metrics.format_eta(float("inf")) == "?"
     assert metrics.eta_seconds([], 0) == 0.0 and metrics.format_eta(70.0) == "1:10"
+
+
+def test_a_long_step_logs_its_progress(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Past STEP_PROGRESS_AFTER_S a step logs micro-batches done and an ETA, at most every STEP_PROGRESS_EVERY_S;
+    off rank 0, and before the threshold, nothing."""
+    def lines(after: float, every: float, enabled: bool = True) -> list[str]:
+        monkeypatch.setattr(metrics, "STEP_PROGRESS_AFTER_S", after)
+        monkeypatch.setattr(metrics, "STEP_PROGRESS_EVERY_S", every)
+        caplog.clear()
+        progress = metrics.StepProgress(7, 4, enabled=enabled)
+        with caplog.at_level(logging.INFO, logger="megatron_sp"):
+            for _ in range(4):
+                progress.tick()
+        return [r.getMessage() for r in caplog.records]
+
+    every = lines(0.0, 0.0)
+    assert [line.split(" done")[0] for line in every] == [f"step 7 in progress: {k}/4 micro-batches" for k in (1, 2, 3)]
+    assert all(re.fullmatch(r".* done in \d+:\d\d, ETA \d+:\d\d", line) for line in every), every
+    assert len(lines(0.0, 3600.0)) == 1                 # at most every STEP_PROGRESS_EVERY_S
+    assert lines(3600.0, 0.0) == lines(0.0, 0.0, enabled=False) == []
+
+
+def test_start_up_logs_threads_and_load_and_warns_when_oversubscribed(caplog: pytest.LogCaptureFixture) -> None:
+    def logged(*args: object) -> list[tuple[int, str]]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_sp"):
+            metrics.log_host_load(*args)  # type: ignore[arg-type]
+        return [(r.levelno, r.getMessage()) for r in caplog.records]
+
+    assert logged(1, 2, 2, 0.5, True) == [(logging.INFO, "host: 2 local ranks × 1 torch threads on 2 cores, "
+                                                         "load average 0.50")]
+    (_, info), (level, warning) = logged(2, 2, 2, 3.25, True)
+    assert level == logging.WARNING and warning.startswith(
+        "host oversubscribed: 2 ranks × 2 threads = 4 > 2 cores; load average 3.25 > 2 cores before training; ")
+    assert len(logged(2, 2, 2, 3.25, False)) == 1  # a GPU run: the line, no warning
+    assert 0.0 <= device.load_average()
 
 
 # ------------------------------------------------------------------------------------------ parameter line
