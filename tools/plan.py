@@ -3,13 +3,14 @@
 
     python tools/plan.py --conf configs/410M.yml --devices 64 --memory 80GB
     python tools/plan.py --conf configs/410M.yml --devices 64 --memory 40GiB --vocab 50277 --device cuda \\
-        --set model.recompute=selective --peak-tflops 312 --bandwidth 100
-    python tools/plan.py --conf configs/demo.yml --verify --set parallel.dp=1 parallel.tp=2 \\
-        parallel.sequence_parallel=true
+        model.recompute=selective --peak-tflops 312 --bandwidth 100
+    python tools/plan.py --conf configs/demo.yml --devices 2
+    python tools/plan.py --conf configs/demo.yml --verify parallel.dp=1 parallel.tp=2 parallel.sequence_parallel=true
 
 Prints the device modelled, a layout per rank (the config's own when its world size is --devices, else the
-best-ranked layout that fits, named), then every tp·pp·cp·dp = --devices layout the config loader accepts,
-fitting and fastest first, the config's own marked; --verify measures the config on CPU gloo ranks.
+best-ranked layout that fits, named), then every tp·pp·cp·dp = --devices layout the config loader accepts, each
+with the first ZeRO / recompute / micro-batch setting that fits, fitting and fastest first, the config's own
+marked; --verify measures the config on CPU gloo ranks. Overrides are bare ``key=value`` as for train.py.
 See docs/planner.md.
 """
 from __future__ import annotations
@@ -43,10 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conf", action="append", default=[], required=True, metavar="FILE",
                    help="config file (YAML/JSON); repeat to merge, later wins")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides as for train.py, e.g. model.num_layers=2 parallel.tp=2")
     p.add_argument("--set", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="dotted config overrides, e.g. --set model.num_layers=2 parallel.tp=2")
+                   help="deprecated: the same overrides after --set")
     p.add_argument("--devices", type=int, metavar="N", help="devices to lay out (tp·pp·cp·dp = N)")
-    p.add_argument("--memory", metavar="SIZE", help="memory per device: 80GB, 80GiB, 512MB, ...")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="memory per device: 80GB, 80GiB, 512MB, ... (default: on GPU this host's device's, on CPU this "
+                        "host's available memory shared by the --devices ranks)")
     p.add_argument("--vocab", type=int, metavar="N",
                    help="vocabulary size (default: model.vocab_size, else the tokenizer's, else tokenizer.vocab_size)")
     p.add_argument("--device", choices=("cpu", "cuda"),
@@ -65,10 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, metavar="N", help="--verify: training steps (default: %(default)s)")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="also print the whole report (every layout, every stage) as one JSON line, or write it to FILE")
-    args = p.parse_args(argv)
-    args.set = [item for group in args.set for item in group]
-    if not args.verify and (args.devices is None or args.memory is None):
-        p.error("--devices and --memory are required (or use --verify)")
+    args = p.parse_intermixed_args(argv)
+    args.set = [item for group in args.set for item in group] + args.overrides
+    if not args.verify and args.devices is None:
+        p.error("--devices is required (or use --verify)")
     if args.devices is not None and not 1 <= args.devices <= MAX_DEVICES:
         p.error(f"--devices must be in 1..{MAX_DEVICES}, got {args.devices}")
     if args.memory is not None and (args.devices is None):
@@ -89,7 +94,7 @@ def resolve_vocab(cfg: Config, given: int | None) -> tuple[int, str]:
 
 
 def load_config(args: argparse.Namespace, extra: list[str], vocab: int | None) -> Config:
-    """The finalized config of --conf + --set + ``extra`` overrides (+ --device), vocabulary set."""
+    """The finalized config of --conf + overrides + ``extra`` overrides (+ --device), vocabulary set."""
     device = [f"parallel.device={args.device}", "parallel.backend=none"] if args.device else []
     cfg = config_mod.load(args.conf, [*args.set, *device, *extra])
     if vocab is not None:
@@ -203,7 +208,24 @@ def config_note(cands: list[plan.Candidate], own: tuple[int, int, int, int]) -> 
     return f"+ = the config's tp {tp}, pp {pp}, cp {cp} at dp {same.layout[3]} (the config: dp {dp}, world {tp * pp * cp * dp})"
 
 
-def print_layouts(cands: list[plan.Candidate], top: int, memory: int, own: tuple[int, int, int, int] | None = None) -> None:
+def default_memory(cfg: Config, devices: int) -> tuple[int, str]:
+    """Memory per device when --memory is not given, and what it is: on GPU (the modelled device) this host's
+    device's, on CPU this host's available memory shared by the ``devices`` ranks (as train.py starts them)."""
+    from megatron_sp import device as device_mod
+
+    if cfg.parallel.device == "cuda":
+        memory = device_mod.accelerator_memory_bytes()
+        if memory <= 0:
+            raise config_mod.loader.ConfigError("no GPU here to take the memory from: give --memory SIZE")
+        return memory, "this host's GPU memory"
+    memory = device_mod.host_memory_available() // devices
+    if memory <= 0:
+        raise config_mod.loader.ConfigError("this host does not say its available memory: give --memory SIZE")
+    return memory, f"this host's available memory / {devices} rank{'s' if devices > 1 else ''}"
+
+
+def print_layouts(cands: list[plan.Candidate], top: int, memory: int, own: tuple[int, int, int, int] | None = None,
+                  efficiency: float = 1.0) -> None:
     """The ranking table; ``own`` (the config's tp, pp, cp, dp) is marked, and shown below the table when ranked lower."""
     valid = [c for c in cands if c.plan is not None]
     fits = [c for c in valid if c.fits]
@@ -211,16 +233,17 @@ def print_layouts(cands: list[plan.Candidate], top: int, memory: int, own: tuple
     print(f"\nlayouts: {len(cands)} of tp·pp·cp·dp; {len(refused)} refused by the config checks, {len(valid)} valid, "
           f"{len(fits)} fit in {B(memory)}")
     print(f"  {'#':>3} {'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'peak/rank':>11} {'fits':>5} {'step s':>9} {'tokens/s':>11} "
-          f"{'MFU':>6} {'bubble':>7} {'comm/step':>11} config")
+          f"{'MFU':>6} {'bubble':>7} {'comm/step':>11} {'zero':>4} {'recompute':>9} {'mbs':>4} config")
 
     def row(i: int, c: plan.Candidate) -> None:
         assert c.plan is not None
         t = c.plan.time
         comm = max(r.comm_bytes() for r in c.plan.stages)
         mark = config_mark(c.layout, own) if own else ""
+        D = c.plan.dims
         print(f"  {i:>3} {c.layout[0]:>3} {c.layout[1]:>3} {c.layout[2]:>3} {c.layout[3]:>4} {B(c.plan.peak_bytes):>11} "
               f"{'yes' if c.fits else 'no':>5} {t['step_s']:>9.3f} {t['tokens_per_s']:>11,.0f} {100 * t['mfu']:>5.1f}% "
-              f"{100 * t['bubble']:>6.1f}% {B(comm):>11} {mark}".rstrip())
+              f"{100 * t['bubble']:>6.1f}% {B(comm):>11} {D.zero:>4} {D.recompute:>9} {D.micro_batch:>4} {mark}".rstrip())
     for i, c in enumerate(valid[:top], 1):
         row(i, c)
     if len(valid) > top:
@@ -230,8 +253,9 @@ def print_layouts(cands: list[plan.Candidate], top: int, memory: int, own: tuple
         row(*mine[0])
     if own and cands:
         print(f"  ({config_note(cands, own)})")
-    print("  (step time, tokens/s and MFU take every FLOP at the peak and every byte at the bandwidth: they rank "
-          "layouts, they do not predict throughput)")
+    print(f"  (step time, tokens/s and MFU take every FLOP at {100 * efficiency:.0f} % of the peak, the achievable MFU "
+          "assumed (docs/planner.md; small models reach less), and every byte at the bandwidth: they rank layouts; "
+          "zero, recompute, mbs: the first setting that fits, from none/the config's micro-batch up)")
     for reason, n in Counter(c.error.split(";")[0] for c in refused).most_common(4):
         print(f"  refused ×{n}: {reason}")
 
@@ -249,7 +273,9 @@ def plan_json(lp: plan.LayoutPlan) -> dict[str, Any]:
 def layout_json(c: plan.Candidate) -> dict[str, Any]:
     """One ranked layout, compact: degrees, fit, worst rank's bytes, time estimate, bytes sent by the busiest rank."""
     assert c.plan is not None
-    return {**dict(zip(("tp", "pp", "cp", "dp"), c.layout, strict=True)), "fits": c.fits, "peak_bytes": c.plan.peak_bytes,
+    D = c.plan.dims
+    return {**dict(zip(("tp", "pp", "cp", "dp"), c.layout, strict=True)), "zero": D.zero, "recompute": D.recompute,
+            "micro_batch_size": D.micro_batch, "fits": c.fits, "peak_bytes": c.plan.peak_bytes,
             **c.plan.time, "comm_bytes": max(r.comm_bytes() for r in c.plan.stages)}
 
 
@@ -304,15 +330,18 @@ def main(argv: list[str] | None = None) -> int:
             print_verify(rows)
             report |= {"config_layout": plan_json(lp), "verify": rows}
         if args.devices is not None:
-            memory = plan.parse_memory(args.memory)
             base = load_config(args, [], None)
+            memory, memory_source = (plan.parse_memory(args.memory), "--memory") if args.memory else \
+                default_memory(base, args.devices)
             vocab, source = resolve_vocab(base, args.vocab)
             config_mod.set_vocab(base, vocab)
-            peak, peak_source = ranking_peak(base, args.peak_tflops)
+            cpu = base.parallel.device != "cuda"
+            peak, peak_source = ranking_peak(base, args.peak_tflops, args.devices if cpu else 1)
+            efficiency = plan.ACHIEVABLE_MFU["cpu" if cpu else "cuda"]
             own = plan.plan_layout(base, args.bucket_bytes)
-            own.time = plan.estimate_step_time(own, peak, args.bandwidth)
+            own.time = plan.estimate_step_time(own, peak, args.bandwidth, efficiency)
             cands = plan.search(lambda extra: load_config(args, extra, vocab), base, args.devices, memory, peak,
-                                args.bandwidth, args.bucket_bytes)
+                                args.bandwidth, args.bucket_bytes, efficiency=efficiency, knobs=True)
             if not args.verify:
                 print("\n".join(describe(base, source)))
                 print(device_line(args, base))
@@ -325,11 +354,13 @@ def main(argv: list[str] | None = None) -> int:
                 report["config_layout"] = plan_json(own)
                 report["breakdown_layout"] = {**dict(zip(("tp", "pp", "cp", "dp"), shown.layout, strict=True)),
                                               "why": why} if shown is not None else None
-            print(f"\nranking: estimated step time = busiest stage's FLOPs at {peak:.4g} TFLOP/s per device ({peak_source}"
-                  f"{'' if args.peak_tflops else '; --peak-tflops sets it'}) ÷ (1 − bubble) + exposed communication at "
-                  f"{args.bandwidth:g} GB/s (docs/planner.md)")
-            print_layouts(cands, args.top, memory, own.layout)
-            report |= {"devices": args.devices, "memory_bytes": memory, "peak_tflops": peak, "peak_source": peak_source,
+            print(f"\nranking: estimated step time = busiest stage's FLOPs at {100 * efficiency:.0f} % of the peak ÷ "
+                  f"(1 − bubble) + exposed communication at {args.bandwidth:g} GB/s (docs/planner.md)\n"
+                  f"peak per device: {peak:.4g} TFLOP/s ({peak_source}{'' if args.peak_tflops else '; --peak-tflops sets it'})"
+                  f"\nmemory per device: {B(memory)} ({memory_source})")
+            print_layouts(cands, args.top, memory, own.layout, efficiency)
+            report |= {"devices": args.devices, "memory_bytes": memory, "memory_source": memory_source,
+                       "efficiency": efficiency, "peak_tflops": peak, "peak_source": peak_source,
                        "bandwidth_gbs": args.bandwidth, "vocab": vocab,
                        "layouts": [{**layout_json(c), "config": config_mark(c.layout, own.layout)}
                                    for c in cands if c.plan is not None],

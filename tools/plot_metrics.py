@@ -4,7 +4,8 @@
     python tools/plot_metrics.py runs/demo/metrics.jsonl --output curves.png
     python tools/plot_metrics.py runs/a/log/metrics.jsonl runs/b/log --output cmp.png --mfu
 
-Panels against the step: training loss (validation dashed), tokens/s, with ``--mfu`` the MFU, and for a
+Panels against the step: training loss (validation dashed), tokens/s, the gradient norm (before clipping, log
+scale) and the learning rate, with ``--mfu`` the MFU, and for a
 mixture-of-experts run (records with ``moe_load_imbalance``) the expert load (max/mean tokens per expert of the
 busiest layer) and the MoE aux loss; one line per input (a file, or the run directory holding one), labelled by its run directory.
 An earlier run's ``metrics.jsonl.1`` compares with the latest. An existing --output is kept unless
@@ -130,7 +131,8 @@ def plot(runs: list[Run], output: str | Path, mfu: bool = False, title: str | No
     out = Path(output)
     check_output(out, overwrite)
     plt = _import_pyplot()
-    panels = [("loss", "loss"), ("tokens_per_s", "tokens/s")] + ([("mfu", "MFU (%)")] if mfu else [])
+    panels = [("loss", "loss"), ("tokens_per_s", "tokens/s"), ("grad_norm", "grad norm"), ("lr", "learning rate")]
+    panels += [("mfu", "MFU (%)")] if mfu else []
     if any(run.series("moe_load_imbalance")[0] for run in runs):  # a MoE run: its expert load and aux loss
         panels += [("moe_load_imbalance", "expert load max/mean"), ("moe_aux_loss", "MoE aux loss")]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), sharex=True, squeeze=False)
@@ -155,6 +157,8 @@ def plot(runs: list[Run], output: str | Path, mfu: bool = False, title: str | No
     for ax, (key, ylabel) in zip(axes[:, 0], panels):
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
+        if key == "grad_norm" and ax.has_data() and all(v > 0 for run in runs for v in run.series(key)[1]):
+            ax.set_yscale("log")  # early spikes would flatten the rest of the curve
         if not ax.has_data():
             ax.text(0.5, 0.5, f"no '{key}' in the records", ha="center", va="center", transform=ax.transAxes)
     axes[0, 0].legend(fontsize="small")  # every run has a loss curve; the colours carry over below

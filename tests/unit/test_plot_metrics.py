@@ -85,7 +85,29 @@ def test_moe_runs_add_the_expert_load_panels(tmp_path):
     assert run.series("moe_load_imbalance")[1] == pytest.approx([1.2 + 1 / s for s in range(1, 7)])
     plain = png_size(tool.plot([tool.read_metrics(dense)], tmp_path / "dense.png"))
     both = png_size(tool.plot([tool.read_metrics(dense), run], tmp_path / "both.png"))
-    assert both[0] == plain[0] and both[1] == plain[1] * 2  # 4 panels instead of 2, each 3 inches
+    assert both[0] == plain[0] and both[1] * 4 == plain[1] * 6  # 6 panels instead of 4, each 3 inches
+
+
+def test_grad_norm_and_learning_rate_panels(tmp_path, monkeypatch):
+    """Every run gets a gradient-norm panel (log scale) and a learning-rate panel, drawn from its records."""
+    pytest.importorskip("matplotlib")
+    tool = load_tool()
+    path = tmp_path / "r" / "metrics.jsonl"
+    rows = [json.loads(line) for line in write_metrics(path).read_text().splitlines()]
+    for row in rows:
+        if "loss" in row:
+            row.update(lr=1e-3 * row["step"], grad_norm=10.0 / row["step"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plt = tool._import_pyplot()
+    figures = []
+    monkeypatch.setattr(tool, "_import_pyplot", lambda: plt)
+    monkeypatch.setattr(plt, "close", figures.append)
+    tool.plot([tool.read_metrics(path)], tmp_path / "out.png")
+    axes = figures[0].axes
+    assert [ax.get_ylabel() for ax in axes] == ["loss", "tokens/s", "grad norm", "learning rate"]
+    assert list(axes[2].lines[0].get_ydata()) == pytest.approx([10.0 / s for s in range(1, 7)])
+    assert axes[2].get_yscale() == "log"
+    assert list(axes[3].lines[0].get_ydata()) == pytest.approx([1e-3 * s for s in range(1, 7)])
 
 
 def test_read_metrics_splits_train_and_validation(tmp_path):

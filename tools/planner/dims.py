@@ -13,6 +13,11 @@ GRAD_BYTES = 4  # main gradients are always fp32
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # ``DistributedOptimizer``'s default ``bucket_bytes``
 DEFAULT_PEAK_TFLOPS = 312.0  # per-device peak for the ranking: an A100's dense bf16 rate (pass your device's)
 DEFAULT_BANDWIDTH_GBS = 100.0  # per-rank bus bandwidth for the ranking, GB/s (pass your interconnect's)
+ACHIEVABLE_MFU = {"cpu": 0.75, "cuda": 0.5}
+"""The share of the peak the step-time estimate lets a layout reach (its MFU ceiling), by modelled device: on CPU
+configs/125M_cpu.yml measures 78 % of this host's matmul peak (small models reach less: the demo, hidden 256,
+10–50 %); on GPU Megatron-LM's published runs reach 40–56 %. The kernels between the matmuls (norms, softmax,
+optimizer) and launch overheads are what the FLOP count leaves out."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 from megatron_sp.config.schema import Config
 from megatron_sp.errors import ConfigError
-from megatron_sp.model.gpt import _mlp_parameters, parameter_parts
+from megatron_sp.model.gpt import mlp_parameters, parameter_parts
 from megatron_sp.pipeline.schedules import theory_bubble
 
 from .activations import ChunkActivations, SchedulePeak, buffer_terms, chunk_activations, schedule_peak
@@ -95,7 +95,7 @@ def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None, execute
     tokens = D.global_batch // D.dp * D.seq // D.cp
     flops = tokens * per_token / D.tp
     if executed and moe and D.tp > 1 and not D.sp:  # router (+ k experts unless expert TP) per token on every TP rank
-        replicated = D.experts * D.h + (D.top_k * _mlp_parameters(cfg.model, D.moe_ffn) if D.etp == 1 else 0)
+        replicated = D.experts * D.h + (D.top_k * mlp_parameters(cfg.model, D.moe_ffn) if D.etp == 1 else 0)
         flops += tokens * (8 if recompute == "full" else 6) * moe * replicated * (1 - 1 / D.tp)
     return flops
 
@@ -113,20 +113,23 @@ def plan_layout(cfg: Config, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Layout
     return LayoutPlan(cfg=cfg, dims=D, stages=stages)
 
 
-def estimate_step_time(lp: LayoutPlan, peak_tflops: float, bandwidth_gbs: float) -> dict[str, float]:
-    """Seconds per step, for ranking: compute / (1 − bubble) + exposed communication (docs/planner.md)."""
+def estimate_step_time(lp: LayoutPlan, peak_tflops: float, bandwidth_gbs: float,
+                       efficiency: float = 1.0) -> dict[str, float]:
+    """Seconds per step: compute at ``efficiency`` × the peak (``dims.ACHIEVABLE_MFU``: the MFU ceiling) ÷
+    (1 − bubble) + exposed communication (docs/planner.md)."""
     D = lp.dims
     peak, bw = peak_tflops * 1e12, bandwidth_gbs * 1e9
+    compute_peak = peak * efficiency
     bubble = theory_bubble(D.schedule, D.pp, D.micro_batches, D.virtual_stages) if D.pp > 1 else 0.0
     busiest = max(lp.stages, key=lambda r: r.flops)
-    compute = busiest.flops / peak / (1 - bubble)
+    compute = busiest.flops / compute_peak / (1 - bubble)
     exposed = 0.0
     for r in lp.stages:
         own = sum(r.comm_bytes(k) for k in ("tp", "cp", "pp", "ep")) / bw  # on the critical path
         dp = [r.comm.get(k, {}) for k in ("dp", "edp")]  # the gradient reductions overlap backward
         gather = sum(d.get("all_gather", 0.0) for d in dp) / bw
         reduce = sum(d.get("reduce_scatter", 0.0) + d.get("all_reduce", 0.0) for d in dp) / bw
-        last_backward = 2 / 3 * r.flops / peak / max(D.micro_batches, 1)
+        last_backward = 2 / 3 * r.flops / compute_peak / max(D.micro_batches, 1)
         exposed = max(exposed, own + gather + max(0.0, reduce - last_backward))
     step = compute + exposed
     model_flops = sum(stage_flops(lp.cfg, r.pp_rank, "none") for r in lp.stages) * D.tp * D.cp * D.dp
@@ -134,11 +137,12 @@ def estimate_step_time(lp: LayoutPlan, peak_tflops: float, bandwidth_gbs: float)
             "tokens_per_s": D.global_batch * D.seq / step, "mfu": model_flops / (step * peak * D.world)}
 
 
-def ranking_peak(cfg: Config, given: float | None = None) -> tuple[float, str]:
+def ranking_peak(cfg: Config, given: float | None = None, ranks: int = 1) -> tuple[float, str]:
     """The per-device peak TFLOP/s to rank layouts by, and where it came from: ``given`` (``--peak-tflops``),
     else ``logging.peak_tflops``, else on CPU (``parallel.device``) this host's dense-matmul peak for
     ``train.precision`` — the MFU denominator of train.py (``device.cpu_peak_flops``: measured now, the best
-    of this host kept in its cache) — else ``DEFAULT_PEAK_TFLOPS``, an A100's."""
+    of this host kept in its cache) — shared by the ``ranks`` ranks train.py starts on this host, else
+    ``DEFAULT_PEAK_TFLOPS``, an A100's."""
     if given:
         return given, "--peak-tflops"
     if cfg.logging.peak_tflops:
@@ -148,10 +152,13 @@ def ranking_peak(cfg: Config, given: float | None = None) -> tuple[float, str]:
 
         precision = cfg.train.precision
         best, now, fp32 = metrics.host_cpu_peaks(precision)
+        shared = f", shared by the {ranks} ranks on this host" if ranks > 1 else ""
         if not metrics.native_bf16(best, fp32):
-            return fp32 / 1e12, "this host's CPU fp32 matmul peak (its bf16 is not native), as train.py's MFU takes it"
-        return best / 1e12, (f"this host's CPU {precision} matmul peak, as train.py's MFU takes it: the best seen here, "
-                             f"measured now {now / 1e9:.1f} GFLOP/s, cache {device.peak_cache_path()}")
+            return fp32 / 1e12 / ranks, ("this host's CPU fp32 matmul peak (its bf16 is not native), as train.py's "
+                                         f"MFU takes it{shared}")
+        return best / 1e12 / ranks, (f"this host's CPU {precision} matmul peak, as train.py's MFU takes it: the best "
+                                     f"seen here, measured now {now / 1e9:.1f} GFLOP/s, cache {device.peak_cache_path()}"
+                                     f"{shared}")
     return DEFAULT_PEAK_TFLOPS, "the default: an A100's dense bf16 peak"
 
 
@@ -195,38 +202,66 @@ class Candidate:
     plan: LayoutPlan | None = None
     error: str = ""
     fits: bool = False
+    knobs: list[str] = field(default_factory=list)  # the ZeRO / recompute / micro-batch overrides searched (``knobs``)
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def knob_variants(cfg: Config) -> list[list[str]]:
+    """The ZeRO, recompute and micro-batch settings ``search(knobs=True)`` tries for a layout of ``cfg``, cheapest in
+    time first: recompute none → selective → full (each adds forward FLOPs), then the micro-batch as configured,
+    then 1 (bigger GEMMs run closer to the peak, which the estimate does not model), then ZeRO 0 → 1
+    (its parameter all-gather is exposed); ZeRO only where dp·cp > 1."""
+    p, t = cfg.parallel, cfg.train
+    sizes = sorted({t.micro_batch_size, 1}, reverse=True)
+    zeros = (0, 1) if p.dp * p.cp > 1 else (p.zero,)
+    return [[f"model.recompute={r}", f"train.micro_batch_size={b}", f"parallel.zero={z}"]
+            for r in RECOMPUTE for b in sizes for z in zeros]
 
 
 def search(build: Callable[[list[str]], Config], base: Config, devices: int, memory_bytes: int,
-           peak_tflops: float, bandwidth_gbs: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Candidate]:
+           peak_tflops: float, bandwidth_gbs: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+           efficiency: float = 1.0, knobs: bool = False) -> list[Candidate]:
     """Every layout of ``devices`` ranks: ``build(overrides)`` makes the finalized config (raising
     ``ConfigError`` when the config loader's checks refuse it; a MoE layout whose expert fold ``parallel.ep``
-    does not divide is refused too); returns the candidates ranked: those
-    that fit first, by estimated step time, then those that do not fit, then the refused ones."""
-    out = []
-    for layout in factorizations(devices):
-        cand = Candidate(layout)
-        try:
-            cfg = build(layout_overrides(base, *layout))
-        except ConfigError as exc:
-            cand.error = str(exc)
-            out.append(cand)
-            continue
-        fold = expert_fold(cfg)
-        if cfg.model.num_experts and fold % cfg.parallel.ep:  # parallel.ep stays as configured
-            cand.error = f"parallel.ep {cfg.parallel.ep} does not divide the {fold} ranks the experts fold over"
-            out.append(cand)
-            continue
-        cand.plan = plan_layout(cfg, bucket_bytes)
-        cand.plan.time = estimate_step_time(cand.plan, peak_tflops, bandwidth_gbs)
-        cand.fits = cand.plan.peak_bytes <= memory_bytes
-        out.append(cand)
+    does not divide is refused too). ``knobs``: each layout with the first of ``knob_variants`` that fits
+    ``memory_bytes`` (none fits: the last, the leanest, is shown). Returns the candidates ranked: those that fit
+    first, by estimated step time, then those that do not fit, then the refused ones."""
+    out = [_candidate(build, base, layout, memory_bytes, bucket_bytes, knob_variants(base) if knobs else [[]])
+           for layout in factorizations(devices)]
+    for cand in out:
+        if cand.plan is not None:
+            cand.plan.time = estimate_step_time(cand.plan, peak_tflops, bandwidth_gbs, efficiency)
 
     def key(c: Candidate) -> tuple[Any, ...]:
         if c.plan is None:
             return (2, 0.0, 0, c.layout)
         return (0 if c.fits else 1, c.plan.time["step_s"], c.plan.peak_bytes, c.layout)
     return sorted(out, key=key)
+
+
+def _candidate(build: Callable[[list[str]], Config], base: Config, layout: tuple[int, int, int, int],
+               memory_bytes: int, bucket_bytes: int, variants: list[list[str]]) -> Candidate:
+    """``layout`` with the first of ``variants`` that fits (the leanest, tried first, fits when any does)."""
+    cand = Candidate(layout)
+    for knobs in [variants[-1], *variants[:-1]] if len(variants) > 1 else variants:
+        try:
+            cfg = build([*layout_overrides(base, *layout), *knobs])
+        except ConfigError as exc:
+            cand.error = cand.error or str(exc)
+            continue
+        fold = expert_fold(cfg)
+        if cfg.model.num_experts and fold % cfg.parallel.ep:  # parallel.ep stays as configured
+            cand.error = f"parallel.ep {cfg.parallel.ep} does not divide the {fold} ranks the experts fold over"
+            return cand
+        lp = plan_layout(cfg, bucket_bytes)
+        fits = lp.peak_bytes <= memory_bytes
+        if cand.plan is None or fits:
+            cand.plan, cand.fits, cand.knobs, cand.error = lp, fits, knobs, ""
+        if fits and knobs is not variants[-1] or not fits and knobs is variants[-1]:
+            break  # the first that fits in the order; or the leanest does not: none does
+    return cand
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

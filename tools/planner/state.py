@@ -1,6 +1,7 @@
 """Parameters, fp32 main gradients and optimizer state per rank: the real stage and optimizer on the meta device."""
 from __future__ import annotations
 
+import dataclasses
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -113,7 +114,8 @@ _STATE: dict[tuple[object, ...], StateBytes] = {}
 
 def _stage_key(cfg: Config, pp_rank: int) -> tuple[object, ...]:
     D = dims_of(cfg)
-    return (repr(cfg.model), D.tp, D.sp, D.pp, D.virtual_stages, cfg.parallel.pp_partition, D.ep, D.etp, pp_rank)
+    model = repr(dataclasses.replace(cfg.model, recompute="none"))  # the parameters do not depend on recompute
+    return (model, D.tp, D.sp, D.pp, D.virtual_stages, cfg.parallel.pp_partition, D.ep, D.etp, pp_rank)
 
 
 def _runs(named: list[tuple[str, nn.Parameter]], ep: int) -> list[tuple[bool, list[tuple[str, nn.Parameter]]]]:
