@@ -3,6 +3,7 @@ tools); programming errors stay ordinary exceptions."""
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
@@ -73,6 +74,24 @@ def refuse_existing_outputs(paths: Iterable[str | Path], instead: str) -> None:
         what = f"{first.stat().st_size} bytes" if first.is_file() else "not a file"
         more = f"; {len(existing) - 1} more output file(s) too" if len(existing) > 1 else ""
         raise DataError(f"output '{first}' already exists ({what}{more}); pass --overwrite to replace it, or {instead}")
+
+
+def write_failure(path: str | Path, exc: BaseException, need: int | None) -> str:
+    """One line for a write that failed with ``exc`` (``OSError``, ``shutil.Error``, ...; a full disk, typically): the
+    file (``exc``'s own, else ``path``), the reason, about ``need`` bytes needed (if known) and the bytes free there."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        _, path, reason = (str(x) for x in exc.args[0][0])  # copytree's [(src, dst, why), ...]
+    elif isinstance(exc, OSError):
+        path, reason = exc.filename or path, exc.strerror or reason
+    probe = Path(path)
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        free = f"{shutil.disk_usage(probe).free:,} bytes free there"
+    except OSError:
+        free = "free space unknown"
+    return f"cannot write '{path}' ({reason}); {f'about {need:,} bytes are needed, ' if need else ''}{free}"
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

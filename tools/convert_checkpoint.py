@@ -41,8 +41,8 @@ from megatron_sp.config import Config
 from megatron_sp.config.loader import _apply_section, apply_override, finalize, set_vocab, to_dict
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.data.tokenizer import SPACE_SYMBOL
-from megatron_sp.errors import ConfigError, DataError, OneLineArgumentParser, UserError
-from megatron_sp.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from megatron_sp.errors import ConfigError, DataError, OneLineArgumentParser, UserError, write_failure
+from megatron_sp.model.hf_names import from_hf_state_dict, hf_aux_loss_coef, hf_config_dict, to_hf_state_dict
 
 log = logging.getLogger("megatron_sp")
 
@@ -97,18 +97,21 @@ def check_output(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def staging(out: Path) -> Iterator[Path]:
-    """A temporary sibling directory of ``out``, renamed to ``out`` when the block succeeds, else removed."""
+def staging(out: Path, need: int) -> Iterator[Path]:
+    """A temporary sibling directory of ``out``, renamed to ``out`` when the block succeeds, else removed; a write
+    that fails (a full disk: ``OSError``, ``shutil.Error``) is one ``DataError`` naming the file and ``need`` bytes."""
     check_output(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         yield tmp
         check_output(out)  # nobody created it meanwhile
         if out.exists():
             out.rmdir()
         tmp.rename(out)
+    except OSError as exc:  # safetensors' own error is raised as an OSError by store.save_safetensors
+        raise DataError(f"--output '{out}' not written, nothing left behind: {write_failure(tmp, exc, need)}") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -202,7 +205,7 @@ def relayout(src: Path, out: Path, iteration: int | None, tp: int | None, pp: in
     cfg = validated(cfg, f"--tp {cfg.parallel.tp} --pp {cfg.parallel.pp}")
     log.info("%s", layout_line(cfg, tp, pp, overrides, f"the source {ckpt}"))
     meta = {**meta, "config": to_dict(cfg), "converted_from": str(ckpt.resolve())}
-    with staging(out) as tmp:
+    with staging(out, sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())) as tmp:
         write_ours(tmp, meta, None, copy_from=ckpt)
     log.info("wrote %s (weights%s copied unchanged)", out,
              " and optimizer state" if checkpointing.Reader(ckpt).names("optim/") else "")
@@ -236,26 +239,36 @@ def sentencepiece_to_tokenizers(model: Path) -> Any:
     return tok
 
 
-def _tokenizer_files(cfg: Config, tmp: Path) -> str:
-    """tokenizer.json + tokenizer_config.json (and the original tokenizer.model) for a SentencePiece checkpoint."""
-    if cfg.tokenizer.type != "sentencepiece":
-        return f"no tokenizer files (tokenizer.type={cfg.tokenizer.type} has no Hugging Face equivalent)"
+def _tokenizer_file(cfg: Config) -> Path | None:
+    """The checkpoint's SentencePiece model or HF tokenizer.json when it is found from here, else None."""
     model = Path(cfg.tokenizer.model or "")
-    if not model.is_file():
+    model = model / "tokenizer.json" if cfg.tokenizer.type == "hf" and model.is_dir() else model
+    return model if cfg.tokenizer.type in ("sentencepiece", "hf") and model.is_file() else None
+
+
+def _tokenizer_files(cfg: Config, tmp: Path) -> str:
+    """tokenizer.json + tokenizer_config.json for ``AutoTokenizer``: a SentencePiece model converted (the original
+    tokenizer.model copied too), an HF tokenizer.json copied."""
+    if cfg.tokenizer.type not in ("sentencepiece", "hf"):
+        return f"no tokenizer files (tokenizer.type={cfg.tokenizer.type} has no Hugging Face equivalent)"
+    model = _tokenizer_file(cfg)
+    if model is None:
         return f"no tokenizer files ({cfg.tokenizer.model!r} is not found from here)"
-    from megatron_sp.data.tokenizer import build_tokenizer
+    from megatron_sp.data.tokenizer import SentencePieceTokenizer, build_tokenizer
 
-    ours = build_tokenizer(cfg.tokenizer)  # validates the model and applies tokenizer.eod_token / pad_token
-    sentencepiece_to_tokenizers(model).save(str(tmp / "tokenizer.json"))
-    shutil.copy2(model, tmp / "tokenizer.model")
-    sp = ours._sp
-
-    def piece(i: int) -> str | None:
-        return sp.id_to_piece(i) if i >= 0 else None
-
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "unk_token": piece(sp.unk_id()),
-              "bos_token": piece(sp.bos_id()), "eos_token": piece(ours.eod), "pad_token": piece(ours.pad)}
+    ours = build_tokenizer(cfg.tokenizer)  # validates the file and applies tokenizer.eod_token / pad_token
+    if isinstance(ours, SentencePieceTokenizer):
+        sentencepiece_to_tokenizers(model).save(str(tmp / "tokenizer.json"))
+        shutil.copy2(model, tmp / "tokenizer.model")
+        sp = ours._sp
+        piece: Callable[[int], str | None] = lambda i: sp.id_to_piece(i) if i >= 0 else None
+        unk, bos = piece(sp.unk_id()), piece(sp.bos_id())
+    else:
+        shutil.copy2(model, tmp / "tokenizer.json")
+        piece = ours._tok.id_to_token  # type: ignore[attr-defined]
+        unk, bos = None, piece(ours.eod)  # BOS = EOD, as special_token_ids says
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, "unk_token": unk,
+              "bos_token": bos, "eos_token": piece(ours.eod), "pad_token": piece(ours.pad)}
     (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return f"tokenizer.json from {model}"
 
@@ -275,6 +288,9 @@ def special_token_ids(cfg: Config) -> dict[str, int]:
 def to_hf(src: Path, out: Path, iteration: int | None) -> Path:
     """megatron_sp → a Hugging Face directory loadable by ``AutoModelForCausalLM.from_pretrained``."""
     ckpt, meta, cfg, weights = read_ours(src, iteration)
+    if _tokenizer_file(cfg) is not None and importlib.util.find_spec("tokenizers") is None:
+        raise ConfigError("--to hf writes the tokenizer's tokenizer.json with the 'tokenizers' package, which is not "
+                          "installed: pip install -e '.[hf]'")
     m = cfg.model
     if any(any(b) for b in (meta.get("moe_expert_bias") or {}).values()):
         raise DataError(f"{ckpt}: its experts are chosen with a learned routing bias (model.moe_bias_update_rate), "
@@ -283,7 +299,7 @@ def to_hf(src: Path, out: Path, iteration: int | None) -> Path:
     special = special_token_ids(cfg)
     hf_cfg = {**hf_config_dict(m), "vocab_size": vocab, "torch_dtype": "float32", **special}
     state = {name: t.detach().to(torch.float32).contiguous().clone() for name, t in to_hf_state_dict(weights, m).items()}
-    with staging(out) as tmp:
+    with staging(out, sum(t.nbytes for t in state.values())) as tmp:
         checkpointing.store.save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=1))
         (tmp / "generation_config.json").write_text(json.dumps({"do_sample": False, **special}, indent=1))
@@ -371,9 +387,11 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         moe = {"num_experts": int(raw["num_local_experts"]), "moe_top_k": int(raw.get("num_experts_per_tok", 2)),
                "moe_ffn_hidden_size": common["ffn_hidden_size"],
                "moe_aux_loss_coeff": float(raw.get("router_aux_loss_coef", 0.01))}
-    return ModelConfig(**common, **moe, num_kv_heads=int(raw.get("num_key_value_heads") or heads), rotary_pct=1.0,
-                       rotary_base=_rope(raw, "rope_theta", "rope_theta", 10000.0),
-                       norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
+    cfg = ModelConfig(**common, **moe, num_kv_heads=int(raw.get("num_key_value_heads") or heads), rotary_pct=1.0,
+                      rotary_base=_rope(raw, "rope_theta", "rope_theta", 10000.0), norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
+    if moe:  # transformers' router_aux_loss_coef → our α (docs/moe.md)
+        cfg.moe_aux_loss_coeff = hf_aux_loss_coef(cfg.moe_aux_loss_coeff, cfg, to_hf=False)
+    return cfg
 
 
 def load_pickled_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -403,6 +421,19 @@ def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
     raise DataError(f"'{src}' has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
+def _token_text(tokenizer_json: Path, token_id: Any) -> str | None:
+    """The text of id ``token_id`` (an HF config's ``eos_token_id``...) in ``tokenizer_json``, or None."""
+    try:
+        tok = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # HFTokenizer reports a malformed file when it is used
+    for added in tok.get("added_tokens") or []:
+        if isinstance(token_id, int) and added.get("id") == token_id:
+            return added.get("content")
+    vocab = (tok.get("model") or {}).get("vocab")
+    return next((k for k, v in vocab.items() if v == token_id), None) if isinstance(vocab, dict) else None
+
+
 def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: list[str]) -> Path:
     """Hugging Face directory → a megatron_sp checkpoint.save directory at step 0 (no optimizer state)."""
     raw = json.loads((src / "config.json").read_text())
@@ -410,8 +441,12 @@ def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: lis
     cfg.model = model_config_from_hf(raw, str(src / "config.json"))
     cfg.parallel.tp, cfg.parallel.pp = tp or 1, pp or 1
     set_vocab(cfg, cfg.model.vocab_size)  # the padding is the layout's; the stored rows are the HF vocabulary
-    has_sp = (src / "tokenizer.model").is_file()
-    cfg.tokenizer.type = "sentencepiece" if has_sp else "byte" if cfg.model.vocab_size == 258 else "sentencepiece"
+    has_sp, has_json = (src / "tokenizer.model").is_file(), (src / "tokenizer.json").is_file()
+    cfg.tokenizer.type = ("sentencepiece" if has_sp else "hf" if has_json else
+                          "byte" if cfg.model.vocab_size == 258 else "sentencepiece")
+    if cfg.tokenizer.type == "hf":  # the HF config's EOS and pad, which HFTokenizer's defaults may not find
+        cfg.tokenizer.eod_token, cfg.tokenizer.pad_token = (_token_text(src / "tokenizer.json", raw.get(key))
+                                                            for key in ("eos_token_id", "pad_token_id"))
     for item in overrides:
         apply_override(cfg, item)
     hf_weights = read_hf_weights(src)
@@ -421,18 +456,21 @@ def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: lis
         raise DataError(f"'{src}': {exc.args[0] if exc.args else exc}") from None
     weights = {n: t.detach().to(torch.float32).contiguous().clone() for n, t in ours.items()}
     check_weights(weights, cfg.model, str(src))
-    with staging(out) as tmp:
-        if has_sp:
-            shutil.copy2(src / "tokenizer.model", tmp / "tokenizer.model")
-            if cfg.tokenizer.model is None:
-                cfg.tokenizer.model = str(out.resolve() / "tokenizer.model")
+    with staging(out, sum(t.nbytes for t in weights.values())) as tmp:
+        for name in ("tokenizer.model", "tokenizer.json"):  # the tokenizer goes with the weights
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        own = {"sentencepiece": "tokenizer.model", "hf": "tokenizer.json"}.get(cfg.tokenizer.type, "")
+        if cfg.tokenizer.model is None and own and (tmp / own).is_file():
+            cfg.tokenizer.model = str(out.resolve() / own)
         cfg = validated(cfg, f"'{src}' at --tp {cfg.parallel.tp} --pp {cfg.parallel.pp}")
         log.info("%s", layout_line(cfg, tp, pp, overrides, "the defaults (a Hugging Face model has no layout)"))
         meta = {"format_version": checkpointing.FORMAT_VERSION, "step": 0, "consumed_samples": 0,
                 "world_size": cfg.parallel.world_size, "config": to_dict(cfg), "converted_from": str(src.resolve())}
         ckpt = write_ours(tmp, meta, weights)
-    log.info("wrote %s/%s (%s, %d tensors, step 0, no optimizer state); set data.paths%s to train from it", out,
-             ckpt.name, cfg.model.arch, len(weights), "" if has_sp else " and the tokenizer")
+    log.info("wrote %s/%s (%s, %d tensors, step 0, no optimizer state, tokenizer.type=%s); set data.paths%s to train "
+             "from it", out, ckpt.name, cfg.model.arch, len(weights), cfg.tokenizer.type,
+             "" if cfg.tokenizer.model or cfg.tokenizer.type == "byte" else " and tokenizer.model")
     return out / ckpt.name
 
 

@@ -22,9 +22,9 @@ if importlib.util.find_spec("megatron_sp") is None:  # run from a checkout witho
 
 from megatron_sp.config.schema import TokenizerConfig
 from megatron_sp.data.packed import convert_packed_jsonl
-from megatron_sp.data.preprocess import preprocess_jsonl
+from megatron_sp.data.preprocess import DISK_FULL, preprocess_jsonl
 from megatron_sp.data.tokenizer import build_tokenizer
-from megatron_sp.errors import OneLineArgumentParser, UserError
+from megatron_sp.errors import OneLineArgumentParser, UserError, one_line, write_failure
 
 TOKENIZER_TYPES = {
     "SentencePieceTokenizer": "sentencepiece",
@@ -121,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a full disk under --packed-samples (the text path reports its own): outputs removed
+        if e.errno not in DISK_FULL:
+            raise
+        need = 3 * sum(Path(p).stat().st_size for p in args.input)  # ≤ one id per 2 input bytes, 3 files of ≤ 4 bytes
+        print(f"error: nothing was written: {one_line(write_failure(f'{args.output_prefix}_packed.bin', e, need))}",
+              file=sys.stderr)
+        return 1
     seconds = max(stats["seconds"], 1e-9)
     print(f"docs {stats['docs']}, tokens {stats['tokens']}, {stats['docs'] / seconds:.1f} docs/s, "
           f"{stats['bytes'] / 1e6 / seconds:.2f} MB/s, {seconds:.1f} s")

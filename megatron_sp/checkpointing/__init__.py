@@ -6,6 +6,7 @@ asynchronous saves and run ownership (``ownership.py``): docs/checkpoints.md.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from ..config import Config, to_dict
-from ..errors import DataError, TrainingError
+from ..errors import DataError, TrainingError, write_failure
 from ..mpu import ParallelState, comm
 from ..mpu.random import RNGTracker
 from ..mpu.sharding import ep_size, is_sharded, is_tied_copy, stored_name, stored_shape
@@ -90,7 +91,7 @@ class _Pending:
     meta: dict[str, Any]
     index: dict[str, Any] | None  # rank 0 only
     thread: threading.Thread | None = None
-    error: list[BaseException] = field(default_factory=list)
+    error: list[OSError] = field(default_factory=list)
 
 
 class Checkpointer:
@@ -120,9 +121,12 @@ class Checkpointer:
         final, tmp = root / f"iter_{step:07d}", root / f".tmp_iter_{step:07d}"
         refusal = self._foreign(final) if self.rank == 0 else None
         if self.rank == 0 and refusal is None:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # a crashed save of this step (the lock keeps other runs out)
-            (tmp / store.SHARDS).mkdir(parents=True)
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # a crashed save of this step (the lock keeps other runs out)
+                (tmp / store.SHARDS).mkdir(parents=True)
+            except OSError as exc:
+                refusal = f"checkpoint of step {step} not saved: {write_failure(tmp, exc, None)}"
         if self.world > 1:  # also the barrier: nobody writes before tmp exists
             refusal = comm.broadcast_object(refusal, 0)
         if refusal:
@@ -145,8 +149,10 @@ class Checkpointer:
         def write() -> None:
             try:
                 store.write_file(tmp / file, boxes, rng)
-            except BaseException as exc:  # reported collectively in _finish
-                job.error.append(exc)
+            except BaseException as exc:  # reported collectively in wait, as an OSError naming the file
+                err = exc if isinstance(exc, OSError) else OSError(errno.EIO, f"{type(exc).__name__}: {exc}")
+                err.filename = err.filename or str(tmp / file)
+                job.error.append(err)
 
         self.pending = job
         if asynchronous:
@@ -179,42 +185,61 @@ class Checkpointer:
         return False
 
     def wait(self) -> None:
-        """Block until the save in flight is written, then finalise it (collective)."""
+        """Block until the save in flight is written, then finalise it (collective). A failure on any rank (a full
+        disk, typically) removes the temporary directory and raises one ``TrainingError`` on every rank naming the
+        file, the bytes the checkpoint needs and those free; ``latest`` keeps naming the previous checkpoint."""
         job, self.pending = self.pending, None
         if job is None:
             return
         if job.thread is not None:
             job.thread.join()
-        if self._reduce(bool(job.error), comm.ReduceOp.MAX):
-            why = f": {type(job.error[0]).__name__}: {job.error[0]}" if job.error else " on another rank"
-            raise TrainingError(f"checkpoint of step {job.step} could not be written under '{job.tmp}'{why}; "
-                                f"'latest' still names the previous checkpoint")
+        failed = job.error[:1]
+        if self._reduce(bool(failed), comm.ReduceOp.MAX) and self.world > 1:
+            failed = [e for errors in comm.all_gather_object(failed) for e in errors]
+        why = None
         if self.rank == 0:
             assert job.index is not None
-            store.finish_index(job.index, job.tmp)
-            (job.tmp / "meta.json").write_text(json.dumps(job.meta, indent=1))
-            _publish(job.tmp, job.final, self.cfg.checkpoint.keep, self.lineage)
-            log.info("saved checkpoint %s", job.final)
+            try:
+                if not failed:
+                    store.finish_index(job.index, job.tmp)
+                    store.write_text(job.tmp / "meta.json", json.dumps(job.meta, indent=1))
+                    _publish(job.tmp, job.final, self.cfg.checkpoint.keep, self.lineage)
+            except OSError as exc:
+                failed = [exc]
+            if failed:
+                shutil.rmtree(job.tmp, ignore_errors=True)
+                (job.final.parent / LATEST_TMP).unlink(missing_ok=True)
+                latest = job.final.parent / "latest"
+                previous = latest.read_text().strip() if latest.is_file() else "nothing"
+                why = (f"checkpoint of step {job.step} not saved: {write_failure(job.tmp, failed[0], store.nbytes(job.index))}; "
+                       f"its temporary files were removed, 'latest' still names {previous}")
+            else:
+                log.info("saved checkpoint %s", job.final)
         if self.world > 1:
-            comm.barrier()
+            why = comm.broadcast_object(why, 0)  # also the barrier: nobody goes on before the checkpoint is published
+        if why:
+            raise TrainingError(why)
+
+
+LATEST_TMP = ".latest.tmp"
 
 
 def _publish(tmp: Path, final: Path, keep: int, lineage: Lineage) -> None:
-    """Rename the complete ``tmp`` to ``final``, point ``latest`` at it, then prune ``lineage``'s history to ``keep``."""
+    """Rename the complete ``tmp`` to ``final``, point ``latest`` at it, then prune ``lineage``'s history to ``keep``.
+    The new ``latest`` is written and fsynced first: a full disk fails before anything is renamed."""
     root = final.parent
+    latest_tmp = root / LATEST_TMP
+    store.write_text(latest_tmp, final.name + "\n")
     old = root / f".old_{final.name}"
     if final.exists():  # saving a step again (e.g. after a resume): move the old copy aside, delete it last
         if old.exists():
             shutil.rmtree(old)
         final.rename(old)
     tmp.rename(final)
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
     latest_tmp.replace(root / "latest")
-    if old.exists():
-        shutil.rmtree(old)
-    for name in expired(root, keep, lineage, final.name):  # never what `latest` names, nor the resume source
-        shutil.rmtree(root / name)
+    store.fsync_dir(root)
+    for name in [old.name] + expired(root, keep, lineage, final.name):  # never `latest`'s, nor the resume source
+        shutil.rmtree(root / name, ignore_errors=True)  # the checkpoint is published: a failure here is no failed save
 
 
 def save(cfg: Config, step: int, consumed_samples: int, model: nn.Module, optimizer: DistributedOptimizer,
@@ -233,7 +258,7 @@ def write_weights(ckpt: Path, meta: dict[str, Any], weights: dict[str, torch.Ten
     index = store.build_index(store.entries_of(boxes, file),
                               {b.name: (tuple(b.data.shape), store.dtype_name(b.data.dtype)) for b in boxes})
     store.finish_index(index, ckpt)
-    (ckpt / "meta.json").write_text(json.dumps({**meta, "format_version": FORMAT_VERSION}, indent=1))
+    store.write_text(ckpt / "meta.json", json.dumps({**meta, "format_version": FORMAT_VERSION}, indent=1))
 
 
 def read_full(ckpt: Path, prefix: str = "model/") -> dict[str, torch.Tensor]:

@@ -3,9 +3,13 @@ reader assembles any box of any tensor from the stored boxes. Format and design:
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
+import mmap
 import os
+import re
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +21,7 @@ from ..errors import DataError
 
 INDEX = "index.json"
 SHARDS = "shards"
+CHECKSUMS = "crc32"  # a shard file's metadata key: JSON {tensor key: zlib.crc32 of its bytes}, verified on read
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
                                                       torch.int64, torch.int32, torch.uint8, torch.int8, torch.bool)}
 
@@ -106,20 +111,60 @@ def _umask() -> int:
     return 0o022
 
 
+def crc32(t: torch.Tensor) -> int:
+    """zlib's CRC-32 of the bytes of ``t`` (any dtype; ~1 GB/s, the GIL released: docs/checkpoints.md, "Checksums")."""
+    return zlib.crc32(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """``safetensors.torch.save_file``, but with mode 0666 less the umask (safetensors' own is 0600)."""
+    """``safetensors.torch.save_file``, but with mode 0666 less the umask (safetensors' own is 0600) and its I/O
+    errors raised as ``OSError`` naming ``path`` (a full disk: ENOSPC)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        code = re.search(r"os error (\d+)|code: (\d+)", str(exc))
+        num = int(code.group(1) or code.group(2)) if code else errno.EIO
+        raise OSError(num, os.strerror(num) if code else str(exc).splitlines()[0], str(path)) from None
     os.chmod(path, 0o666 & ~_umask())
 
 
 def write_file(path: Path, boxes: Sequence[Box], extra: dict[str, torch.Tensor] | None = None) -> None:
-    """One safetensors file holding ``boxes`` (and ``extra`` tensors under their own keys), fsynced."""
+    """One safetensors file holding ``boxes`` (and ``extra`` tensors under their own keys) with each tensor's
+    checksum in its metadata, fsynced."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_safetensors({**{b.key: b.data for b in boxes}, **(extra or {})}, path)
+    tensors = {**{b.key: b.data for b in boxes}, **(extra or {})}
+    save_safetensors(tensors, path, {CHECKSUMS: json.dumps({k: crc32(t) for k, t in tensors.items()})})
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
+
+
+def write_text(path: Path, text: str) -> None:
+    """``path`` holding ``text``, fsynced; an ``OSError`` names ``path``."""
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        exc.filename = exc.filename or str(path)
+        raise
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def nbytes(index: dict[str, Any]) -> int:
+    """The bytes of the tensors an index lists (what a checkpoint needs on disk, headers aside)."""
+    return sum(math.prod(t["shape"]) * _DTYPES[t["dtype"]].itemsize for t in index["tensors"].values())
 
 
 def build_index(entries: Iterable[dict[str, Any]], tensors: dict[str, tuple[tuple[int, ...], str]],
@@ -142,7 +187,7 @@ def finish_index(index: dict[str, Any], ckpt: Path) -> None:
     """Record the files' sizes (after every writer finished) and write ``index.json``."""
     for file in index["files"]:
         index["files"][file] = (ckpt / file).stat().st_size
-    (ckpt / INDEX).write_text(json.dumps(index, separators=(",", ":")))
+    write_text(ckpt / INDEX, json.dumps(index, separators=(",", ":")))
 
 
 def _require(path: Path) -> None:
@@ -170,6 +215,7 @@ class Reader:
                 raise DataError(f"checkpoint file '{full}' has {full.stat().st_size} bytes, {INDEX} says {size}: "
                                 "the file is truncated or was replaced")
         self._open: dict[str, Any] = {}
+        self._sums: dict[str, tuple[int, dict[str, Any], dict[str, int]]] = {}  # file: (data start, header, sums)
 
     def names(self, prefix: str = "") -> list[str]:
         return [n for n in self.tensors if n.startswith(prefix)]
@@ -192,6 +238,33 @@ class Reader:
                 raise DataError(f"checkpoint file '{self.ckpt / file}' is corrupted or truncated ({first[:120]})") from None
         return self._open[file]
 
+    def verify(self, file: str, key: str, data: torch.Tensor | None = None) -> None:
+        """Check the bytes of tensor ``key`` of ``file`` (``data``: all of it, already read; else streamed from the
+        file) against the checksum saved with it, once per key (a file written before checksums has none)."""
+        path = self.ckpt / file
+        if file not in self._sums:
+            self.file(file)  # a malformed file fails there
+            try:
+                with open(path, "rb") as fh:  # safetensors: u64 header length, JSON header, data
+                    size = int.from_bytes(fh.read(8), "little")
+                    header = json.loads(fh.read(size))
+                sums = json.loads(header.get("__metadata__", {}).get(CHECKSUMS, "{}"))
+            except (OSError, ValueError, AttributeError) as exc:
+                raise DataError(f"checkpoint file '{path}' is corrupted ({exc})") from None
+            self._sums[file] = (8 + size, header, sums)
+        start, header, sums = self._sums[file]
+        if key not in sums:
+            return
+        if data is None:
+            begin, end = (start + o for o in header[key]["data_offsets"])
+            with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+                crc = zlib.crc32(view[begin:end])
+        else:
+            crc = crc32(data)
+        if crc != sums.pop(key):
+            raise DataError(f"checkpoint file '{path}' is corrupted: the bytes of '{key}' do not match "
+                            "the checksum saved with them; restore the file or load another checkpoint")
+
     def read(self, name: str, offsets: Sequence[int] | None = None, lengths: Sequence[int] | None = None) -> torch.Tensor:
         """The box ``offsets``/``lengths`` (default: the whole tensor) of global tensor ``name``."""
         if name not in self.tensors:
@@ -209,11 +282,16 @@ class Reader:
             src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box["offsets"]))
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
             f = self.file(box["file"])
+            whole = [b - a for a, b in zip(lo, hi)] == box["lengths"]
+            if not whole:
+                self.verify(box["file"], box["key"])
             try:
                 part = f.get_slice(box["key"])[src] if shape else f.get_tensor(box["key"])
             except Exception as exc:
                 raise DataError(f"checkpoint file '{self.ckpt / box['file']}': cannot read '{box['key']}' ({exc}); "
                                 "the checkpoint is corrupted") from None
+            if whole:
+                self.verify(box["file"], box["key"], part)
             out[dst] = part
             filled += math.prod(b - a for a, b in zip(lo, hi))
         if filled != math.prod(lengths):
@@ -224,4 +302,7 @@ class Reader:
     def read_extra(self, file: str, prefix: str) -> dict[str, torch.Tensor]:
         """The non-indexed tensors of ``file`` whose key starts with ``prefix`` (per-rank RNG states)."""
         f = self.file(file)
-        return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+        keys = [k for k in f.keys() if k.startswith(prefix)]
+        for k in keys:
+            self.verify(file, k)
+        return {k[len(prefix):]: f.get_tensor(k) for k in keys}

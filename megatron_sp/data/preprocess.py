@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import multiprocessing
 import re
@@ -18,7 +19,7 @@ import numpy as np
 from megatron_sp.data.corpus import check_input_files, parse_jsonl_line, read_lines
 from megatron_sp.data.indexed import IndexedDatasetWriter, best_dtype, staged_outputs
 from megatron_sp.data.tokenizer import Tokenizer
-from megatron_sp.errors import DataError
+from megatron_sp.errors import DataError, write_failure
 
 log = logging.getLogger("megatron_sp")
 
@@ -28,6 +29,9 @@ _Packed = tuple[np.ndarray, np.ndarray, np.ndarray]
 """One key's tokens of a chunk: (tokens, sequence lengths int32, sequences per document int64)."""
 _ChunkResult = tuple[list[_Packed], int, int]
 """(one _Packed per key, documents, input bytes)."""
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""The ``OSError`` numbers of a write that ran out of room: reported in one line with the bytes needed."""
 
 _SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+|\n[ \t\r\f\v]*\n\s*")
 
@@ -162,27 +166,34 @@ def tokenize_jsonl_to(input_paths: Sequence[str | Path], prefixes: dict[str, str
     start = time.perf_counter()
     docs = tokens = read = 0
     next_log = log_interval
-    with staged_outputs(list(prefixes.values()), overwrite) as staged, contextlib.ExitStack() as stack:
-        writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype)) for prefix in staged]
-        if workers == 1:
-            results: Iterable[_ChunkResult] = map(encoder, chunks)
-        else:
-            pool = stack.enter_context(multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,)))
-            results = _ordered(pool, chunks, 2 * workers)
-        for packed, n_docs, n_bytes in results:
-            for writer, (chunk_tokens, lengths, per_document) in zip(writers, packed, strict=True):
-                writer.add_packed(chunk_tokens, lengths, per_document)
-                tokens += int(chunk_tokens.size)
-            docs += n_docs
-            read += n_bytes
-            if log_interval and docs >= next_log:
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                log.info("processed %d documents (%.1f docs/s, %.2f MB/s)", docs, docs / elapsed,
-                         read / 1e6 / elapsed)
-                next_log = (docs // log_interval + 1) * log_interval
-        if docs == 0:
-            raise DataError(f"no documents in {', '.join(map(str, paths))} (every line is blank); nothing was "
-                            f"written: give a JSONL corpus with one JSON object per line")
+    try:
+        with staged_outputs(list(prefixes.values()), overwrite) as staged, contextlib.ExitStack() as stack:
+            writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype)) for prefix in staged]
+            if workers == 1:
+                results: Iterable[_ChunkResult] = map(encoder, chunks)
+            else:
+                pool = stack.enter_context(multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,)))
+                results = _ordered(pool, chunks, 2 * workers)
+            for packed, n_docs, n_bytes in results:
+                for writer, (chunk_tokens, lengths, per_document) in zip(writers, packed, strict=True):
+                    writer.add_packed(chunk_tokens, lengths, per_document)
+                    tokens += int(chunk_tokens.size)
+                docs += n_docs
+                read += n_bytes
+                if log_interval and docs >= next_log:
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    log.info("processed %d documents (%.1f docs/s, %.2f MB/s)", docs, docs / elapsed,
+                             read / 1e6 / elapsed)
+                    next_log = (docs // log_interval + 1) * log_interval
+            if docs == 0:
+                raise DataError(f"no documents in {', '.join(map(str, paths))} (every line is blank); nothing was "
+                                f"written: give a JSONL corpus with one JSON object per line")
+    except OSError as exc:  # a full disk: the outputs and their temporary files are gone (staged_outputs)
+        if exc.errno not in DISK_FULL:
+            raise
+        total = sum(p.stat().st_size for p in paths)  # the bytes needed: the tokens per input byte so far, or one
+        need = int(total * (tokens / read if tokens and read else len(prefixes)) * dtype.itemsize)
+        raise DataError(f"nothing was written: {write_failure(f'{next(iter(prefixes.values()))}.bin', exc, need)}") from None
     seconds = time.perf_counter() - start
     outputs = [str(p) for p in prefixes.values()]
     log.info("tokenized %d documents, %d tokens (%.2f MB) into %s in %.1f s", docs, tokens, read / 1e6,
