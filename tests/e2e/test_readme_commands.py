@@ -49,6 +49,10 @@ RULES = [  # first match wins
     Rule(r"^python train\.py --help-config$", "prints the keys"),
     Rule(r"^(python (train|deepy)\.py|torchrun) .*--conf ", "a training run: shortened", QUICK),
     Rule(r"^python tools/plan\.py ", "the planner (meta device; --verify runs 2 steps)"),
+    Rule(r"^python tools/fuzz_parity\.py ", "the parity fuzzer (--draw-only: tests/unit/test_fuzz_space.py; a seeded "
+                                           "sample: tests/e2e/test_fuzz_parity.py)", None),
+    Rule(r"^python tools/gpu_check\.py ", "the GPU check (minutes on a GPU); its --dry mode: tests/unit/test_gpu_check_smoke.py",
+         None),
     Rule(r"^python tools/(make_demo_corpus|train_tokenizer|preprocess_data)\.py ", "data preparation"),
     Rule(r"^python tools/(convert_checkpoint|generate|plot_metrics|evaluate)\.py ", "reads what earlier commands wrote"),
     Rule(r"^torchrun .*tools/evaluate\.py ", "evaluation under torchrun: reads what earlier commands wrote"),
