@@ -42,12 +42,11 @@ from megatron_sp.config.loader import _apply_section, apply_override, finalize, 
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.data.tokenizer import SPACE_SYMBOL
 from megatron_sp.errors import ConfigError, DataError, OneLineArgumentParser, UserError, write_failure
-from megatron_sp.model.hf_names import from_hf_state_dict, hf_aux_loss_coef, hf_config_dict, to_hf_state_dict
+from megatron_sp.model.hf_names import (HF_ARCHS, family_keys, from_hf_state_dict, hf_aux_loss_coef, hf_config_dict,
+                                        to_hf_state_dict)
 
 log = logging.getLogger("megatron_sp")
 
-HF_ARCHS = {"GPTNeoXForCausalLM": "neox", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama",
-            "Qwen2MoeForCausalLM": "llama"}
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "virtual_stages", "pp_schedule", "pp_partition", "sequence_parallel", "cp_algo",
                "cp_ulysses", "zero", "ep")  # the parallel.* values a checkpoint's config records as its layout
 
@@ -348,10 +347,8 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
     def refuse(what: str) -> DataError:
         return DataError(f"{source}: {what} is not supported by megatron_sp's {arch} model")
 
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise refuse(f"rope type {rope.get('rope_type', rope.get('type'))!r}")
-    common = {"arch": arch, "num_layers": int(raw["num_hidden_layers"]), "hidden_size": hidden, "num_heads": heads,
+    common = {**family_keys(raw, names[0], refuse), "arch": arch, "num_layers": int(raw["num_hidden_layers"]),
+              "hidden_size": hidden, "num_heads": heads,
               "ffn_hidden_size": int(raw["intermediate_size"]), "seq_length": int(raw["max_position_embeddings"]),
               "attention_dropout": float(raw.get("attention_dropout", 0.0)),
               "tie_embeddings": bool(raw.get("tie_word_embeddings", arch == "llama")),
@@ -373,8 +370,6 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         raise refuse(f"hidden_act {raw.get('hidden_act')!r}")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise refuse("attention_bias/mlp_bias=true")
-    if raw.get("head_dim") not in (None, hidden // heads):
-        raise refuse(f"head_dim {raw.get('head_dim')} != hidden_size / num_attention_heads")
     moe: dict[str, Any] = {}
     window = raw.get("sliding_window") if raw.get("use_sliding_window", names[0] == "MixtralForCausalLM") else None
     if window not in (None, 0) and int(window) < common["seq_length"]:

@@ -69,6 +69,12 @@ FEATURES: dict[str, Key] = {
     "model.tie_embeddings": Key((False, True)),
     "model.rotary_pct": Key((None, 0.5, 1.0)),
     "model.rotary_base": Key((10000.0, 500000.0)),
+    "model.rope_scaling": Key(("none", "linear", "llama3", "yarn")),
+    "model.rope_scaling_factor": Key((4.0, 8.0), lambda c: c.get("model.rope_scaling", "none") != "none"),
+    "model.rope_original_max_positions": Key((16,), _is("model.rope_scaling", "llama3", "yarn")),
+    "model.head_dim": Key((None, 16)),  # decoupled from hidden/heads (Qwen3)
+    "model.qkv_bias": Key((False, True), _is("model.arch", "llama")),  # Qwen2
+    "model.qk_norm": Key((False, True)),  # Qwen3: per-head weights whose grads are summed over TP
     "model.norm_eps": Key((1e-5, 1e-6)),
     "model.init_std": Key((0.02, 0.05)),
     "model.scaled_init": Key((True, False)),
@@ -144,6 +150,8 @@ EXCLUDED = {
     "model.attention_dropout": "parity is defined at dropout 0 (masks depend on the TP layout)",
     "model.ffn_hidden_size": "derived from hidden_size (neox 4h, llama rounded to ffn_multiple_of)",
     "model.vocab_size": "derived from the tokenizer",
+    **{f"model.rope_{k}": "a band parameter of llama3/yarn: the rotary tables only (tests/unit/test_hf_families.py)"
+       for k in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor")},
     "model.padded_vocab_size": "derived from the tokenizer and make_vocab_size_divisible_by",
     "parallel.backend": "gloo on CPU", "parallel.device": "this machine's",
     "parallel.timeout_s": "no numerical effect", "parallel.world_size": "derived: tp·pp·cp·dp",

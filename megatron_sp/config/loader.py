@@ -343,7 +343,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.z_loss: {t.z_loss} must be a finite number >= 0 (0 disables it; PaLM used 1e-4)")
 
     # --- model shape ---
-    if m.hidden_size % m.num_heads:
+    if m.head_dim is None and m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size {m.hidden_size} must be divisible by model.num_heads {m.num_heads}")
     if m.num_kv_heads is None:
         m.num_kv_heads = m.num_heads
@@ -359,7 +359,12 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
             m.ffn_hidden_size = m.ffn_multiple_of * math.ceil(raw / m.ffn_multiple_of)
     if m.rotary_pct is None:
         m.rotary_pct = 0.25 if m.arch == "neox" else 1.0
-    head_dim = m.hidden_size // m.num_heads
+    _positive(cfg, "model.head_dim", "model.rope_scaling_factor", "model.rope_original_max_positions")
+    head_dim = m.head_dim = m.head_dim or m.hidden_size // m.num_heads
+    choice("model.rope_scaling", m.rope_scaling, ("none", "linear", "llama3", "yarn"))
+    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor {m.rope_low_freq_factor} must be > 0 and below "
+                          f"model.rope_high_freq_factor {m.rope_high_freq_factor}")
     if not 0.0 < m.rotary_pct <= 1.0:
         raise ConfigError(f"model.rotary_pct: {m.rotary_pct} must be in (0, 1]")
     rotary_dims = int(head_dim * m.rotary_pct)

@@ -31,6 +31,22 @@ class ModelConfig:
     rotary_pct: float | None = doc(None, "Derived unless set: fraction of the head dim that gets rotary "
                                          "embeddings (neox 0.25, llama 1.0).")
     rotary_base: float = doc(10000.0, "Rotary embedding base (theta).")
+    rope_scaling: str = doc("none", "Rotary frequency scaling, as transformers' rope types: none | linear (frequencies / "
+                                    "rope_scaling_factor) | llama3 (Llama-3.1: low frequencies / factor, high ones kept, "
+                                    "a smooth band between) | yarn (NTK-by-parts, cos/sin × rope_attention_factor).")
+    rope_scaling_factor: float = doc(1.0, "linear, llama3, yarn: the context extension factor (HF 'factor').")
+    rope_low_freq_factor: float = doc(1.0, "llama3: wavelengths above original_max_positions / this are scaled.")
+    rope_high_freq_factor: float = doc(4.0, "llama3: wavelengths below original_max_positions / this are kept.")
+    rope_original_max_positions: int = doc(8192, "llama3, yarn: the pre-training context (HF "
+                                                 "'original_max_position_embeddings').")
+    rope_beta_fast: float = doc(32.0, "yarn: rotations bounding the extrapolated (kept) frequencies.")
+    rope_beta_slow: float = doc(1.0, "yarn: rotations bounding the interpolated (scaled) frequencies.")
+    rope_attention_factor: float | None = doc(None, "yarn: factor on cos and sin; unset: 0.1·ln(factor) + 1.")
+    head_dim: int | None = doc(None, "Derived (= hidden_size / num_heads) unless set: dims per attention head; Qwen3 "
+                                     "sets it apart from hidden/heads (the attention is num_heads·head_dim wide).")
+    qkv_bias: bool = doc(False, "llama: biases on the q/k/v projections only (Qwen2); neox has every bias anyway.")
+    qk_norm: bool = doc(False, "RMSNorm of each query and key head over its head_dim before rotary (Qwen3); one "
+                               "[head_dim] weight each for q and k per layer, shared by the heads.")
     norm_eps: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.")
     hidden_dropout: float = doc(0.0, "Dropout on the attention and MLP outputs before the residual add.")
     attention_dropout: float = doc(0.0, "Dropout on the attention probabilities.")
@@ -69,7 +85,7 @@ class ModelConfig:
                                            "bias added to the router scores for the top-k selection only, after each "
                                            "step moved by rate·sign(mean load − load) with the loads of the global batch.")
     moe_capacity_factor: float | None = doc(None, "MoE: when set, while training each expert takes at most "
-                                                  "ceil(factor · seq_length · top_k / num_experts) tokens of each "
+                                                  "min(seq_length, ceil(factor · seq_length · top_k / num_experts)) tokens of each "
                                                   "sequence, those of highest score (ties: earlier position); the "
                                                   "others skip it. Unset: dropless.")
 

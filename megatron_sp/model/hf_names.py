@@ -1,5 +1,6 @@
 """Name and layout mapping between our GPTModel state dict and Hugging Face ``GPTNeoXForCausalLM`` (neox) /
-``LlamaForCausalLM`` (llama) / ``MixtralForCausalLM`` or ``Qwen2MoeForCausalLM`` (a MoE llama), with the Hub
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (llama; ``FAMILIES``) / ``MixtralForCausalLM`` or
+``Qwen2MoeForCausalLM`` (a MoE llama), with the Hub
 checkpoints' names (``embed_out.weight`` for GPT-NeoX's output layer, transformers >= 5 loads it as
 ``lm_head.weight``; one tensor per expert, which transformers >= 5 stacks on load and splits again on save) and the
 padded vocabulary. neox is a pure renaming; llama splits our fused QKV rows into ``q_proj``/``k_proj``/``v_proj``.
@@ -7,8 +8,10 @@ A tied output layer is not written.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +36,8 @@ _LLAMA_LAYER = {
     "mlp.gate": "mlp.gate_proj",
     "mlp.up": "mlp.up_proj",
     "mlp.down": "mlp.down_proj",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
 }
 _GLOBAL = {
     "neox": {"embedding": "gpt_neox.embed_in", "final_norm": "gpt_neox.final_layer_norm",
@@ -41,6 +46,76 @@ _GLOBAL = {
 }
 _LAYER_PREFIX = {"neox": "gpt_neox.layers", "llama": "model.layers"}
 MIXTRAL, QWEN2_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One dense transformers class as data: the ``model.*`` values every model of it has (the layers read those
+    keys), its ``model_type`` and the ``config.json`` constants it is written with."""
+
+    model_type: str
+    keys: dict[str, Any]
+    hf: dict[str, Any]
+
+
+FAMILIES = {
+    "GPTNeoXForCausalLM": Family("gpt_neox", {"arch": "neox", "qk_norm": False}, {"use_parallel_residual": True}),
+    "LlamaForCausalLM": Family("llama", {"arch": "llama", "qkv_bias": False, "qk_norm": False},
+                               {"attention_bias": False, "mlp_bias": False}),
+    "Qwen2ForCausalLM": Family("qwen2", {"arch": "llama", "qkv_bias": True, "qk_norm": False}, {"use_sliding_window": False}),
+    "Qwen3ForCausalLM": Family("qwen3", {"arch": "llama", "qkv_bias": False, "qk_norm": True},
+                               {"attention_bias": False, "use_sliding_window": False}),
+}
+HF_ARCHS = {**{name: f.keys["arch"] for name, f in FAMILIES.items()}, MIXTRAL: "llama", QWEN2_MOE: "llama"}
+ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",  # HF rope_parameters → ours
+             "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_positions",
+             "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "attention_factor": "rope_attention_factor"}
+_ROPE_USES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor")}
+
+
+def hf_dense_class(cfg: ModelConfig) -> str:
+    """The dense transformers class whose ``Family.keys`` ``cfg`` has (ConfigError naming the keys when none)."""
+    for name, family in FAMILIES.items():
+        if all(getattr(cfg, key) == value for key, value in family.keys.items()) and \
+                (family.keys["arch"] == "llama" or head_dim(cfg) == cfg.hidden_size // cfg.num_heads):
+            return name
+    raise ConfigError(f"no transformers class has model.arch={cfg.arch} with qkv_bias={cfg.qkv_bias}, qk_norm="
+                      f"{cfg.qk_norm}, head_dim={head_dim(cfg)} (Qwen2: qkv_bias; Qwen3: qk_norm; GPT-NeoX: neither, "
+                      "head_dim = hidden/heads)")
+
+
+def rope_config(cfg: ModelConfig) -> dict[str, Any]:
+    """``rope_theta`` and (when scaled) transformers' ``rope_scaling`` of ``cfg``."""
+    if cfg.rope_scaling == "none":
+        return {"rope_theta": cfg.rotary_base}
+    params = {hf: getattr(cfg, ROPE_KEYS[hf]) for hf in _ROPE_USES[cfg.rope_scaling]}
+    return {"rope_theta": cfg.rotary_base, "rope_scaling": {"rope_type": cfg.rope_scaling,
+                                                            **{k: v for k, v in params.items() if v is not None}}}
+
+
+def family_keys(raw: dict[str, Any], hf_class: str, refuse: Any) -> dict[str, Any]:
+    """The ``model.*`` keys of an HF config dict of ``hf_class`` (the family's, head_dim, rope scaling); ``refuse(what)``
+    makes the error of a variant ours lacks."""
+    keys = {k: v for k, v in FAMILIES[hf_class].keys.items() if k != "arch"} if hf_class in FAMILIES else {}
+    if raw.get("head_dim") is not None and hf_class != "GPTNeoXForCausalLM":
+        keys["head_dim"] = int(raw["head_dim"])
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", *_ROPE_USES):
+        raise refuse(f"rope type {kind!r} (ours: default, {', '.join(_ROPE_USES)})")
+    if kind == "yarn" and not rope.get("truncate", True):
+        raise refuse("yarn with truncate=false")
+    if kind == "yarn" and rope.get("attention_factor") is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+        f = rope.get("factor") or 1.0
+        rope["attention_factor"] = (0.1 * rope["mscale"] * math.log(f) + 1) / (0.1 * rope["mscale_all_dim"] * math.log(f) + 1)
+    if kind != "default":
+        if kind == "yarn" and rope.get("factor") is None:
+            rope["factor"] = int(raw["max_position_embeddings"]) / int(rope["original_max_position_embeddings"])
+        keys["rope_scaling"] = kind
+        keys.update({ROPE_KEYS[k]: rope[k] for k in _ROPE_USES[kind] if rope.get(k) is not None})
+    return keys
 # per HF MoE class: its sparse block's module, and our stacked expert matrices [E, out, in] ↔ {block}.experts.{e}.NAME
 _MOE_BLOCK = {MIXTRAL: ("block_sparse_moe", {"gate": "w1", "down": "w2", "up": "w3"}),
               QWEN2_MOE: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
@@ -61,7 +136,8 @@ def _unmet(cfg: ModelConfig, hf_class: str) -> list[str]:
     """What a MoE ``cfg`` lacks to export exactly as ``hf_class``: both need llama experts and a softmax router;
     Mixtral renormalises the top-k (so k ≥ 2: its top-1 weight is 1 where ours keeps the score), has no shared
     experts and a MoE MLP in every layer. Qwen2-MoE holds those (``norm_topk_prob = k > 1``, ``mlp_only_layers``)."""
-    needs = [("model.arch=llama", cfg.arch != "llama"), ("model.moe_router_score=softmax", cfg.moe_router_score != "softmax")]
+    needs = [("model.arch=llama", cfg.arch != "llama"), ("model.moe_router_score=softmax", cfg.moe_router_score != "softmax"),
+             ("model.qk_norm=false", cfg.qk_norm), ("model.qkv_bias=false", cfg.qkv_bias and hf_class == MIXTRAL)]
     if hf_class == MIXTRAL:
         needs += [("model.moe_top_k >= 2", cfg.moe_top_k < 2), ("model.moe_shared_experts=0", cfg.moe_shared_experts > 0),
                   ("every layer MoE (moe_layer_freq 1, moe_first_dense_layers 0)",
@@ -85,12 +161,20 @@ def hf_moe_class(cfg: ModelConfig) -> str:
                       + "; ".join(f"{hf_class} needs {', '.join(bad)}" for hf_class, bad in unmet.items()))
 
 
+def hf_aux_loss_coef(coeff: float, cfg: ModelConfig, to_hf: bool = True) -> float:
+    """``moe_aux_loss_coeff`` α → transformers' ``router_aux_loss_coef`` (or back, ``to_hf=False``; ``cfg``'s top-k
+    and MoE layers): its aux loss is k × ours with f and P pooled over the L MoE layers, where ours sums L per-layer
+    losses, so ``coef = α · L / k`` pulls each router as α does (exactly when every layer has the same loads)."""
+    ratio = sum(is_moe_layer(cfg, i) for i in range(cfg.num_layers)) / cfg.moe_top_k
+    return coeff * ratio if to_hf else coeff / ratio
+
+
 def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
     """Keyword arguments (and ``config.json`` content) of the matching HF config class (``hf_moe_class`` for MoE).
     Qwen2-MoE: ``decoder_sparse_step`` 1 with every dense layer in ``mlp_only_layers``; q/k/v biases on (written as
     zeros: transformers < 5 and other Qwen2-MoE readers always build them)."""
     arch = _resolve_arch(cfg, arch)
-    common: dict[str, Any] = {
+    common: dict[str, Any] = {**rope_config(cfg),
         "vocab_size": cfg.padded_vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -101,20 +185,20 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
     }
+    dense = hf_dense_class(cfg) if not cfg.num_experts else "LlamaForCausalLM"
+    family = FAMILIES[dense]
     if arch == "neox":
-        return {**common, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
+        return {**common, **family.hf, "architectures": [dense], "model_type": family.model_type,
                 "hidden_act": "gelu", "rotary_pct": cfg.rotary_pct, "rotary_emb_base": cfg.rotary_base,
-                "layer_norm_eps": cfg.norm_eps, "use_parallel_residual": True, "attention_bias": True,
-                "hidden_dropout": cfg.hidden_dropout}
-    llama = {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-             "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu", "rope_theta": cfg.rotary_base,
-             "rms_norm_eps": cfg.norm_eps, "attention_bias": False, "mlp_bias": False,
+                "layer_norm_eps": cfg.norm_eps, "attention_bias": True, "hidden_dropout": cfg.hidden_dropout}
+    llama = {**common, **family.hf, "architectures": [dense], "model_type": family.model_type,
+             "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
              "head_dim": head_dim(cfg)}
     if not cfg.num_experts:
         return llama
     hf_class = hf_moe_class(cfg)
     moe = {"architectures": [hf_class], "num_experts_per_tok": cfg.moe_top_k, "output_router_logits": False,
-           "router_aux_loss_coef": cfg.moe_aux_loss_coeff}  # transformers uses it only when training
+           "router_aux_loss_coef": hf_aux_loss_coef(cfg.moe_aux_loss_coeff, cfg)}  # transformers: training only
     if hf_class == MIXTRAL:
         return {**llama, **moe, "model_type": "mixtral", "intermediate_size": cfg.moe_ffn_hidden_size,
                 "num_local_experts": cfg.num_experts, "router_jitter_noise": 0.0, "sliding_window": None}
@@ -142,13 +226,13 @@ def _layer_items(sd: Mapping[str, torch.Tensor], layer_re: re.Pattern, top: dict
             out[f"{top[module]}.{leaf}"] = tensor
 
 
-def _split_llama_qkv(weight: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _split_llama_qkv(t: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our fused QKV weight ``[g·(r+2)·d, h]`` or bias ``[g·(r+2)·d]`` → q, k, v."""
     g, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, head_dim(cfg)
-    grouped = weight.view(g, r + 2, d, weight.shape[-1])  # [g, r+2, d, h]
-    q = grouped[:, :r].reshape(g * r * d, -1)
-    k = grouped[:, r].reshape(g * d, -1)
-    v = grouped[:, r + 1].reshape(g * d, -1)
-    return q, k, v
+    grouped = t.view(g, r + 2, d, -1)  # [g, r+2, d, h | 1]
+    rest = t.shape[1:]
+    return (grouped[:, :r].reshape(g * r * d, *rest), grouped[:, r].reshape(g * d, *rest),
+            grouped[:, r + 1].reshape(g * d, *rest))
 
 
 def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
@@ -167,7 +251,7 @@ def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
         if arch == "llama" and module == "attention.qkv":
             for proj, part in zip("qkv", _split_llama_qkv(tensor, cfg)):
                 out[f"{prefix}.self_attn.{proj}_proj.{leaf}"] = part
-                if hf_class == QWEN2_MOE:
+                if hf_class == QWEN2_MOE and not cfg.qkv_bias:
                     out[f"{prefix}.self_attn.{proj}_proj.bias"] = part.new_zeros(part.shape[0])
             continue
         if module == "mlp.router":
@@ -210,14 +294,16 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
     for name, tensor, index, module, leaf in _layer_items(hf_sd, _HF_LAYER_RE, top_inverse, cfg, out,
                                                          "unexpected HF parameter"):
         moe = _HF_MOE_RE.fullmatch(module) if arch == "llama" else None
-        if moe and moe.group(5) or arch == "llama" and leaf == "bias" and module.startswith("self_attn."):
+        qkv = module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        if moe and moe.group(5) or arch == "llama" and leaf == "bias" and module.startswith("self_attn.") \
+                and not (qkv and cfg.qkv_bias):
             if tensor.any():  # ours has no place for it
                 raise ValueError(f"{name} is not zero: megatron_sp's llama has no "
                                  + ("shared-expert gate" if moe else "attention biases"))
             continue
         if moe and moe.group(4) and not tensor.numel():  # a width-0 shared expert: none
             continue
-        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        if arch == "llama" and qkv:
             pending_qkv.setdefault(f"layers.{index}.attention.qkv.{leaf}", {})[module[-6]] = tensor
             continue
         if moe and moe.group(1):
@@ -236,10 +322,10 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
     for name, parts in pending_qkv.items():
         if set(parts) != {"q", "k", "v"}:
             raise KeyError(f"incomplete q/k/v projections for {name!r}")
-        h = parts["q"].shape[-1]
-        grouped = torch.cat([parts["q"].reshape(g, r, d, h), parts["k"].reshape(g, 1, d, h),
-                             parts["v"].reshape(g, 1, d, h)], dim=1)  # [g, r+2, d, h]
-        out[name] = grouped.reshape(g * (r + 2) * d, h)
+        rest = parts["q"].shape[1:]  # (h,) of a weight, () of a bias
+        grouped = torch.cat([parts["q"].reshape(g, r, d, -1), parts["k"].reshape(g, 1, d, -1),
+                             parts["v"].reshape(g, 1, d, -1)], dim=1)  # [g, r+2, d, h | 1]
+        out[name] = grouped.reshape(g * (r + 2) * d, *rest)
     for name, by_expert in experts.items():
         if sorted(by_expert) != list(range(cfg.num_experts)):
             raise KeyError(f"experts {sorted(by_expert)} of {name!r}, expected 0..{cfg.num_experts - 1}")
@@ -253,12 +339,8 @@ def build_hf_model(cfg: ModelConfig, our_sd: Mapping[str, torch.Tensor]) -> Any:
     import transformers
 
     kwargs = hf_config_dict(cfg)
-    kwargs.pop("architectures")
-    kwargs.pop("model_type")
-    if cfg.arch == "neox":
-        hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**kwargs))
-    else:
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    hf_class = kwargs.pop("architectures")[0]
+    hf = getattr(transformers, hf_class)(transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs))
     state = to_hf_state_dict(our_sd, cfg)
     if "embed_out.weight" in state and not hasattr(hf, "embed_out"):
         state["lm_head.weight"] = state.pop("embed_out.weight")  # transformers >= 5 module name

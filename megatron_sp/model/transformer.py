@@ -24,6 +24,7 @@ from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
 from megatron_sp.model.attention.kernels import cached_attention, dot_product_attention
 from megatron_sp.model.moe import MoE, expert_ffn, is_moe_layer
+from megatron_sp.model.rope import RopeScaling
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.parallel_state import ParallelContext
@@ -82,6 +83,19 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     q, k = qk.split([r, 1], dim=3)
     # v is a view into the projection output: copy it so autograd does not keep all of qkv alive.
     return q.reshape(s, b, -1, d), k.squeeze(3), v.squeeze(3).contiguous()
+
+
+def norm_rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, d: int, q_weight: torch.Tensor,
+                    k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rotary_qkv`` with per-head QK-norm (``model.qk_norm``, Qwen3): each query and key head RMS-normalised over
+    its ``d`` dims (weights ``[d]``, shared by the heads) before the rotation."""
+    s, b = qkv.shape[0], qkv.shape[1]
+    qkv = qkv.view(s, b, -1, r + 2, d)  # [s, b, g, r+2, d]
+    cos = cos.to(qkv.dtype)[:, :, None, :]  # [s, b|1, 1, rd]
+    sin = sin.to(qkv.dtype)[:, :, None, :]
+    q = F.rms_norm(qkv[:, :, :, :r].reshape(s, b, -1, d), (d,), q_weight, eps)  # [s, b, g·r, d]
+    k = F.rms_norm(qkv[:, :, :, r], (d,), k_weight, eps)  # [s, b, g, d]
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[:, :, :, r + 1].contiguous()
 
 
 def _unrotate_into(out: torch.Tensor, dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -186,6 +200,7 @@ class Regions:
     """The pointwise regions a layer calls (eager or compiled)."""
 
     rotary_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = rotary_qkv
+    norm_rotary_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = norm_rotary_qkv
     norm: Callable[..., torch.Tensor] = norm
     add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_norm
     add3: Callable[..., torch.Tensor] = add3
@@ -228,8 +243,8 @@ def check_model_config(cfg: ModelConfig) -> None:
 
 
 def head_dim(cfg: ModelConfig) -> int:
-    """Dims per attention head."""
-    return cfg.hidden_size // cfg.num_heads
+    """Dims per attention head (``model.head_dim``, derived hidden_size / num_heads)."""
+    return cfg.head_dim or cfg.hidden_size // cfg.num_heads
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
@@ -258,16 +273,19 @@ class RotaryEmbedding(nn.Module):
     and the signed ``cat(-sin, sin)`` (rotate-half). Angles in fp32 (fp64 for an fp64 model), cast to the
     compute dtype; tables of the default positions ``arange(s)`` are cached per (length, device, dtypes)."""
 
-    def __init__(self, rotary_dim: int, base: float) -> None:
+    def __init__(self, rotary_dim: int, base: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
         self.base = base
+        self.scaling = scaling or RopeScaling()  # model.rope_scaling: the frequencies, and a factor on cos/sin (yarn)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def inv_freq(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """``base^(-2i/rotary_dim)`` for i < rotary_dim/2. # [rotary_dim/2]"""
+        """``base^(-2i/rotary_dim)`` for i < rotary_dim/2, scaled by ``scaling``. # [rotary_dim/2]"""
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).to(dtype) / self.rotary_dim
-        return 1.0 / (self.base ** exponents)
+        if self.scaling.kind == "none":
+            return 1.0 / (self.base ** exponents)
+        return self.scaling.inv_freq(self.base ** exponents, self.base, self.rotary_dim)
 
     def forward(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device,
                 angle_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,6 +305,8 @@ class RotaryEmbedding(nn.Module):
                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(angle_dtype)[..., None] * self.inv_freq(positions.device, angle_dtype)  # [s, b, rd/2]
         cos, sin = angles.cos(), angles.sin()
+        if (factor := self.scaling.cos_sin_factor()) != 1.0:
+            cos, sin = cos * factor, sin * factor
         return torch.cat([cos, cos], dim=-1).to(out_dtype), torch.cat([-sin, sin], dim=-1).to(out_dtype)  # [s, b, rd]
 
 
@@ -353,12 +373,19 @@ class SelfAttention(nn.Module):
         self.qkv: nn.Module
         if g % parallel.tp_size == 0:
             self.q_per_kv = n // g
-            self.qkv = ColumnParallelLinear(cfg.hidden_size, g * (self.q_per_kv + 2) * d, bias=bias,
+            self.qkv = ColumnParallelLinear(cfg.hidden_size, g * (self.q_per_kv + 2) * d, bias=bias or cfg.qkv_bias,
                                             group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
                                             recompute_allgather=parallel.recompute_allgather)
         else:
-            self.qkv = ReplicatedGroupQKV(cfg, parallel, bias)
+            self.qkv = ReplicatedGroupQKV(cfg, parallel, bias or cfg.qkv_bias)
             self.q_per_kv = self.qkv.local_q
+        # QK-norm: one [d] weight each for all query / key heads; a rank sees its heads only, so their grads are
+        # summed over TP with or without SP (tagged ``sequence_parallel``)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = nn.RMSNorm(d, eps=cfg.norm_eps), nn.RMSNorm(d, eps=cfg.norm_eps)
+            for param in (self.q_norm.weight, self.k_norm.weight):
+                set_tp_attributes(param, False, -1, sequence_parallel=True)
         self.out = RowParallelLinear(n * d, cfg.hidden_size, bias=bias, group=parallel.tp_group,
                                      sequence_parallel=parallel.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
@@ -402,7 +429,11 @@ class SelfAttention(nn.Module):
         (inference, no SP or CP) the tokens follow the cached ones and attend over all of them."""
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
         s, b = qkv.shape[0], qkv.shape[1]
-        q, k, v = self.regions.rotary_qkv(qkv, cos, sin, self.q_per_kv, self.head_dim)  # [s, b, n/t | g_local, d]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k, v = self.regions.norm_rotary_qkv(qkv, cos, sin, self.q_per_kv, self.head_dim, self.q_norm.weight,
+                                                   self.k_norm.weight, self.q_norm.eps)
+        else:
+            q, k, v = self.regions.rotary_qkv(qkv, cos, sin, self.q_per_kv, self.head_dim)  # [s, b, n/t | g_local, d]
         if kv_cache is not None and meta is not None:  # CP prefill: cache the whole sequence, attend as in training
             kv_cache.fill(k, v, meta)
         elif kv_cache is not None:

@@ -1,0 +1,61 @@
+"""The open-model features (QK-norm, q/k/v bias, head_dim ≠ hidden/heads, llama3 rope) in one model under tp2, with and
+without SP, column-parallel and replicated-group QKV, against the 1-rank model (fp64): loss and every gradient after
+the trainer's TP sum of ``sequence_parallel`` parameters (the QK-norm weights see only a rank's heads, so they need it
+with and without SP). Full recompute on one rank is checked in the same launch."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model import GPTModel
+from megatron_sp.mpu import ParallelContext, comm, shard
+from megatron_sp.testing import run_distributed
+
+S, B = 16, 2
+
+
+def _cfg(kv: int, recompute: str = "none") -> ModelConfig:
+    return ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=kv, head_dim=12,
+                       ffn_hidden_size=48, rotary_pct=1.0, seq_length=S, vocab_size=50, padded_vocab_size=64,
+                       qk_norm=True, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=8.0,
+                       rope_original_max_positions=8, init_std=0.2, recompute=recompute)
+
+
+def _run(model: GPTModel, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and grads of ``model`` (this rank's shards) on a fixed batch, its norms and biases moved off 1 and 0."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                g = torch.Generator().manual_seed(len(name))
+                full = 1 + 0.3 * torch.randn(p.shape[0] * (world if p.tensor_model_parallel else 1), generator=g)
+                p.copy_(shard(full, p.partition_dim, rank, world) if p.tensor_model_parallel else full)
+    tokens = torch.randint(0, 50, (B, S), generator=torch.Generator().manual_seed(3))
+    loss = model(tokens, labels=tokens.roll(-1, 1)).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _features(rank: int, world: int) -> dict[str, float]:
+    group, errors = dist.group.WORLD, {}
+    for kv, sp in ((2, True), (2, False), (1, False)):  # column-parallel QKV with / without SP; a replicated kv group
+        ref_loss, ref = _run(GPTModel(_cfg(kv), seed=5).double())
+        model = GPTModel(_cfg(kv), seed=5, parallel=ParallelContext(tp_group=group, sequence_parallel=sp)).double()
+        loss, grads = _run(model, rank, world)
+        errors[f"kv{kv} sp{sp} loss"] = abs(loss.item() - ref_loss.item()) / ref_loss.item()
+        for name, p in model.named_parameters():
+            grad = comm.all_reduce(grads[name].clone(), group) if p.sequence_parallel else grads[name]
+            want = shard(ref[name], p.partition_dim, rank, world) if p.tensor_model_parallel else ref[name]
+            errors[f"kv{kv} sp{sp} {name}"] = ((grad - want).abs().max() / want.abs().max()).item()
+    if rank == 0:  # full recompute replays the same layers: the same grads
+        ref_loss, ref = _run(GPTModel(_cfg(2), seed=5).double())
+        loss, grads = _run(GPTModel(_cfg(2, "full"), seed=5).double())
+        errors["recompute loss"] = abs(loss.item() - ref_loss.item())
+        errors.update({f"recompute {n}": (grads[n] - g).abs().max().item() for n, g in ref.items()})
+    return errors
+
+
+def test_features_under_tp2_equal_one_rank() -> None:
+    for errors in run_distributed(_features, 2):
+        bad = {k: v for k, v in errors.items() if not v <= 1e-12}
+        assert not bad, bad
