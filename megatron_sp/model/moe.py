@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,14 +112,17 @@ class Router(nn.Module):
 
     ``expert_bias [E]`` (fp32 buffer, aux-loss-free balancing) is added to the scores for the top-k selection only
     (``route``) and moved after each step by ``end_step``; it is the same on every rank and saved in the checkpoint's
-    meta.json (``expert_bias_state``). ``step_stats`` sums this rank's training micro-batches since the last
-    ``end_step``: fp64 ``[E + 4]``, the tokens per expert, then the aux loss, z-loss, dropped assignments, micro-batches
-    (a micro-batch split over SP/CP ranks is counted by its first shard only)."""
+    meta.json (``expert_bias_state``). ``bias_in_use``: ``moe_bias_update_rate`` > 0 or a non-zero bias loaded
+    (``load_expert_bias``); otherwise the bias is zero, which routes as no bias, and ``MoE`` skips it.
+    ``step_stats`` sums this rank's training micro-batches since the last ``end_step``: fp64 ``[E + 4]``, the tokens
+    per expert, then the aux loss, z-loss, dropped assignments, micro-batches (a micro-batch split over SP/CP ranks is
+    counted by its first shard only)."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, bias_in_use: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.bias_in_use = bias_in_use
         self.step_stats: torch.Tensor | None = None
 
     def record(self, tokens_per_expert: torch.Tensor, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor,
@@ -136,23 +140,31 @@ class Router(nn.Module):
             return F.linear(tokens.to(dtype), self.weight.to(dtype))
 
 
-def route(logits: torch.Tensor, top_k: int, score: str,
-          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, score: str, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts ``[T, k]``, combine weights ``[T, k]``, selection scores ``[T, k]``, balancing probabilities
-    ``[T, E]``) of logits ``[T, E]``. softmax: scores over all experts; sigmoid: per expert (DeepSeek-V3). With k > 1
-    the selected scores are renormalised to sum to 1; top-1 keeps its score (Switch), so the router learns from the
-    LM loss. The balancing probabilities are the softmax, or the sigmoid scores normalised over the experts.
-    ``bias [E]`` (aux-loss-free balancing) is added for choosing the top-k only: the selection scores, the weights
-    and the probabilities are the unbiased scores of the chosen experts (DeepSeek-V3)."""
+    ``[T, E]``, balancing experts ``[T, k]``) of logits ``[T, E]``. softmax: scores over all experts; sigmoid: per
+    expert (DeepSeek-V3). With k > 1 the selected scores are renormalised to sum to 1; top-1 keeps its score
+    (Switch), so the router learns from the LM loss. The balancing probabilities are the softmax, or the sigmoid
+    scores normalised over the experts. ``bias [E]`` (aux-loss-free balancing) is added for choosing the top-k only:
+    the selection scores, the weights and the probabilities are the unbiased scores of the chosen experts, and the
+    balancing experts (the aux loss's f) are the top-k of the unbiased scores (DeepSeek-V3, megatron-core)."""
     scores = logits.softmax(dim=-1) if score == "softmax" else logits.sigmoid()  # [T, E]
-    if bias is None:
-        top_scores, experts = scores.topk(top_k, dim=-1)  # [T, k]
-    else:
+    top_scores, experts = scores.topk(top_k, dim=-1)  # [T, k]
+    balance = experts
+    if bias is not None:
         experts = (scores + bias.to(scores.dtype)).topk(top_k, dim=-1).indices  # [T, k]
         top_scores = scores.gather(-1, experts)
     weights = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) if top_k > 1 else top_scores
     probs = scores if score == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    return experts, weights, top_scores, probs
+    return experts, weights, top_scores, probs, balance
+
+
+def expert_capacity(factor: float, seq_len: int, top_k: int, num_experts: int) -> int:
+    """Assignments each expert takes per sequence: ``ceil(factor · s · k / E)`` computed exactly, with ``factor``
+    read as the shortest decimal that prints it (1.1 is 11/10, not the binary 1.100000000000000088…), capped at
+    ``s`` (an expert gets at most one assignment per token, so every token then fits)."""
+    return min(seq_len, math.ceil(Fraction(repr(float(factor))) * seq_len * top_k / num_experts))
 
 
 def capacity_keep(experts: torch.Tensor, top_scores: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
@@ -168,11 +180,12 @@ def capacity_keep(experts: torch.Tensor, top_scores: torch.Tensor, num_experts: 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
                         counts: torch.Tensor | None = None, total: int | None = None) -> torch.Tensor:
-    """Switch/GShard ``E · Σ_i f_i · P_i`` over the T tokens: ``f_i`` the fraction of the T·k assignments routed to
-    expert i (before any capacity drop; no gradient), ``P_i`` the mean balancing probability of expert i. When this
-    rank holds a shard of the micro-batch (SP, CP): ``counts [E]`` the whole micro-batch's assignments per expert and
-    ``total`` its T; the result is then this rank's share, ``E · Σ_i f_i · Σ_{t here} p_ti / T``, summing to the
-    loss over the shards (so is its gradient, each token's on the rank that holds it)."""
+    """Switch/GShard ``E · Σ_i f_i · P_i`` over the T tokens: ``f_i`` the fraction of the T·k assignments
+    ``experts`` (``route``'s balancing experts: no routing bias, no capacity drop; no gradient) of expert i, ``P_i``
+    the mean balancing probability of expert i. When this rank holds a shard of the micro-batch (SP, CP): ``counts
+    [E]`` the whole micro-batch's assignments per expert and ``total`` its T; the result is then this rank's share,
+    ``E · Σ_i f_i · Σ_{t here} p_ti / T``, summing to the loss over the shards (so is its gradient, each token's on
+    the rank that holds it)."""
     counts = torch.bincount(experts.reshape(-1), minlength=num_experts) if counts is None else counts
     total = probs.shape[0] if total is None else total
     f = counts.to(probs.dtype) / (total * experts.shape[-1])
@@ -228,13 +241,14 @@ class Dispatcher:
 
     def combine(self, rows: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor) -> torch.Tensor:
         """rows (expert outputs, as ``dispatch`` gave them) → ``[T, h]``: Σ over each token's k slots of weight ·
-        output, in the weights' dtype (fp32), cast to the rows' dtype; a dropped slot adds 0."""
+        output in the rows' dtype (bf16 under bf16 autocast, as transformers; the sum accumulates in fp32); a
+        dropped slot adds 0."""
         if plan.perm is not None:  # back to source-rank order, then to the ranks the rows came from
             rows = all_to_all_rows(rows.new_zeros(rows.shape).index_copy(0, plan.perm, rows), self.ep_group,
                                    plan.recv, plan.send)  # [N, h]
         t, k = weights.shape
         slots = rows.new_zeros(t * k, rows.shape[1]).index_copy(0, plan.order, rows)  # [T·k, h]
-        return (slots.view(t, k, -1).to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(rows.dtype)
+        return (slots.view(t, k, -1) * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -366,7 +380,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.capacity_factor = cfg.moe_capacity_factor
-        self.router = Router(cfg.hidden_size, cfg.num_experts)
+        self.router = Router(cfg.hidden_size, cfg.num_experts, cfg.moe_bias_update_rate > 0)
         self.dispatcher = Dispatcher(cfg.num_experts, ep_group)
         self.etp_group = parallel.tp_group if parallel.expert_tp else comm.LOCAL  # expert tensor parallelism
         self.experts = Experts(cfg.num_experts // self.dispatcher.ep, cfg.hidden_size, expert_ffn(cfg), spec,
@@ -400,8 +414,8 @@ class MoE(nn.Module):
             self.shared.regions = regions
 
     def capacity(self, seq_len: int) -> int:
-        """Assignments each expert takes per sequence: ``ceil(factor · s · k / E)``."""
-        return math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts)
+        """``expert_capacity`` of this layer for sequences of ``seq_len``."""
+        return expert_capacity(self.capacity_factor, seq_len, self.top_k, self.num_experts)
 
     def _capacity_keep(self, experts: torch.Tensor, top_scores: torch.Tensor) -> torch.Tensor:
         """``capacity_keep`` of this rank's ``[s, b, k]`` assignments, decided on the whole sequences: under SP the
@@ -419,7 +433,8 @@ class MoE(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # [T, h], row i·b + j
         logits = self.router(tokens)  # [T, E] fp32
-        experts, weights, top_scores, probs = route(logits, self.top_k, self.score, self.router.expert_bias)
+        bias = self.router.expert_bias if self.router.bias_in_use else None
+        experts, weights, top_scores, probs, balance = route(logits, self.top_k, self.score, bias)
         keep = None
         if self.capacity_factor is not None and self.training:
             keep = self._capacity_keep(experts.view(s, b, -1), top_scores.view(s, b, -1)).reshape(s * b, -1)
@@ -431,14 +446,14 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         self.tokens_per_expert = torch.bincount(experts.reshape(-1), minlength=self.num_experts).detach()
-        counts_all, total, first = self.tokens_per_expert, s * b, 1.0
-        if self.token_groups and self.training:  # the micro-batch's counts and tokens; this rank's share of the losses
-            counts_all = self.tokens_per_expert.clone()
+        loads = torch.bincount(balance.reshape(-1), minlength=self.num_experts)  # f: the top-k without the bias
+        total, first = s * b, 1.0
+        if self.token_groups and self.training:  # the micro-batch's loads and tokens; this rank's share of the losses
             for group in self.token_groups:
-                comm.all_reduce(counts_all, group)
+                comm.all_reduce(loads, group)
                 total *= comm.group_size(group)
                 first = first if comm.group_rank(group) == 0 else 0.0
-        aux = load_balancing_loss(probs, experts, self.num_experts, counts_all, total)
+        aux = load_balancing_loss(probs, balance, self.num_experts, loads, total)
         z = router_z_loss(logits, total)
         self.aux_loss, self.z_loss = aux.detach(), z.detach()
         self.dropped_tokens = experts.new_tensor(experts.numel() - plan.order.numel())
@@ -533,3 +548,4 @@ def load_expert_bias(model: nn.Module, saved: dict[str, list[float]] | None) -> 
     for i, layer in moe_layers(model).items():
         if saved and str(i) in saved:
             layer.router.expert_bias.copy_(torch.tensor(saved[str(i)], dtype=torch.float64))
+            layer.router.bias_in_use = layer.router.bias_in_use or any(saved[str(i)])

@@ -111,7 +111,7 @@ def test_aux_and_z_loss_by_hand() -> None:
     P = (1/4, 3/4): aux = 2·3/4 = 3/2; ∂aux/∂logits = ∂/∂z (E·f·p/T) = (−3/16, 3/16) per token. z = (ln 4)², its
     gradient 2·ln4·p/T = ln4·p."""
     logits = torch.tensor([[0.0, math.log(3)]] * 2, dtype=torch.float64, requires_grad=True)
-    experts, weights, _, probs = moe.route(logits, 1, "softmax")
+    experts, weights, _, probs, _ = moe.route(logits, 1, "softmax")
     assert experts.tolist() == [[1], [1]]
     torch.testing.assert_close(weights, torch.tensor([[0.75], [0.75]], dtype=torch.float64))  # top-1: no renorm
     aux = moe.load_balancing_loss(probs, experts, 2)
@@ -124,7 +124,7 @@ def test_aux_and_z_loss_by_hand() -> None:
     torch.testing.assert_close(g, math.log(4) * torch.tensor([[0.25, 0.75]] * 2, dtype=torch.float64))
     # sigmoid: P from the sigmoid scores normalised over the experts; balanced routing gives 1
     logits = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=torch.float64)
-    experts, weights, _, probs = moe.route(logits, 1, "sigmoid")
+    experts, weights, _, probs, _ = moe.route(logits, 1, "sigmoid")
     assert moe.load_balancing_loss(probs, experts, 2).item() == pytest.approx(1.0, rel=1e-14)
     torch.testing.assert_close(weights, torch.sigmoid(torch.ones(2, 1, dtype=torch.float64)))
 
@@ -142,7 +142,7 @@ def test_aux_gradient_scale_and_no_injection_outside_training() -> None:
         (g,) = torch.autograd.grad(out, layer.router.weight, grad_outputs=torch.zeros_like(out))
         grads.append(g)
     logits = x.reshape(-1, H) @ layer.router.weight.T
-    experts, _, _, probs = moe.route(logits, 2, "softmax")
+    experts, _, _, probs, _ = moe.route(logits, 2, "softmax")
     (want,) = torch.autograd.grad(0.5 * moe.load_balancing_loss(probs, experts, E) + 0.25 * moe.router_z_loss(logits),
                                   layer.router.weight)
     torch.testing.assert_close(grads[0], want, rtol=1e-12, atol=1e-14)
@@ -163,6 +163,18 @@ def test_router_logits_fp32_under_bf16_autocast() -> None:
     assert out.dtype == torch.bfloat16
 
 
+def test_combine_stays_in_bf16_under_autocast() -> None:
+    """bf16 parameters under bf16 autocast (tools/bench/moe.py's setting): the combine saves no fp32 copy of the
+    [T, k, h] slots for backward (it ran in fp32 before issue 39: the bf16 block's main extra cost)."""
+    layer = make_layer(make_cfg("llama", ffn_hidden_size=16, moe_ffn_hidden_size=16)).to(torch.bfloat16).train()
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(S, B, H).to(torch.bfloat16).requires_grad_())
+    assert out.dtype == torch.bfloat16
+    assert not [t.shape for t in saved if t.dtype == torch.float32 and t.numel() >= S * B * 2 * H]
+
+
 def test_capacity_drops_the_lowest_scores_per_sequence() -> None:
     """Two experts, top-1, capacity factor 0.5 over 4 tokens: ceil(0.5·4·1/2) = 1 token per expert and sequence.
     Sequence 0 sends every token to expert 0 with scores ordered 1 = 3 > 2 > 0: only token 1 stays (the tie goes to
@@ -177,7 +189,7 @@ def test_capacity_drops_the_lowest_scores_per_sequence() -> None:
     x[..., 0] = a
     x[..., 1:] = torch.randn(4, 2, H - 1, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 0.1
     assert layer.capacity(4) == 1
-    experts, _, scores, _ = moe.route(layer.router(x.reshape(-1, H)), 1, "softmax")
+    experts, _, scores, _, _ = moe.route(layer.router(x.reshape(-1, H)), 1, "softmax")
     keep = moe.capacity_keep(experts.view(4, 2, 1), scores.view(4, 2, 1), 2, 1)
     # sequence 1: tokens 1, 3 go to expert 1 (scores 1−σ(−2), 1−σ(−6): token 3 stays), tokens 0, 2 to expert 0
     # (a = −0.2 → expert 1 too): expert 1 has tokens 0, 1, 3 → keeps 3; expert 0 has token 2 → keeps it
@@ -263,14 +275,63 @@ def test_expert_bias_selects_but_does_not_weigh() -> None:
     """The bias changes which experts a token takes, never their weights: those are the unbiased scores."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.float64)
     scores = logits.sigmoid()
-    experts, weights, top_scores, probs = moe.route(logits, 2, "sigmoid", torch.tensor([0.0, 0.0, 0.5, 0.0]))
+    experts, weights, top_scores, probs, balance = moe.route(logits, 2, "sigmoid", torch.tensor([0.0, 0.0, 0.5, 0.0]))
     assert experts.tolist() == [[2, 0]]  # sigmoid (0.88, 0.73, 0.5, 0.27) + bias: expert 2 (1.0) overtakes 0 and 1
+    assert balance.tolist() == [[0, 1]]  # the aux loss's f counts the top-k without the bias
     torch.testing.assert_close(top_scores, scores[:, [2, 0]])
     torch.testing.assert_close(weights, scores[:, [2, 0]] / scores[:, [2, 0]].sum())
     torch.testing.assert_close(probs, scores / scores.sum())
     plain = moe.route(logits, 2, "sigmoid")
     zero = moe.route(logits, 2, "sigmoid", torch.zeros(4))
     assert all(torch.equal(a, b) for a, b in zip(plain, zero))  # a zero bias is no bias, bit for bit
+
+
+def test_aux_loss_counts_the_top_k_without_the_bias() -> None:
+    """Logits (3, 0, 0, 0) for every token, bias (0, 0, 0, 1), sigmoid, top-1: the bias routes every token to expert 3,
+    but f counts expert 0 (DeepSeek-V3, megatron-core): aux = 4·σ(3)/(σ(3) + 3/2) = 1.5536 (0.8155 with the bias).
+    A loaded non-zero bias routes even with moe_bias_update_rate 0 (where a zero bias is skipped)."""
+    cfg = make_cfg("llama", moe_top_k=1, moe_router_score="sigmoid", moe_aux_loss_coeff=0.1)
+    layer = make_layer(cfg).train()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 3.0
+    assert not layer.router.bias_in_use
+    moe.load_expert_bias(torch.nn.ModuleList([_Layer(layer, 0)]), {"0": [0.0, 0.0, 0.0, 1.0]})
+    x = torch.zeros(S, B, H, dtype=torch.float64)
+    x[..., 0] = 1.0
+    layer(x)
+    s3 = torch.sigmoid(torch.tensor(3.0, dtype=torch.float64)).item()
+    assert layer.tokens_per_expert.tolist() == [0, 0, 0, S * B]  # the bias still routes (and moves the bias)
+    assert layer.aux_loss.item() == pytest.approx(4 * s3 / (s3 + 1.5), rel=1e-12)
+
+
+def test_capacity_is_exact_and_capped() -> None:
+    """ceil(1.1·200·6/8) = ceil(165) = 165 (in floats 1.1·200·6/8 = 165.00000000000003 → 166); a factor so large
+    that the product overflows a float caps at s (every token fits) and trains as dropless."""
+    assert moe.expert_capacity(1.1, 200, 6, 8) == 165 and math.ceil(1.1 * 200 * 6 / 8) == 166
+    assert moe.expert_capacity(0.3, 10, 1, 3) == 1 and moe.expert_capacity(1e-300, 10, 1, 3) == 1
+    assert moe.expert_capacity(1e300, 200, 6, 8) == 200 and moe.expert_capacity(1.7e308, 2, 2, 4) == 2
+    layer = make_layer(make_cfg("llama", moe_capacity_factor=1e300)).train()
+    x = torch.randn(S, B, H, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    out = layer(x)
+    assert int(layer.dropped_tokens) == 0 and torch.equal(out, layer.eval()(x))
+
+
+def test_transformers_aux_loss_is_k_times_ours_pooled_and_the_export_converts() -> None:
+    """transformers' Mixtral/Qwen2-MoE aux loss is k × ours on the layers' tokens pooled; ours sums the layers, so
+    the export writes router_aux_loss_coef = α · L / k: with equal loads in every layer, the same objective."""
+    load_balancing_loss_func = pytest.importorskip("transformers.models.mixtral.modeling_mixtral").load_balancing_loss_func
+    from megatron_sp.model.hf_names import hf_aux_loss_coef, hf_config_dict
+    gen = torch.Generator().manual_seed(9)
+    layers = tuple(torch.randn(20, E, generator=gen) for _ in range(3))
+    routed = [moe.route(logits, 2, "softmax") for logits in layers]
+    pooled = moe.load_balancing_loss(torch.cat([r[3] for r in routed]), torch.cat([r[0] for r in routed]), E)
+    assert load_balancing_loss_func(layers, E, 2).item() == pytest.approx(2 * pooled.item(), rel=1e-5)
+    cfg = make_cfg("llama", num_layers=4, moe_first_dense_layers=1, moe_aux_loss_coeff=0.03)  # 3 MoE layers, k 2
+    coef = hf_config_dict(cfg)["router_aux_loss_coef"]
+    assert coef == pytest.approx(0.03 * 3 / 2) and hf_aux_loss_coef(coef, cfg, to_hf=False) == pytest.approx(0.03)
+    ours = 0.03 * 3 * moe.load_balancing_loss(routed[0][3], routed[0][0], E)  # Σ over 3 layers with layer 0's loads
+    assert coef * load_balancing_loss_func((layers[0],) * 3, E, 2).item() == pytest.approx(ours.item(), rel=1e-5)
 
 
 def test_bias_update_rule_by_hand() -> None:
