@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 def _import_config_checks() -> None:
     """Each part checks its own config keys (``config.registry.check``); the first ``finalize`` imports them."""
     from .pipeline import partition  # noqa: F401  parallel.pp_schedule, virtual_stages, pp_partition, micro-batches
-    from .model.attention import layout  # noqa: F401  parallel.cp*, attention dropout
+    from .mpu import cp_layout  # noqa: F401  parallel.cp*, attention dropout
     from .model import moe  # noqa: F401  model.num_experts, model.moe_*
     from . import device  # noqa: F401  parallel.device, parallel.backend
     from .optim import reducer  # noqa: F401  parallel.zero, train.precision

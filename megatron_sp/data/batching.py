@@ -1,5 +1,5 @@
 """This rank's batch of a step: global batch → DP block (``batch_indices``) → CP part of every sample's
-sequence (``model.attention.layout.shard_batch``, after the labels were shifted), on the device."""
+sequence (``mpu.cp_layout.shard_batch``, after the labels were shifted), on the device."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -59,7 +59,7 @@ def place_batch(rt: Run, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """This CP rank's s/cp tokens of every sample, moved to the device."""
     st = rt.state
     if st.cp_size > 1:
-        from megatron_sp.model.attention.layout import sequence_layout, shard_batch
+        from megatron_sp.mpu.cp_layout import sequence_layout, shard_batch
         par = rt.cfg.parallel
         batch = shard_batch(batch, st.cp_size, st.cp_rank, sequence_layout(par.cp_algo), par.cp_document_chunk)
     return {k: v.to(rt.device) for k, v in batch.items()}

@@ -16,13 +16,14 @@ from torch import nn
 
 from megatron_sp.model.attention.context_parallel import AttentionMeta
 from megatron_sp.mpu import comm
-from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
-from megatron_sp.mpu.mappings import gather_from_tp
+from megatron_sp.mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, linear, vocab_parallel_cross_entropy
+from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp, gather_from_tp
 from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.mpu.random import checkpoint
 from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.moe import expert_ffn, is_moe_layer
+from megatron_sp.model.rope import RopeScaling
 from megatron_sp.model.transformer import (EAGER, LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
                                            compiled, head_dim, hidden_dropout, make_norm, norm_args, rotary_dim, scaled_init_std)
 
@@ -33,7 +34,7 @@ OUTPUT_PROJECTIONS = ("attention.out.weight", "mlp.fc2.weight", "mlp.down.weight
                       "mlp.experts.down.weight", "mlp.shared.fc2.weight", "mlp.shared.down.weight")
 """Weights initialised with the scaled std (they write into the residual stream; MoE: routed and shared experts)."""
 
-NORM_MODULES = ("attn_norm", "mlp_norm", "final_norm")
+NORM_MODULES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
 
 INIT_KINDS = ("normal", "scaled_normal", "zeros", "ones")
 
@@ -139,7 +140,7 @@ class GPTModel(nn.Module):
         group, sp = parallel.tp_group, parallel.sp
         self.embedding = (VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=group,
                                                  sequence_parallel=sp) if pre_process else None)
-        self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)
+        self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base, RopeScaling.of(cfg))
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, parallel) for i in indices})
         self.final_norm = make_norm(cfg, parallel) if post_process else None
         tied_here = cfg.tie_embeddings and pre_process
@@ -185,7 +186,8 @@ class GPTModel(nn.Module):
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 chunk: int = 0, token_index: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, kv_cache: KVCacheLike | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, kv_cache: KVCacheLike | None = None,
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage (or its model chunk ``chunk``).
 
         Args:
@@ -197,9 +199,12 @@ class GPTModel(nn.Module):
             kv_cache: ``inference.KVCache`` of this stage's layers: ``tokens`` / ``hidden_states`` follow the cached
                 ones (positions after them, less the cache's left padding). Under CP with ``token_index``: a
                 prefill, each rank its shard, the whole sequence's keys/values filled into every rank's cache.
+            logit_rows: ``[b]`` (inference, without ``labels``): the logits of one row per sequence only, its index
+                in this rank's ``s`` rows (under SP in the whole sequence): the final norm and the output layer run
+                on ``b`` rows, not ``s·b`` (a prefill samples from its last token alone).
 
-        Returns: last stage: logits ``[b, s, padded_vocab]`` without ``labels``, else the per-token fp32
-        cross entropy ``[b, s]`` (unreduced); other stages: hidden ``[s, b, h]``.
+        Returns: last stage: logits ``[b, s, padded_vocab]`` (``[b, 1, padded_vocab]`` with ``logit_rows``) without
+        ``labels``, else the per-token fp32 cross entropy ``[b, s]`` (unreduced); other stages: hidden ``[s, b, h]``.
         """
         if not 0 <= chunk < len(self.layer_chunks):
             raise ValueError(f"chunk {chunk} outside 0..{len(self.layer_chunks) - 1}")
@@ -249,6 +254,15 @@ class GPTModel(nn.Module):
         if not self.post_process or chunk != len(self.layer_chunks) - 1:
             return x
 
+        if logit_rows is not None:  # position-wise from here: keep the rows whose logits are wanted
+            if labels is not None:
+                raise ValueError("logit_rows is for inference: give it or labels, not both")
+            if par.sp:
+                x = gather_from_sp(x, par.tp_group)  # [s, b, h] (the output layer would gather it too)
+            x = x[logit_rows, torch.arange(x.shape[1], device=x.device)].unsqueeze(0)  # [1, b, h]
+            logits = linear(copy_to_tp(self.regions.norm(x, *norm_args(self.final_norm)), par.tp_group),
+                            self.output_weight())  # [1, b, V/t]
+            return gather_from_tp(logits, par.tp_group).transpose(0, 1)  # [b, 1, V]
         x = self.regions.norm(x, *norm_args(self.final_norm))
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/t]
         if labels is None:
@@ -288,7 +302,7 @@ class GPTModel(nn.Module):
         return total
 
 
-def _mlp_parameters(cfg: ModelConfig, f: int) -> int:
+def mlp_parameters(cfg: ModelConfig, f: int) -> int:
     """Parameters of one dense MLP (or one expert) of width ``f``."""
     spec, h = arch_spec(cfg.arch), cfg.hidden_size
     mlp = 3 * h * f if spec.swiglu else 2 * h * f
@@ -307,16 +321,17 @@ def parameter_parts(cfg: ModelConfig) -> dict[str, int]:
     h, d = cfg.hidden_size, head_dim(cfg)
     qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
     norm = 2 * h if spec.layernorm else h
-    attention = h * qkv_out + cfg.num_heads * d * h + (qkv_out + h if spec.bias else 0)
+    attention = h * qkv_out + cfg.num_heads * d * h + (qkv_out + h if spec.bias else qkv_out if cfg.qkv_bias else 0)
+    attention += (2 * d if cfg.qk_norm_scope == "head" else (cfg.num_heads + cfg.num_kv_heads) * d) if cfg.qk_norm else 0
     embedding = cfg.padded_vocab_size * h
-    parts = {"embedding": embedding, "layer": attention + _mlp_parameters(cfg, cfg.ffn_hidden_size) + 2 * norm,
+    parts = {"embedding": embedding, "layer": attention + mlp_parameters(cfg, cfg.ffn_hidden_size) + 2 * norm,
              "final_norm": norm, "output_layer": embedding}
     if cfg.num_experts > 0:
         f = expert_ffn(cfg)
         base = attention + 2 * norm + cfg.num_experts * h  # + router
-        shared = _mlp_parameters(cfg, cfg.moe_shared_experts * f) if cfg.moe_shared_experts else 0
-        parts["moe_layer"] = base + shared + cfg.num_experts * _mlp_parameters(cfg, f)
-        parts["moe_layer_active"] = base + shared + cfg.moe_top_k * _mlp_parameters(cfg, f)
+        shared = mlp_parameters(cfg, cfg.moe_shared_experts * f) if cfg.moe_shared_experts else 0
+        parts["moe_layer"] = base + shared + cfg.num_experts * mlp_parameters(cfg, f)
+        parts["moe_layer_active"] = base + shared + cfg.moe_top_k * mlp_parameters(cfg, f)
     return parts
 
 

@@ -1,6 +1,6 @@
 """Inference on a GPTModel: the KV cache, token sampling (``sample_next``, ``check_sampling``) and
-autoregressive ``generate``. The model uses the cache through its Protocols (``length``,
-``layer(i).append``, ``advance``), so it does not import this module.
+autoregressive decoding of a batch of prompts under any layout (``generate_batch``). The model uses the cache
+through its Protocols (``length``, ``layer(i).append``, ``advance``), so it does not import this module.
 """
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard_batch
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.mpu import comm
+from megatron_sp.mpu.cp_layout import required_divisor, sequence_layout, shard_batch
 
 if TYPE_CHECKING:
     from megatron_sp.model.attention.context_parallel import AttentionMeta
@@ -39,7 +39,7 @@ class KVCache:
         """Raise ValueError if ``new_tokens`` more tokens do not fit."""
         if self.length + new_tokens > self.max_length:
             raise ValueError(f"KV cache full: {self.length} cached + {new_tokens} new tokens exceed max_length "
-                             f"{self.max_length}; start a new cache (generate crops the context and re-runs it)")
+                             f"{self.max_length}; start a new cache")
 
     def advance(self, new_tokens: int) -> None:
         """Mark ``new_tokens`` more tokens as filled (after every layer appended them)."""
@@ -89,10 +89,13 @@ def sample_next(logits: torch.Tensor, greedy: bool = True, temperature: float = 
                 top_p: float = 1.0, generator: torch.Generator | None = None) -> int:
     """One token id from ``logits [V]`` (real vocabulary): the argmax (``greedy``), or a sample of
     ``softmax(logits / temperature)`` within the ``top_k`` (0: all) and the nucleus ``top_p``.
-    The draw runs on the CPU, so a seeded ``generator`` gives the same ids on any device."""
+    The draw runs on the CPU, so a seeded ``generator`` gives the same ids on any device. Any temperature > 0 and
+    top_p > 0 work: the scores are shifted to a maximum of 0 in float64 (a tiny temperature samples among the top
+    logits, not NaN) and the nucleus keeps the most likely id."""
     if greedy:
         return int(logits.argmax())
-    scores = logits.detach().float().cpu() / temperature  # [V]
+    scores = logits.detach().double().cpu()  # [V]
+    scores = ((scores - scores.max()) / temperature).float()  # the top id(s) 0, the others finite or -inf
     if 0 < top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -100,7 +103,8 @@ def sample_next(logits: torch.Tensor, greedy: bool = True, temperature: float = 
         sorted_scores, order = torch.sort(scores, descending=True)
         probs = torch.softmax(sorted_scores, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of the more likely ids
-        drop = before >= top_p  # the first id is always kept (before = 0)
+        drop = before >= top_p
+        drop[0] = False  # the most likely id is always kept (top_p may round to 0 in float32)
         scores = scores.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
@@ -116,47 +120,6 @@ def check_sampling(greedy: bool, temperature: float, top_k: int, top_p: float) -
         raise ValueError(f"top_k must be >= 0 (0: no limit), got {top_k}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-
-
-def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, eod: int | None, *,
-             greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None, use_cache: bool = True) -> list[int]:
-    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (see ``sample_next``); returns prompt + new
-    tokens, stopping before ``eod``. Eval mode and ``no_grad`` (the model's mode is restored). The model sees the
-    last ``seq_length`` tokens (positions from 0). With ``use_cache`` (if ``model.kv_cache_unsupported()`` is
-    None) each new token reuses the earlier keys/values; past ``seq_length`` the cropped window re-runs uncached."""
-    if not prompt_ids:
-        raise ValueError("generate needs at least one prompt token")
-    if model.embedding is None or not model.post_process:
-        raise ValueError("generate needs a model with both the embedding and the output layer")
-    check_sampling(greedy, temperature, top_k, top_p)
-    dev = next(model.parameters()).device
-    limit = model.cfg.vocab_size or model.padded_vocab_size
-    seq_length = model.cfg.seq_length
-    tokens = list(prompt_ids)
-    cache = KVCache(seq_length) if use_cache and model.kv_cache_unsupported() is None else None
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for _ in range(max_new_tokens):
-                if cache is not None and len(tokens) <= seq_length:
-                    new = torch.tensor([tokens[cache.length:]], dtype=torch.long, device=dev)  # [1, s_new]
-                    last_logits = model(new, kv_cache=cache)[0, -1]  # [V]
-                else:
-                    window = tokens[-seq_length:]
-                    # Sequence parallelism splits s over TP: pad on the right (causal: earlier logits unchanged).
-                    multiple = model.parallel.tp_size if model.parallel.sp else 1
-                    padded = window + [0] * (-len(window) % multiple)
-                    context = torch.tensor([padded], dtype=torch.long, device=dev)  # [1, s]
-                    last_logits = model(context)[0, len(window) - 1]  # [V]
-                next_id = sample_next(last_logits[:limit], greedy, temperature, top_k, top_p, generator)
-                if eod is not None and next_id == eod:
-                    break
-                tokens.append(next_id)
-    finally:
-        model.train(was_training)
-    return tokens
 
 
 # ----------------------------------------------------------------------------- batches under any layout
@@ -205,6 +168,7 @@ class _MicroBatch:
         # each sequence may fill the model's seq_length positions after its own padding
         # (``room``: the right padding a CP prefill writes before the decode overwrites it)
         self.cache = KVCache(seq_length + int(self.pad.max()) + room, self.pad if bool(self.pad.any()) else None)
+        self.max_new_tokens = max_new_tokens
         self.limits = [min(max_new_tokens, seq_length - len(c.prompt_ids) + 1) for c in items]  # new tokens each
         self.active = True
 
@@ -228,7 +192,7 @@ class _MicroBatch:
         docs = (cols >= self.pad[:, None]).long() + (cols >= width + step).long()
         return ids, (cols - self.pad[:, None]).clamp_min(0), docs
 
-    def take(self, ids: list[int], eod: int | None, step: int, max_new_tokens: int) -> None:
+    def take(self, ids: list[int], eod: int | None, step: int) -> None:
         """Record step ``step``'s sampled ids; a sequence stops at its eod, the token limit or a full context."""
         for c, new, limit in zip(self.items, ids, self.limits):
             if not c.going(step):
@@ -237,7 +201,7 @@ class _MicroBatch:
                 c.stop = "eod"
                 continue
             c.new_ids.append(new)
-            if len(c.new_ids) == limit < max_new_tokens:
+            if len(c.new_ids) == limit < self.max_new_tokens:
                 c.stop = "context"
         self.active = any(c.going(step + 1) and len(c.new_ids) < limit for c, limit in zip(self.items, self.limits))
 
@@ -252,13 +216,14 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
     prompts' numbers (default 0, 1, ...), which seed their sampling.
 
     Prompts go in micro-batches of ``micro_batch_size`` (default: all at once, ``pp`` micro-batches under pipeline
-    parallelism), each left-padded (the padding masked, positions from each prompt's first token). Under PP each
-    stage decodes every micro-batch in turn, sending its hidden states on (``isend``) and taking the next input as
-    it comes, so ``pp`` micro-batches keep every stage busy; the last stage samples from the TP-gathered logits and
-    broadcasts the new ids over the PP group, which every other stage reads just before it needs them. Under
-    sequence parallelism (no KV cache), or without ``use_cache``, each step re-runs the whole contexts. Under context
-    parallelism the prompts are prefilled split over the cp ranks (``model.cp_group``, the config's algorithm), each
-    layer's cache filled with the whole keys/values, then every cp rank decodes the same tokens."""
+    parallelism), each left-padded (the padding masked, positions from each prompt's first token). Under PP each stage
+    decodes every micro-batch in turn, sending its hidden states on (``isend``) and taking the next input as it comes,
+    so ``pp`` micro-batches keep every stage busy; the last stage samples from the TP-gathered logits (of each
+    sequence's last token only: ``GPTModel.forward(logit_rows=)``, the prefill's too) and broadcasts the new ids over
+    the PP group, which every other stage reads just before it needs them. Under sequence parallelism (no KV cache),
+    or without ``use_cache``, each step re-runs the whole contexts. Under context parallelism the prompts are
+    prefilled split over the cp ranks (``model.cp_group``, the config's algorithm), each layer's cache filled with the
+    whole keys/values, then every cp rank decodes the same tokens."""
     check_sampling(sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
     recompute = model.parallel.sp or not use_cache  # no KV cache under SP (one new token cannot be split over tp)
     cp_group = model.cp_group
@@ -289,24 +254,29 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
     def exchange(step: int, j: int, ids: torch.Tensor) -> None:  # the new ids from the last stage to every stage
         if pp > 1:
             comm.broadcast(ids, pp_ranks[-1], state.pp_group)  # type: ignore[union-attr]
-        batches[j].take(ids.tolist(), eod, step, max_new_tokens)
+        batches[j].take(ids.tolist(), eod, step)
 
     def read_next() -> None:
         step, j = unread.pop(0)
         exchange(step, j, torch.zeros(len(batches[j].items), dtype=torch.long, device=dev))
 
-    def inputs(mb: _MicroBatch, step: int) -> tuple[torch.Tensor, dict, torch.Tensor | int]:
-        """This stage's (token ids ``[b, s]``, forward keywords, the column whose logits give the next token)."""
+    def inputs(mb: _MicroBatch, step: int) -> tuple[torch.Tensor, dict]:
+        """This stage's token ids ``[b, s]`` and forward keywords; ``logit_rows``: each sequence's row whose logits
+        give its next token (the last stage computes no other logits)."""
+        b, width = mb.prompt.shape
         if recompute:
             ids, pos, docs = mb.context(step, model.parallel.tp_size)
-            return ids, {"position_ids": pos, "document_ids": docs}, mb.prompt.shape[1] + step - 1
+            rows = torch.full((b,), width + step - 1, device=dev)
+            return ids, {"position_ids": pos, "document_ids": docs, "logit_rows": rows}
         if cp > 1 and step == 0:  # CP prefill: this rank's part of the prompts (right-padded to the CP divisor)
             ids, pos, docs = mb.context(0, required_divisor(model.parallel.cp_algo, cp))
             part = shard_batch({"tokens": ids, "position_ids": pos, "document_ids": docs}, cp, cp_rank,
                                sequence_layout(model.parallel.cp_algo))
+            rows = (part["token_index"] == width - 1).int().argmax(dim=1)  # [b]: 0 where another rank holds it
             return part["tokens"], {"position_ids": part["position_ids"], "document_ids": part["document_ids"],
-                                    "token_index": part["token_index"], "kv_cache": mb.cache}, part["token_index"]
-        return mb.input_ids(step), {"kv_cache": mb.cache}, -1
+                                    "token_index": part["token_index"], "kv_cache": mb.cache, "logit_rows": rows}
+        ids = mb.input_ids(step)
+        return ids, {"kv_cache": mb.cache, "logit_rows": torch.full((b,), ids.shape[1] - 1, device=dev)}
 
     was_training = model.training
     model.eval()
@@ -321,7 +291,7 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
                         read_next()
                     if not mb.active:
                         continue
-                    ids, kwargs, column = inputs(mb, step)
+                    ids, kwargs = inputs(mb, step)
                     model.cp_group = cp_group if "token_index" in kwargs else comm.LOCAL
                     if first:
                         out = model(ids, **kwargs)
@@ -338,11 +308,10 @@ def generate_batch(model: GPTModel, prompts: list[list[int]], max_new_tokens: in
                         sends.append(comm.isend(out.contiguous(), dst, state.p2p_groups[(state.rank, dst)]))
                         unread.append((step, j))
                         continue
-                    if isinstance(column, int):
-                        logits = out[:, column, :limit].float()  # [b, V]
-                    else:  # CP prefill: the last prompt token's logits, from the cp rank that holds it
-                        held = (column == mb.prompt.shape[1] - 1).unsqueeze(-1)  # [b, s/cp, 1]
-                        logits = comm.all_reduce((out[..., :limit].float() * held).sum(dim=1), cp_group)
+                    logits = out[:, 0, :limit].float()  # [b, V]
+                    if "token_index" in kwargs:  # CP prefill: the last prompt token's logits, from the rank holding it
+                        held = (kwargs["token_index"] == mb.prompt.shape[1] - 1).any(dim=1, keepdim=True)  # [b, 1]
+                        logits = comm.all_reduce(logits * held, cp_group)
                     new = [sample_next(row, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p,
                                        c.generator) if c.going(step) else 0 for row, c in zip(logits, mb.items)]
                     exchange(step, j, torch.tensor(new, dtype=torch.long, device=dev))

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ..mpu.parallel_state import ParallelContext, ParallelState
 
 PARTITIONS = ("uniform", "balanced")  # parallel.pp_partition may also be a comma-separated list of layer counts
+SCHEDULES = ("none", "1f1b", "interleaved", "zero_bubble")  # parallel.pp_schedule: the tables of schedules.py
 
 
 class PipelineConfigError(ConfigError, ValueError):
@@ -109,8 +110,6 @@ def check_micro_batches(num_micro_batches: int, pp: int, schedule: str = "1f1b")
 
 def check_schedule(name: str, pp: int, virtual_stages: int = 1) -> None:
     """``parallel.pp_schedule`` with ``parallel.pp`` and ``parallel.virtual_stages``: an error unless runnable."""
-    from .schedules import SCHEDULES  # schedules imports this module
-
     if name not in SCHEDULES:
         close = difflib.get_close_matches(name, SCHEDULES, n=1, cutoff=0.5)
         raise PipelineConfigError(f"parallel.pp_schedule = {name!r} is not supported; use one of {', '.join(SCHEDULES)}"

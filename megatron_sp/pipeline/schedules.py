@@ -9,8 +9,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .partition import PipelineConfigError, check_micro_batches, check_schedule
-
-SCHEDULES = ("none", "1f1b", "interleaved", "zero_bubble")
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 

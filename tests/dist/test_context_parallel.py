@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import AttentionMeta, attention_with_lse, context_parallel_attention
-from megatron_sp.model.attention.layout import document_shard_indices, sequence_layout, shard, shard_indices
+from megatron_sp.mpu.cp_layout import document_shard_indices, sequence_layout, shard, shard_indices
 from megatron_sp.mpu import comm
 from megatron_sp.testing import run_distributed
 

@@ -55,7 +55,7 @@ def test_deepy_path_is_torch_free_and_finalize_runs_every_part(repo_root):
     out = json.loads(p.stdout.splitlines()[-1])
     assert out["torch_free"] and out["mp"] == 2 and out["device"] in ("cpu", "cuda")
     owners = {name.rsplit(".", 1)[0] for name in out["checks"]}
-    assert owners == {"megatron_sp.pipeline.partition", "megatron_sp.model.attention.layout", "megatron_sp.device",
+    assert owners == {"megatron_sp.pipeline.partition", "megatron_sp.mpu.cp_layout", "megatron_sp.device",
                       "megatron_sp.optim.reducer", "megatron_sp.data.blending", "megatron_sp.data.gpt_dataset",
                       "megatron_sp.model.moe"}
 

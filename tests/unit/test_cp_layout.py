@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_sp.data import collate
-from megatron_sp.model.attention.layout import (
+from megatron_sp.mpu.cp_layout import (
     LAYOUTS,
     document_shard_indices,
     required_divisor,

@@ -1,4 +1,4 @@
-"""Decoding: KV-cache logits equal full-context logits, greedy/sampling, HF parity and the generate CLI."""
+"""Decoding: KV-cache logits equal full-context logits, ``generate_batch`` greedy/sampling, HF parity and the generate CLI."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +15,7 @@ from megatron_sp.config.schema import ModelConfig
 from megatron_sp.data.tokenizer import build_tokenizer
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.hf_names import build_hf_model
-from megatron_sp.model.inference import KVCache, generate, sample_next
+from megatron_sp.model.inference import KVCache, Sampling, generate_batch, sample_next
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 from test_model import PADDED, VOCAB
 from test_model import make_cfg as model_cfg
@@ -40,6 +40,15 @@ def make_model(arch: str, **overrides: object) -> GPTModel:
 
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+
+
+GREEDY = Sampling()
+
+
+def new_ids(model: GPTModel, prompts: list[list[int]], n: int, eod: int | None = None,
+            sampling: Sampling = GREEDY, **kw: object) -> list[list[int]]:
+    """``generate_batch``'s new tokens of each prompt."""
+    return [c.new_ids for c in generate_batch(model, prompts, n, eod, sampling, **kw)]  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -88,23 +97,39 @@ def test_kv_cache_refuses_training_and_overflow() -> None:
             model(torch.tensor([[4, 5]]), kv_cache=cache)
 
 
+def test_logit_rows_are_rows_of_the_full_logits() -> None:
+    model = make_model("llama")
+    tokens = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(4))
+    rows = torch.tensor([11, 0, 5])
+    with torch.no_grad():
+        full, some = model(tokens), model(tokens, logit_rows=rows)
+    torch.testing.assert_close(some[:, 0], full[torch.arange(3), rows], atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["neox", "llama"])
 def test_greedy_with_cache_equals_without(arch: str) -> None:
+    """Left-padded prompts that stop at the context (seq_length 32) or at the token limit; the prefill computes
+    the logits of each prompt's last token only (the model returns ``[b, 1, V]``), cached or not."""
     model = make_model(arch)
-    for prompt, n in ((PROMPT, 20), (PROMPT, 40), ([7] * 40, 5)):  # within, across and beyond seq_length 32
-        cached = generate(model, prompt, n, eod=None)
-        uncached = generate(model, prompt, n, eod=None, use_cache=False)
-        assert cached == uncached and len(cached) == len(prompt) + n
-    new = generate(model, PROMPT, 10, eod=None)[len(PROMPT):]
+    prompts = [PROMPT, [7] * 30, PROMPT[:3]]
+    shapes: list[tuple[int, ...]] = []
+    hook = model.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    cached = generate_batch(model, prompts, 30, None)
+    assert [c.new_ids for c in cached] == new_ids(model, prompts, 30, use_cache=False)
+    hook.remove()
+    assert {s[1] for s in shapes} == {1} and shapes[0] == (3, 1, PADDED)
+    assert [(len(c.new_ids), c.stop) for c in cached] == [(25, "context"), (3, "context"), (30, "max_new_tokens")]
+    new = new_ids(model, [PROMPT], 10)[0]
     stop = new.index(new[-1])  # where the last token first appears
-    assert generate(model, PROMPT, 10, eod=new[stop]) == PROMPT + new[:stop]  # stops at eod, not appended
+    (c,) = generate_batch(model, [PROMPT], 10, new[stop])
+    assert (c.new_ids, c.stop) == (new[:stop], "eod")  # stops at eod, not appended
 
 
-def test_generate_keeps_old_call_and_mode() -> None:
+def test_generate_batch_restores_mode() -> None:
     model = make_model("neox")
     model.train()
-    out = generate(model, PROMPT, 4, eod=None)
-    assert model.training and len(out) == len(PROMPT) + 4 and all(0 <= t < VOCAB for t in out)
+    (out,) = new_ids(model, [PROMPT], 4)
+    assert model.training and len(out) == 4 and all(0 <= t < VOCAB for t in out)
 
 
 # --------------------------------------------------------------------------- HF transformers
@@ -120,7 +145,7 @@ def test_greedy_matches_hf_generate(arch: str) -> None:
     model = make_model(arch)
     hf = build_hf(model.cfg, model)
     n = 24  # prompt 8 + 24 = seq_length: no cropping on either side
-    ours = generate(model, PROMPT, n, eod=None)
+    ours = PROMPT + new_ids(model, [PROMPT], n)[0]
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
                              do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
@@ -134,10 +159,10 @@ def test_greedy_matches_hf_generate(arch: str) -> None:
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy() -> None:
     model = make_model("llama")
-    greedy = generate(model, PROMPT, 16, eod=None)
+    (greedy,) = new_ids(model, [PROMPT], 16)
 
-    def sample(seed: int, **kw: object) -> list[int]:
-        return generate(model, PROMPT, 16, eod=None, greedy=False, generator=torch.Generator().manual_seed(seed), **kw)
+    def sample(seed: int, use_cache: bool = True, **kw: object) -> list[int]:
+        return new_ids(model, [PROMPT], 16, sampling=Sampling(greedy=False, seed=seed, **kw), use_cache=use_cache)[0]
 
     a, b = sample(1, temperature=1.5), sample(1, temperature=1.5)
     assert a == b and a != greedy and a != sample(2, temperature=1.5)
@@ -156,7 +181,9 @@ def test_sample_next_filters() -> None:
     assert probs[1] < 0.8 < probs[1] + probs[2]
     assert {sample_next(logits, False, 1.0, 0, 0.8, gen) for _ in range(200)} == {1, 2}
     with pytest.raises(ValueError, match="temperature"):
-        generate(make_model("neox"), PROMPT, 1, None, greedy=False, temperature=0.0)
+        generate_batch(make_model("neox"), [PROMPT], 1, None, Sampling(greedy=False, temperature=0.0))
+    for temperature, top_p in ((1e-39, 1.0), (5e-324, 1.0), (1.0, 1e-300), (1e-39, 1e-300)):
+        assert sample_next(logits, False, temperature, 0, top_p, gen) == 1  # the top id, never a NaN draw
 
 
 # --------------------------------------------------------------------------- CLI
@@ -164,10 +191,12 @@ def test_sample_next_filters() -> None:
 
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama checkpoint written by ``checkpointing.save`` (byte tokenizer)."""
+    """A tiny llama checkpoint written by ``checkpointing.save`` (byte tokenizer) without data paths, as an imported
+    one (convert_checkpoint.py --from hf): generation needs none."""
     root = tmp_path_factory.mktemp("gen") / "ckpt"
     cfg = config.load(overrides=CKPT_CONFIG + [f"checkpoint.save={root}"])
     config.set_vocab(cfg, build_tokenizer(cfg.tokenizer).vocab_size)
+    cfg.data.paths = []
     model = GPTModel(cfg.model, seed=3)
     optimizer = DistributedOptimizer(named_trainable(model), cfg.train, None)
     checkpointing.save(cfg, 2, 8, model, optimizer, None, torch.device("cpu"))
@@ -201,7 +230,7 @@ def test_cli_json_greedy_matches_library(checkpoint_dir: Path) -> None:
     assert set(result) == {"index", "prompt", "prompt_ids", "new_ids", "text", "stop"}
     tokenizer = build_tokenizer(config.load(overrides=CKPT_CONFIG).tokenizer)
     ids = tokenizer.encode("def f(x):")
-    expected = generate(saved_model(), ids, 12, tokenizer.eod)[len(ids):]
+    (expected,) = new_ids(saved_model(), [ids], 12, tokenizer.eod)
     assert result["prompt_ids"] == ids and result["new_ids"] == expected and result["stop"] == "max_new_tokens"
     assert result["text"] == tokenizer.decode(expected) and len(expected) > 0
 
@@ -227,7 +256,7 @@ def test_cli_prompt_file_layouts_interactive_and_no_cache(checkpoint_dir: Path, 
     assert [r["prompt"] for r in want] == ["abc", "def main(x):", "xyz"]
     for r in want:
         ids = r["prompt_ids"]
-        assert r["new_ids"] == generate(saved_model(), ids, 8, 256)[len(ids):]  # the 1-rank library's tokens
+        assert r["new_ids"] == new_ids(saved_model(), [ids], 8, 256)[0]  # the 1-rank library's tokens
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -248,6 +277,7 @@ def test_cli_prompt_file_layouts_interactive_and_no_cache(checkpoint_dir: Path, 
      "parallel.sequence_parallel=false"),
     (["--load", "CKPT", "--prompt", "x", "model.num_layers=4"], "the model is the checkpoint's"),
     (["--load", "CKPT", "--interactive", "parallel.tp=2"], "--interactive runs on one rank"),
+    (["--load", "CKPT", "--prompt", "a\udcffb"], "--prompt is not UTF-8 text (an undecodable byte at position 1)"),
 ])
 def test_cli_bad_input_is_one_line(checkpoint_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
                                    args: list[str], needle: str) -> None:
@@ -265,3 +295,46 @@ def test_cli_bad_input_is_one_line(checkpoint_dir: Path, tmp_path: Path, capsys:
     lines = out.err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.err
     assert "Traceback" not in out.err and out.out == ""
+
+
+def load_tool(name: str) -> object:
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
+    tool = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(tool)  # type: ignore[union-attr]
+    return tool
+
+
+def test_tools_run_train_pys_preflight_and_need_no_data(checkpoint_dir: Path, capsys: pytest.CaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 ranks on a 2-core host with 10 GiB: generate.py and evaluate.py refuse the layout as train.py does, before
+    any rank starts; evaluate on a checkpoint without data paths (imported) asks for --data."""
+    from megatron_sp import device, launcher
+
+    monkeypatch.setattr(device, "host_memory_available", lambda: 10 * 2**30)
+    monkeypatch.setattr(device, "host_cores", lambda: 2)
+    monkeypatch.setattr(launcher, "start_local", lambda *_, **__: pytest.fail("a rank was started"))
+    for var in (*launcher.TORCHRUN_ENV, "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    refused = "this layout (tp1 pp1 cp1 dp64) needs ~"
+    cases = [("generate", ["--prompt", "x", "parallel.dp=64"], refused),
+             ("evaluate", ["parallel.dp=64", "train.global_batch_size=64"], refused),
+             ("evaluate", [], "no data.paths (an imported checkpoint?); give --data PREFIX")]
+    for name, args, needle in cases:
+        assert load_tool(name).main(["--load", str(checkpoint_dir), *args]) == 2  # type: ignore[attr-defined]
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+
+
+def test_cli_interactive_plain_text_edges(checkpoint_dir: Path) -> None:
+    """--interactive in plain text: a separator line between completions; a tiny temperature and nucleus decode the
+    greedy tokens; a line of invalid UTF-8 is one error line naming it, after the completions before it."""
+    proc = subprocess.run([sys.executable, str(TOOL), "--load", str(checkpoint_dir), "--interactive", "--max-new-tokens",
+                           "4", "--temperature", "1e-39", "--top-p", "1e-300"], input=b"abc\nxyz\n\xff\n",
+                          capture_output=True, timeout=300, cwd=ROOT)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.splitlines() == [
+        "error: stdin line 3 is not UTF-8 text (an undecodable byte at position 0); give UTF-8 text"], err
+    tokenizer = build_tokenizer(config.load(overrides=CKPT_CONFIG).tokenizer)
+    greedy = new_ids(saved_model(), [tokenizer.encode("abc"), tokenizer.encode("xyz")], 4, tokenizer.eod)
+    want = [t + tokenizer.decode(ids) for t, ids in zip(("abc", "xyz"), greedy, strict=True)]
+    assert proc.stdout.decode() == f"{want[0]}\n{'-' * 40}\n{want[1]}\n"

@@ -13,7 +13,7 @@ from megatron_sp.model import (
     GPTModel,
     count_parameters,
     flops_per_token,
-    generate,
+    generate_batch,
     init_full_tensor,
 )
 from megatron_sp.model.attention import kernels
@@ -452,18 +452,18 @@ def test_generate_is_greedy_and_restores_mode() -> None:
     cfg = make_cfg("llama", seq_length=8)
     model = GPTModel(cfg, seed=1)
     model.train()
-    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # longer than seq_length: cropped
-    out = generate(model, prompt, max_new_tokens=4, eod=None)
-    assert out[:len(prompt)] == prompt and len(out) == len(prompt) + 4
+    prompt = [5, 6, 7, 8, 9]  # + 4 new tokens: the last one sampled after seq_length tokens
+    out = prompt + generate_batch(model, [prompt], max_new_tokens=4, eod=None)[0].new_ids
+    assert len(out) == len(prompt) + 4
     assert model.training and all(0 <= t < VOCAB for t in out)
     model.eval()
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(4):
-            logits = model(torch.tensor([seq[-8:]]))
+            logits = model(torch.tensor([seq]))
             seq.append(int(logits[0, -1, :VOCAB].argmax()))
     assert out == seq
-    assert generate(model, prompt, max_new_tokens=4, eod=out[len(prompt)]) == prompt
+    assert generate_batch(model, [prompt], max_new_tokens=4, eod=out[len(prompt)])[0].new_ids == []
     assert not model.training
 
 

@@ -5,7 +5,6 @@ to fp32 rounding, and the differences docs/moe.md names ("megatron-core and tran
 Skipped when megatron-core is not installed."""
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_sp import config, device
 from megatron_sp.config import Config
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.model.attention.layout import required_divisor
+from megatron_sp.mpu.cp_layout import required_divisor
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.transformer import RotaryEmbedding, TransformerLayer, rotary_dim
 from megatron_sp.mpu import ParallelContext

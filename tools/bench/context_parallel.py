@@ -21,7 +21,7 @@ from common import gpt_config, graph_nodes, ulysses_degree, world_group
 from planner.measure import SavedBytes
 from megatron_sp.model.attention import kernels
 from megatron_sp.model.attention.context_parallel import ALGORITHMS, AttentionMeta
-from megatron_sp.model.attention.layout import required_divisor, sequence_layout, shard_batch
+from megatron_sp.mpu.cp_layout import required_divisor, sequence_layout, shard_batch
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.mpu import ParallelContext, comm
 from megatron_sp.mpu.parallel_state import ParallelDims, initialize

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        for b in args.batch_sizes)}
     goals = {f"b{r['batch']}_{phase}_vs_transformers": r[f"{phase}_vs_transformers"] for r in rows
              if r["impl"] == "ours" and r["layout"] == "1" for phase in ("decode", "decode_best", "prefill")}
-    print("\ngoal (issue 34: decode at batch 8 at least transformers' speed): "
+    print("\ngoal (issues 34, 39: decode and prefill at least transformers' speed): "
           + ", ".join(f"{k} {opt(v, '.2f')}" for k, v in goals.items()))
     print(f"checks: {checks}")
     config = {k: v for k, v in vars(args).items() if k not in ("dims", "batch_sizes")}

@@ -23,7 +23,7 @@ from megatron_sp.config.schema import Config
 from megatron_sp.data import collate
 from megatron_sp.data.tokenizer import ByteTokenizer
 from megatron_sp.model.attention.context_parallel import ALGORITHMS
-from megatron_sp.model.attention.layout import sequence_layout, shard_batch
+from megatron_sp.mpu.cp_layout import sequence_layout, shard_batch
 from megatron_sp.model.gpt import GPTModel
 from megatron_sp.model.hf_names import hf_config_dict
 from megatron_sp.mpu import ParallelContext, comm

@@ -16,8 +16,8 @@ import torch
 from common import gpt_config, ints, names, parser, print_json
 from megatron_sp.mpu import ParallelContext, ParallelDims, comm, initialize
 from megatron_sp.pipeline.executor import ScheduleStats, agree_costs, forward_backward
-from megatron_sp.pipeline.partition import PipelineConfigError, build_stage, check_micro_batches
-from megatron_sp.pipeline.schedules import SCHEDULES, build_schedule, simulate, theory_bubble
+from megatron_sp.pipeline.partition import SCHEDULES, PipelineConfigError, build_stage, check_micro_batches
+from megatron_sp.pipeline.schedules import build_schedule, simulate, theory_bubble
 from megatron_sp.testing import run_distributed
 
 VOCAB = 256  # byte tokenizer

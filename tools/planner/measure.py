@@ -103,7 +103,7 @@ def probe_chunk(rt: Any, micro_batch: dict[str, Any], chunk: int, denom: float) 
         dtype = next(stage.parameters()).dtype
         x = torch.randn(executor.activation_shape(stage, micro_batch), dtype=dtype, device=rt.device).requires_grad_()
     saved = SavedBytes(parameter_exclusions(rt.optimizer, stage))
-    with saved.record(), training._autocast(rt.cfg, rt.device):
+    with saved.record(), training.autocast(rt.cfg, rt.device):
         out = stage(micro_batch["tokens"] if virtual == 0 else None, position_ids=micro_batch.get("position_ids"),
                     labels=micro_batch["labels"] if last else None, hidden_states=x, chunk=chunk,
                     token_index=micro_batch.get("token_index"), document_ids=micro_batch.get("document_ids"))

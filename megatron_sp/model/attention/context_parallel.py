@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ...mpu import comm
+from ...mpu.cp_layout import sequence_layout
 from ...mpu.mappings import all_to_all
 from . import kernels
-from .layout import sequence_layout
 
 ALGORITHMS = ("ring", "zigzag", "llama3", "ulysses", "usp")
 
