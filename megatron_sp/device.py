@@ -213,7 +213,7 @@ def _read_peak_cache(path: Path) -> dict[str, float]:
 
 def record_peak_flops(dtype: torch.dtype, flops: float) -> float:
     """Keep and return ``max(cached, flops)`` for this host and ``dtype`` (atomic; an unusable cache is ignored)."""
-    from .data.index_cache import atomic_file
+    from .files import atomic_file
 
     path = peak_cache_path()
     entries = _read_peak_cache(path)

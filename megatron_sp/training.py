@@ -25,7 +25,7 @@ from . import checkpointing, config as config_mod, device as device_mod, faults,
 from .config import Config
 from .data import build_datasets, build_tokenizer, check_inputs, ensure_demo_data
 from .data.batching import next_train_batch, rank_batch
-from .data.index_cache import atomic_file
+from .files import atomic_file
 from .errors import ConfigError, TrainingError
 from .mpu import ParallelContext, ParallelDims, ParallelState, comm, init_default_group, initialize
 from .mpu.random import get_tracker, init_rng

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_sp.data.index_cache import atomic_file
+from megatron_sp.files import atomic_file
 from megatron_sp.errors import DataError, refuse_existing_outputs
 
 log = logging.getLogger("megatron_sp")

@@ -1,40 +1,21 @@
 """On-disk cache of index arrays (``.npy``) named by a hash of everything they depend on (a stale cache is
-never found) and checked against the CRC-32 recorded with them (a modified one is rebuilt), and the atomic writes
-(temporary name, then rename) every data file uses. The arrays are renamed into place last, so a cache is complete
-once its last array exists; concurrent ranks write identical bytes."""
+never found) and checked against the CRC-32 recorded with them (a modified one is rebuilt). The arrays are renamed
+into place last, so a cache is complete once its last array exists; concurrent ranks write identical bytes."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
-import uuid
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
+from megatron_sp.files import atomic_file
+
 log = logging.getLogger("megatron_sp")
-
-
-def temp_path(path: Path) -> Path:
-    """A unique temporary name beside ``path`` (this process, a random tag)."""
-    return path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[IO[bytes]]:
-    """A temporary file renamed onto ``path`` when the block succeeds, deleted when it raises."""
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def file_fingerprint(path: Path) -> dict[str, Any]:

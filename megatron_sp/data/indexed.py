@@ -15,7 +15,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from megatron_sp.data.index_cache import temp_path
+from megatron_sp.files import temp_path
 from megatron_sp.errors import DataError, refuse_existing_outputs
 
 log = logging.getLogger("megatron_sp")

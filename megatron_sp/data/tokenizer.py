@@ -17,7 +17,7 @@ import sentencepiece as spm
 from megatron_sp.config.loader import check_tokenizer_keys
 from megatron_sp.config.schema import TokenizerConfig
 from megatron_sp.data.corpus import iter_jsonl_texts
-from megatron_sp.data.index_cache import atomic_file
+from megatron_sp.files import atomic_file
 from megatron_sp.errors import ConfigError, DataError, refuse_existing_outputs
 
 log = logging.getLogger("megatron_sp")
