@@ -42,8 +42,8 @@ from megatron_sp.config.loader import _apply_section, apply_override, finalize, 
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.data.tokenizer import SPACE_SYMBOL
 from megatron_sp.errors import ConfigError, DataError, OneLineArgumentParser, UserError, write_failure
-from megatron_sp.model.hf_names import (HF_ARCHS, family_keys, from_hf_state_dict, hf_aux_loss_coef, hf_config_dict,
-                                        to_hf_state_dict)
+from megatron_sp.model.hf_names import (HF_ARCHS, MIXTRAL, QWEN2_MOE, QWEN3_MOE, family_keys, from_hf_state_dict,
+                                        hf_aux_loss_coef, hf_config_dict, to_hf_state_dict)
 
 log = logging.getLogger("megatron_sp")
 
@@ -293,10 +293,10 @@ def to_hf(src: Path, out: Path, iteration: int | None) -> Path:
     m = cfg.model
     if any(any(b) for b in (meta.get("moe_expert_bias") or {}).values()):
         raise DataError(f"{ckpt}: its experts are chosen with a learned routing bias (model.moe_bias_update_rate), "
-                        "which MixtralForCausalLM and Qwen2MoeForCausalLM have no place for: the export would route differently")
+                        "which transformers' MoE classes have no place for: the export would route differently")
     vocab = weights["embedding.weight"].shape[0]  # stored without the layout's padding rows
     special = special_token_ids(cfg)
-    hf_cfg = {**hf_config_dict(m), "vocab_size": vocab, "torch_dtype": "float32", **special}
+    hf_cfg = {**hf_config_dict(m, prefer=meta.get("hf_class")), "vocab_size": vocab, "torch_dtype": "float32", **special}
     state = {name: t.detach().to(torch.float32).contiguous().clone() for name, t in to_hf_state_dict(weights, m).items()}
     with staging(out, sum(t.nbytes for t in state.values())) as tmp:
         checkpointing.store.save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -314,15 +314,15 @@ def _rope(raw: dict[str, Any], key: str, legacy: str, default: float) -> float:
     return float(params.get(key, raw.get(legacy, default)))
 
 
-def qwen2_moe_keys(raw: dict[str, Any], num_layers: int, refuse: Callable[[str], DataError]) -> dict[str, Any]:
-    """Our ``moe_*`` keys for a Qwen2MoeForCausalLM config (absent keys: Qwen2MoeConfig's defaults); refused: a top-k
-    renormalised otherwise than ours (exactly when k > 1), a shared width not a multiple of the experts', sparse layers
-    not of the form ``is_moe_layer`` picks (every ``moe_layer_freq``-th from ``moe_first_dense_layers`` on)."""
-    k, step = int(raw.get("num_experts_per_tok", 4)), int(raw.get("decoder_sparse_step", 1))
-    if bool(raw.get("norm_topk_prob", False)) != (k > 1):
-        raise refuse(f"norm_topk_prob={raw.get('norm_topk_prob', False)} with num_experts_per_tok={k} (ours renormalises "
-                     "the top-k weights exactly when k > 1)")
-    ffn, shared = int(raw.get("moe_intermediate_size", 1408)), int(raw.get("shared_expert_intermediate_size", 5632))
+def qwen2_moe_keys(raw: dict[str, Any], num_layers: int, refuse: Callable[[str], DataError],
+                   qwen3: bool = False) -> dict[str, Any]:
+    """Our ``moe_*`` keys for a Qwen2MoeForCausalLM (or, ``qwen3``, Qwen3MoeForCausalLM: no shared expert) config
+    (absent keys: the config class's defaults); ``norm_topk_prob`` is ``moe_renormalize``; refused: a shared width not a
+    multiple of the experts', sparse layers not of the form ``is_moe_layer`` picks (every ``moe_layer_freq``-th from
+    ``moe_first_dense_layers`` on)."""
+    k, step = int(raw.get("num_experts_per_tok", 8 if qwen3 else 4)), int(raw.get("decoder_sparse_step", 1))
+    ffn = int(raw.get("moe_intermediate_size", 768 if qwen3 else 1408))
+    shared = 0 if qwen3 else int(raw.get("shared_expert_intermediate_size", 5632))
     if shared % ffn:
         raise refuse(f"shared_expert_intermediate_size {shared} (not a multiple of moe_intermediate_size {ffn})")
     sparse = [i for i in range(num_layers) if (i + 1) % step == 0 and i not in (raw.get("mlp_only_layers") or [])]
@@ -330,13 +330,15 @@ def qwen2_moe_keys(raw: dict[str, Any], num_layers: int, refuse: Callable[[str],
     freq = sparse[1] - first if len(sparse) > 1 else max(num_layers - first, 1)
     if not sparse or sparse != list(range(first, num_layers, freq)):
         raise refuse(f"sparse layers {sparse} (ours: every moe_layer_freq-th layer from moe_first_dense_layers on)")
-    return {"num_experts": int(raw.get("num_experts", 60)), "moe_top_k": k, "moe_ffn_hidden_size": ffn,
+    experts = raw.get("num_experts", raw.get("num_local_experts", 128 if qwen3 else 60))  # transformers 5 writes the latter
+    return {"num_experts": int(experts), "moe_top_k": k, "moe_ffn_hidden_size": ffn,
+            "moe_renormalize": bool(raw.get("norm_topk_prob", False)),
             "moe_shared_experts": shared // ffn, "moe_first_dense_layers": first, "moe_layer_freq": freq,
             "moe_aux_loss_coeff": float(raw.get("router_aux_loss_coef", 0.001))}
 
 
 def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
-    """Our model section for an HF GPTNeoX / Llama / Mixtral / Qwen2-MoE config dict; unsupported variants are
+    """Our model section for an HF config dict of a class in ``HF_ARCHS`` (``FAMILIES``, MoE); unsupported variants are
     refused (Qwen2-MoE's q/k/v biases and shared-expert gate are checked to be zero with the weights)."""
     names = [a for a in raw.get("architectures") or [] if a in HF_ARCHS]
     if not names:
@@ -371,16 +373,15 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise refuse("attention_bias/mlp_bias=true")
     moe: dict[str, Any] = {}
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", names[0] == "MixtralForCausalLM") else None
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", names[0] in (MIXTRAL, "MistralForCausalLM")) else None
     if window not in (None, 0) and int(window) < common["seq_length"]:
-        raise refuse(f"sliding_window {window}")
-    if names[0] == "Qwen2MoeForCausalLM":
-        moe = qwen2_moe_keys(raw, common["num_layers"], refuse)
-    if names[0] == "MixtralForCausalLM":  # llama with a MoE MLP in every layer
-        if int(raw.get("num_experts_per_tok", 2)) < 2:
-            raise refuse("num_experts_per_tok=1 (Mixtral renormalises a top-1 weight to 1; ours keeps the score)")
+        raise refuse(f"sliding_window {window} below max_position_embeddings {common['seq_length']} (sliding-window "
+                     "attention)")
+    if names[0] in (QWEN2_MOE, QWEN3_MOE):
+        moe = qwen2_moe_keys(raw, common["num_layers"], refuse, names[0] == QWEN3_MOE)
+    if names[0] == MIXTRAL:  # llama with a MoE MLP in every layer
         moe = {"num_experts": int(raw["num_local_experts"]), "moe_top_k": int(raw.get("num_experts_per_tok", 2)),
-               "moe_ffn_hidden_size": common["ffn_hidden_size"],
+               "moe_ffn_hidden_size": common["ffn_hidden_size"], "moe_renormalize": True,
                "moe_aux_loss_coeff": float(raw.get("router_aux_loss_coef", 0.01))}
     cfg = ModelConfig(**common, **moe, num_kv_heads=int(raw.get("num_key_value_heads") or heads), rotary_pct=1.0,
                       rotary_base=_rope(raw, "rope_theta", "rope_theta", 10000.0), norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
@@ -461,7 +462,8 @@ def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: lis
         cfg = validated(cfg, f"'{src}' at --tp {cfg.parallel.tp} --pp {cfg.parallel.pp}")
         log.info("%s", layout_line(cfg, tp, pp, overrides, "the defaults (a Hugging Face model has no layout)"))
         meta = {"format_version": checkpointing.FORMAT_VERSION, "step": 0, "consumed_samples": 0,
-                "world_size": cfg.parallel.world_size, "config": to_dict(cfg), "converted_from": str(src.resolve())}
+                "world_size": cfg.parallel.world_size, "config": to_dict(cfg), "converted_from": str(src.resolve()),
+                "hf_class": raw["architectures"][0]}  # exported back as it (a Llama-shaped Mistral stays a Mistral)
         ckpt = write_ours(tmp, meta, weights)
     log.info("wrote %s/%s (%s, %d tensors, step 0, no optimizer state, tokenizer.type=%s); set data.paths%s to train "
              "from it", out, ckpt.name, cfg.model.arch, len(weights), cfg.tokenizer.type,

@@ -75,6 +75,8 @@ FEATURES: dict[str, Key] = {
     "model.head_dim": Key((None, 16)),  # decoupled from hidden/heads (Qwen3)
     "model.qkv_bias": Key((False, True), _is("model.arch", "llama")),  # Qwen2
     "model.qk_norm": Key((False, True)),  # Qwen3: per-head weights whose grads are summed over TP
+    "model.qk_norm_scope": Key(("head", "projection"), _is("model.qk_norm", True)),  # OLMo-2: statistic over TP
+    "model.norm_placement": Key(("pre", "post_sublayer")),  # OLMo-2: x + norm(f(x))
     "model.norm_eps": Key((1e-5, 1e-6)),
     "model.init_std": Key((0.02, 0.05)),
     "model.scaled_init": Key((True, False)),
@@ -92,6 +94,7 @@ FEATURES: dict[str, Key] = {
     "model.moe_layer_freq": Key((1, 2), _moe),
     "model.moe_first_dense_layers": Key((0, 1), _moe),
     "model.moe_router_score": Key(("softmax", "sigmoid"), _moe),
+    "model.moe_renormalize": Key((None, True, False), _moe),  # transformers' norm_topk_prob
     "model.moe_aux_loss_coeff": Key((0.01, 0.0), _moe),
     "model.moe_z_loss_coeff": Key((0.0, 1e-3), _moe),
     "model.moe_bias_update_rate": Key((0.0, 1e-2), _moe),

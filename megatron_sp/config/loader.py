@@ -362,6 +362,10 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     _positive(cfg, "model.head_dim", "model.rope_scaling_factor", "model.rope_original_max_positions")
     head_dim = m.head_dim = m.head_dim or m.hidden_size // m.num_heads
     choice("model.rope_scaling", m.rope_scaling, ("none", "linear", "llama3", "yarn"))
+    choice("model.qk_norm_scope", m.qk_norm_scope, ("head", "projection"))
+    choice("model.norm_placement", m.norm_placement, ("pre", "post_sublayer"))
+    if m.qk_norm_scope != "head" and not m.qk_norm:
+        raise ConfigError(f"model.qk_norm_scope={m.qk_norm_scope} needs model.qk_norm=true")
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         raise ConfigError(f"model.rope_low_freq_factor {m.rope_low_freq_factor} must be > 0 and below "
                           f"model.rope_high_freq_factor {m.rope_high_freq_factor}")

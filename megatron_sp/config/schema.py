@@ -47,6 +47,11 @@ class ModelConfig:
     qkv_bias: bool = doc(False, "llama: biases on the q/k/v projections only (Qwen2); neox has every bias anyway.")
     qk_norm: bool = doc(False, "RMSNorm of each query and key head over its head_dim before rotary (Qwen3); one "
                                "[head_dim] weight each for q and k per layer, shared by the heads.")
+    qk_norm_scope: str = doc("head", "model.qk_norm's span: head (each head over its head_dim, Qwen3) | projection "
+                                     "(the whole q and k projections, OLMo-2: weights [num_heads·head_dim] and "
+                                     "[num_kv_heads·head_dim], split over TP like the heads, statistic summed over TP).")
+    norm_placement: str = doc("pre", "Where the layer norms sit: pre (x + f(norm(x)), GPT/Llama) | post_sublayer "
+                                     "(x + norm(f(x)), OLMo-2: no norm before attention or MLP).")
     norm_eps: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.")
     hidden_dropout: float = doc(0.0, "Dropout on the attention and MLP outputs before the residual add.")
     attention_dropout: float = doc(0.0, "Dropout on the attention probabilities.")
@@ -77,6 +82,8 @@ class ModelConfig:
     moe_router_score: str = doc("softmax", "MoE router scores: softmax (over all experts) | sigmoid (per expert, "
                                            "DeepSeek-V3). With top_k > 1 the selected scores are renormalised to sum "
                                            "to 1 (Mixtral, DeepSeek-V3); top-1 keeps its score (Switch).")
+    moe_renormalize: bool | None = doc(None, "MoE: renormalise the selected top-k scores to sum to 1 (transformers' "
+                                             "norm_topk_prob). Unset: exactly when moe_top_k > 1.")
     moe_aux_loss_coeff: float = doc(0.01, "MoE: coefficient of the Switch/GShard load-balancing loss "
                                           "E·Σ f_i·P_i per micro-batch, added to the training objective (0: off).")
     moe_z_loss_coeff: float = doc(0.0, "MoE: coefficient of the router z-loss mean(logsumexp(logits)²) (ST-MoE; "

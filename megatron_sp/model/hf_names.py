@@ -1,6 +1,6 @@
 """Name and layout mapping between our GPTModel state dict and Hugging Face ``GPTNeoXForCausalLM`` (neox) /
-``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (llama; ``FAMILIES``) / ``MixtralForCausalLM`` or
-``Qwen2MoeForCausalLM`` (a MoE llama), with the Hub
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Olmo2ForCausalLM`` (llama;
+``FAMILIES``) / ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM`` (a MoE llama), with the Hub
 checkpoints' names (``embed_out.weight`` for GPT-NeoX's output layer, transformers >= 5 loads it as
 ``lm_head.weight``; one tensor per expert, which transformers >= 5 stacks on load and splits again on save) and the
 padded vocabulary. neox is a pure renaming; llama splits our fused QKV rows into ``q_proj``/``k_proj``/``v_proj``.
@@ -39,13 +39,15 @@ _LLAMA_LAYER = {
     "attention.q_norm": "self_attn.q_norm",
     "attention.k_norm": "self_attn.k_norm",
 }
+_NORM_NAMES = {"pre": {},  # model.norm_placement → the HF names of our two layer norms (OLMo-2: after the sublayers)
+               "post_sublayer": {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"}}
 _GLOBAL = {
     "neox": {"embedding": "gpt_neox.embed_in", "final_norm": "gpt_neox.final_layer_norm",
              "output_layer": "embed_out"},
     "llama": {"embedding": "model.embed_tokens", "final_norm": "model.norm", "output_layer": "lm_head"},
 }
 _LAYER_PREFIX = {"neox": "gpt_neox.layers", "llama": "model.layers"}
-MIXTRAL, QWEN2_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM"
+MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -58,15 +60,21 @@ class Family:
     hf: dict[str, Any]
 
 
+_PLAIN = {"arch": "llama", "qkv_bias": False, "qk_norm": False, "norm_placement": "pre"}
 FAMILIES = {
-    "GPTNeoXForCausalLM": Family("gpt_neox", {"arch": "neox", "qk_norm": False}, {"use_parallel_residual": True}),
-    "LlamaForCausalLM": Family("llama", {"arch": "llama", "qkv_bias": False, "qk_norm": False},
-                               {"attention_bias": False, "mlp_bias": False}),
-    "Qwen2ForCausalLM": Family("qwen2", {"arch": "llama", "qkv_bias": True, "qk_norm": False}, {"use_sliding_window": False}),
-    "Qwen3ForCausalLM": Family("qwen3", {"arch": "llama", "qkv_bias": False, "qk_norm": True},
+    "GPTNeoXForCausalLM": Family("gpt_neox", {"arch": "neox", "qk_norm": False, "norm_placement": "pre"},
+                                 {"use_parallel_residual": True}),
+    "LlamaForCausalLM": Family("llama", _PLAIN, {"attention_bias": False, "mlp_bias": False}),
+    "MistralForCausalLM": Family("mistral", _PLAIN, {"sliding_window": None}),  # a window < the context is refused
+    "Qwen2ForCausalLM": Family("qwen2", {**_PLAIN, "qkv_bias": True}, {"use_sliding_window": False}),
+    "Qwen3ForCausalLM": Family("qwen3", {**_PLAIN, "qk_norm": True, "qk_norm_scope": "head"},
                                {"attention_bias": False, "use_sliding_window": False}),
+    "Olmo2ForCausalLM": Family("olmo2", {**_PLAIN, "qk_norm": True, "qk_norm_scope": "projection",
+                                         "norm_placement": "post_sublayer"}, {"attention_bias": False}),
 }
-HF_ARCHS = {**{name: f.keys["arch"] for name, f in FAMILIES.items()}, MIXTRAL: "llama", QWEN2_MOE: "llama"}
+_MOE_ATTENTION = {QWEN3_MOE: "Qwen3ForCausalLM"}  # a MoE class whose attention is a dense family's (its keys)
+HF_ARCHS = {**{name: f.keys["arch"] for name, f in FAMILIES.items()}, MIXTRAL: "llama", QWEN2_MOE: "llama",
+            QWEN3_MOE: "llama"}
 ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",  # HF rope_parameters → ours
              "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_positions",
              "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "attention_factor": "rope_attention_factor"}
@@ -75,15 +83,23 @@ _ROPE_USES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "hi
               "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor")}
 
 
-def hf_dense_class(cfg: ModelConfig) -> str:
-    """The dense transformers class whose ``Family.keys`` ``cfg`` has (ConfigError naming the keys when none)."""
-    for name, family in FAMILIES.items():
+def hf_dense_class(cfg: ModelConfig, prefer: str | None = None) -> str:
+    """The dense transformers class whose ``Family.keys`` ``cfg`` has, ``prefer`` (an imported model's class: Mistral
+    is Llama-shaped) first when it has them; a ConfigError naming the keys when none."""
+    for name in sorted(FAMILIES, key=lambda n: n != prefer):
+        family = FAMILIES[name]
         if all(getattr(cfg, key) == value for key, value in family.keys.items()) and \
                 (family.keys["arch"] == "llama" or head_dim(cfg) == cfg.hidden_size // cfg.num_heads):
             return name
     raise ConfigError(f"no transformers class has model.arch={cfg.arch} with qkv_bias={cfg.qkv_bias}, qk_norm="
-                      f"{cfg.qk_norm}, head_dim={head_dim(cfg)} (Qwen2: qkv_bias; Qwen3: qk_norm; GPT-NeoX: neither, "
-                      "head_dim = hidden/heads)")
+                      f"{cfg.qk_norm} ({cfg.qk_norm_scope}), norm_placement={cfg.norm_placement}, head_dim="
+                      f"{head_dim(cfg)} (Qwen2: qkv_bias; Qwen3: qk_norm head; OLMo-2: qk_norm projection and "
+                      "post_sublayer norms; GPT-NeoX: none, head_dim = hidden/heads)")
+
+
+def renormalised(cfg: ModelConfig) -> bool:
+    """Whether the MoE ``cfg`` renormalises its top-k weights (``model.moe_renormalize``, unset: k > 1)."""
+    return cfg.moe_top_k > 1 if cfg.moe_renormalize is None else cfg.moe_renormalize
 
 
 def rope_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -98,7 +114,8 @@ def rope_config(cfg: ModelConfig) -> dict[str, Any]:
 def family_keys(raw: dict[str, Any], hf_class: str, refuse: Any) -> dict[str, Any]:
     """The ``model.*`` keys of an HF config dict of ``hf_class`` (the family's, head_dim, rope scaling); ``refuse(what)``
     makes the error of a variant ours lacks."""
-    keys = {k: v for k, v in FAMILIES[hf_class].keys.items() if k != "arch"} if hf_class in FAMILIES else {}
+    family = FAMILIES.get(_MOE_ATTENTION.get(hf_class, hf_class))
+    keys = {k: v for k, v in family.keys.items() if k != "arch"} if family else {}
     if raw.get("head_dim") is not None and hf_class != "GPTNeoXForCausalLM":
         keys["head_dim"] = int(raw["head_dim"])
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -118,7 +135,8 @@ def family_keys(raw: dict[str, Any], hf_class: str, refuse: Any) -> dict[str, An
     return keys
 # per HF MoE class: its sparse block's module, and our stacked expert matrices [E, out, in] ↔ {block}.experts.{e}.NAME
 _MOE_BLOCK = {MIXTRAL: ("block_sparse_moe", {"gate": "w1", "down": "w2", "up": "w3"}),
-              QWEN2_MOE: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
+              QWEN2_MOE: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+              QWEN3_MOE: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
 _HF_MOE_RE = re.compile(r"(?:block_sparse_moe|mlp)\.(?:(gate)|experts\.(\d+)\.(\w+)|shared_expert\.(\w+)_proj|(shared_expert_gate))")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"^(?:gpt_neox|model)\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -133,13 +151,18 @@ def _resolve_arch(cfg: ModelConfig, arch: str | None) -> str:
 
 
 def _unmet(cfg: ModelConfig, hf_class: str) -> list[str]:
-    """What a MoE ``cfg`` lacks to export exactly as ``hf_class``: both need llama experts and a softmax router;
-    Mixtral renormalises the top-k (so k ≥ 2: its top-1 weight is 1 where ours keeps the score), has no shared
-    experts and a MoE MLP in every layer. Qwen2-MoE holds those (``norm_topk_prob = k > 1``, ``mlp_only_layers``)."""
+    """What a MoE ``cfg`` lacks to export exactly as ``hf_class``: all need llama experts, pre-norms and a softmax
+    router; Mixtral renormalises the top-k, has no shared experts and a MoE MLP in every layer. Qwen2-MoE holds those
+    (``norm_topk_prob``, ``mlp_only_layers``); Qwen3-MoE has per-head QK-norm and no shared experts."""
+    qwen3 = hf_class == QWEN3_MOE
     needs = [("model.arch=llama", cfg.arch != "llama"), ("model.moe_router_score=softmax", cfg.moe_router_score != "softmax"),
-             ("model.qk_norm=false", cfg.qk_norm), ("model.qkv_bias=false", cfg.qkv_bias and hf_class == MIXTRAL)]
+             ("model.norm_placement=pre", cfg.norm_placement != "pre"),
+             ("model.qk_norm=true (head)" if qwen3 else "model.qk_norm=false",
+              (cfg.qk_norm, cfg.qk_norm_scope) != (True, "head") if qwen3 else cfg.qk_norm),
+             ("model.qkv_bias=false", cfg.qkv_bias and hf_class != QWEN2_MOE),
+             ("model.moe_shared_experts=0", cfg.moe_shared_experts > 0 and hf_class != QWEN2_MOE)]
     if hf_class == MIXTRAL:
-        needs += [("model.moe_top_k >= 2", cfg.moe_top_k < 2), ("model.moe_shared_experts=0", cfg.moe_shared_experts > 0),
+        needs += [("renormalised top-k weights (model.moe_top_k >= 2 or moe_renormalize=true)", not renormalised(cfg)),
                   ("every layer MoE (moe_layer_freq 1, moe_first_dense_layers 0)",
                    cfg.moe_layer_freq != 1 or cfg.moe_first_dense_layers > 0)]
     return [what for what, broken in needs if broken]
@@ -169,8 +192,9 @@ def hf_aux_loss_coef(coeff: float, cfg: ModelConfig, to_hf: bool = True) -> floa
     return coeff * ratio if to_hf else coeff / ratio
 
 
-def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
-    """Keyword arguments (and ``config.json`` content) of the matching HF config class (``hf_moe_class`` for MoE).
+def hf_config_dict(cfg: ModelConfig, arch: str | None = None, prefer: str | None = None) -> dict[str, Any]:
+    """Keyword arguments (and ``config.json`` content) of the matching HF config class (``hf_dense_class`` with
+    ``prefer``, ``hf_moe_class`` for MoE).
     Qwen2-MoE: ``decoder_sparse_step`` 1 with every dense layer in ``mlp_only_layers``; q/k/v biases on (written as
     zeros: transformers < 5 and other Qwen2-MoE readers always build them)."""
     arch = _resolve_arch(cfg, arch)
@@ -185,7 +209,7 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
     }
-    dense = hf_dense_class(cfg) if not cfg.num_experts else "LlamaForCausalLM"
+    dense = hf_dense_class(cfg, prefer) if not cfg.num_experts else "LlamaForCausalLM"
     family = FAMILIES[dense]
     if arch == "neox":
         return {**common, **family.hf, "architectures": [dense], "model_type": family.model_type,
@@ -203,11 +227,13 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
         return {**llama, **moe, "model_type": "mixtral", "intermediate_size": cfg.moe_ffn_hidden_size,
                 "num_local_experts": cfg.num_experts, "router_jitter_noise": 0.0, "sliding_window": None}
     llama = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias")}
-    return {**llama, **moe, "model_type": "qwen2_moe", "num_experts": cfg.num_experts,
-            "moe_intermediate_size": cfg.moe_ffn_hidden_size, "norm_topk_prob": cfg.moe_top_k > 1,
-            "shared_expert_intermediate_size": cfg.moe_shared_experts * cfg.moe_ffn_hidden_size,
-            "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)],
-            "qkv_bias": True, "use_sliding_window": False}
+    qwen = {**llama, **moe, "num_experts": cfg.num_experts, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+            "norm_topk_prob": renormalised(cfg), "decoder_sparse_step": 1, "use_sliding_window": False,
+            "mlp_only_layers": [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)]}
+    if hf_class == QWEN3_MOE:
+        return {**qwen, "model_type": "qwen3_moe", "attention_bias": False}
+    return {**qwen, "model_type": "qwen2_moe", "qkv_bias": True,
+            "shared_expert_intermediate_size": cfg.moe_shared_experts * cfg.moe_ffn_hidden_size}
 
 
 def _layer_items(sd: Mapping[str, torch.Tensor], layer_re: re.Pattern, top: dict[str, str], cfg: ModelConfig,
@@ -269,7 +295,7 @@ def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
         if module.startswith("mlp.shared.") and hf_class == QWEN2_MOE:
             out[f"{prefix}.mlp.shared_expert.{module[11:]}_proj.{leaf}"] = tensor * 2 if module == "mlp.shared.down" else tensor
             continue
-        table = _NEOX_LAYER if arch == "neox" else _LLAMA_LAYER
+        table = _NEOX_LAYER if arch == "neox" else {**_LLAMA_LAYER, **_NORM_NAMES[cfg.norm_placement]}
         if module not in table:
             raise KeyError(f"no HF name for {name!r}")
         out[f"{prefix}.{table[module]}.{leaf}"] = tensor
@@ -286,7 +312,8 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
     top_inverse = {hf: ours for ours, hf in _GLOBAL[arch].items()}
     if arch == "neox":
         top_inverse["lm_head"] = "output_layer"
-    layer_inverse = {hf: ours for ours, hf in (_NEOX_LAYER if arch == "neox" else _LLAMA_LAYER).items()}
+    table = _NEOX_LAYER if arch == "neox" else {**_LLAMA_LAYER, **_NORM_NAMES[cfg.norm_placement]}
+    layer_inverse = {hf: ours for ours, hf in table.items()}
     out: dict[str, torch.Tensor] = {}
     pending_qkv: dict[str, dict[str, torch.Tensor]] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}  # our stacked name → expert index → matrix

@@ -140,12 +140,13 @@ class Router(nn.Module):
             return F.linear(tokens.to(dtype), self.weight.to(dtype))
 
 
-def route(logits: torch.Tensor, top_k: int, score: str, bias: torch.Tensor | None = None
+def route(logits: torch.Tensor, top_k: int, score: str, bias: torch.Tensor | None = None, renormalize: bool | None = None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts ``[T, k]``, combine weights ``[T, k]``, selection scores ``[T, k]``, balancing probabilities
     ``[T, E]``, balancing experts ``[T, k]``) of logits ``[T, E]``. softmax: scores over all experts; sigmoid: per
     expert (DeepSeek-V3). With k > 1 the selected scores are renormalised to sum to 1; top-1 keeps its score
-    (Switch), so the router learns from the LM loss. The balancing probabilities are the softmax, or the sigmoid
+    (Switch), so the router learns from the LM loss (``renormalize``, ``model.moe_renormalize``, says otherwise).
+    The balancing probabilities are the softmax, or the sigmoid
     scores normalised over the experts. ``bias [E]`` (aux-loss-free balancing) is added for choosing the top-k only:
     the selection scores, the weights and the probabilities are the unbiased scores of the chosen experts, and the
     balancing experts (the aux loss's f) are the top-k of the unbiased scores (DeepSeek-V3, megatron-core)."""
@@ -155,7 +156,8 @@ def route(logits: torch.Tensor, top_k: int, score: str, bias: torch.Tensor | Non
     if bias is not None:
         experts = (scores + bias.to(scores.dtype)).topk(top_k, dim=-1).indices  # [T, k]
         top_scores = scores.gather(-1, experts)
-    weights = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) if top_k > 1 else top_scores
+    renorm = top_k > 1 if renormalize is None else renormalize
+    weights = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) if renorm else top_scores
     probs = scores if score == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     return experts, weights, top_scores, probs, balance
 
@@ -378,6 +380,7 @@ class MoE(nn.Module):
         parallel = parallel or ParallelContext()
         ep_group, sp = parallel.ep_group, parallel.sp
         self.num_experts, self.top_k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
+        self.renormalize = cfg.moe_renormalize
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.capacity_factor = cfg.moe_capacity_factor
         self.router = Router(cfg.hidden_size, cfg.num_experts, cfg.moe_bias_update_rate > 0)
@@ -434,7 +437,7 @@ class MoE(nn.Module):
         tokens = x.reshape(s * b, h)  # [T, h], row i·b + j
         logits = self.router(tokens)  # [T, E] fp32
         bias = self.router.expert_bias if self.router.bias_in_use else None
-        experts, weights, top_scores, probs, balance = route(logits, self.top_k, self.score, bias)
+        experts, weights, top_scores, probs, balance = route(logits, self.top_k, self.score, bias, self.renormalize)
         keep = None
         if self.capacity_factor is not None and self.training:
             keep = self._capacity_keep(experts.view(s, b, -1), top_scores.view(s, b, -1)).reshape(s * b, -1)

@@ -24,6 +24,7 @@ from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
 from megatron_sp.model.attention.kernels import cached_attention, dot_product_attention
 from megatron_sp.model.moe import MoE, expert_ffn, is_moe_layer
+from megatron_sp.model.qk_norm import projection_norms, projection_rms_norm
 from megatron_sp.model.rope import RopeScaling
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
@@ -379,10 +380,13 @@ class SelfAttention(nn.Module):
         else:
             self.qkv = ReplicatedGroupQKV(cfg, parallel, bias or cfg.qkv_bias)
             self.q_per_kv = self.qkv.local_q
-        # QK-norm: one [d] weight each for all query / key heads; a rank sees its heads only, so their grads are
-        # summed over TP with or without SP (tagged ``sequence_parallel``)
+        # QK-norm per head: one [d] weight each for all query / key heads; a rank sees its heads only, so their grads
+        # are summed over TP with or without SP (tagged ``sequence_parallel``). Over the projection: ``qk_norm``.
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm:
+        self.projection_qk_norm = cfg.qk_norm and cfg.qk_norm_scope == "projection"
+        if self.projection_qk_norm:
+            self.q_norm, self.k_norm = projection_norms(cfg, parallel, isinstance(self.qkv, ReplicatedGroupQKV))
+        elif cfg.qk_norm:
             self.q_norm, self.k_norm = nn.RMSNorm(d, eps=cfg.norm_eps), nn.RMSNorm(d, eps=cfg.norm_eps)
             for param in (self.q_norm.weight, self.k_norm.weight):
                 set_tp_attributes(param, False, -1, sequence_parallel=True)
@@ -421,6 +425,21 @@ class SelfAttention(nn.Module):
         with self.parallel.sharded_rng() if p > 0 else contextlib.nullcontext():
             return self._kernel(q, k, v, p if p > 0 else 0.0)
 
+    def _projection_norm_rotary_qkv(self, qkv: torch.Tensor, cos: torch.Tensor,
+                                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``rotary_qkv`` after OLMo-2's QK-norm over the whole q and k projections (``qk_norm.projection_rms_norm``:
+        it communicates, so it is no region)."""
+        s, b, r, d, group = qkv.shape[0], qkv.shape[1], self.q_per_kv, self.head_dim, self.parallel.tp_group
+        grouped = qkv.view(s, b, -1, r + 2, d)  # [s, b, g_local, r+2, d]
+        k_weight = self.k_norm.weight
+        if isinstance(self.qkv, ReplicatedGroupQKV):  # the whole [g·d] weight: this rank's group
+            k_weight = k_weight.view(-1, d)[self.qkv.group_index]
+        q = projection_rms_norm(grouped[:, :, :, :r].reshape(s, b, -1), self.q_norm.weight, self.q_norm.eps, group)
+        k = projection_rms_norm(grouped[:, :, :, r].reshape(s, b, -1), k_weight, self.k_norm.eps, group)
+        cos, sin = cos.to(qkv.dtype)[:, :, None, :], sin.to(qkv.dtype)[:, :, None, :]  # [s, b|1, 1, rd]
+        return (apply_rotary(q.view(s, b, -1, d), cos, sin), apply_rotary(k.view(s, b, -1, d), cos, sin),
+                grouped[:, :, :, r + 1].contiguous())
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMeta | None = None, kv_cache: LayerKV | None = None) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]``, cos/sin ``[s, b|1, rd/2]`` → same shape as x.
@@ -429,7 +448,9 @@ class SelfAttention(nn.Module):
         (inference, no SP or CP) the tokens follow the cached ones and attend over all of them."""
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
         s, b = qkv.shape[0], qkv.shape[1]
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.projection_qk_norm:
+            q, k, v = self._projection_norm_rotary_qkv(qkv, cos, sin)
+        elif self.q_norm is not None and self.k_norm is not None:
             q, k, v = self.regions.norm_rotary_qkv(qkv, cos, sin, self.q_per_kv, self.head_dim, self.q_norm.weight,
                                                    self.k_norm.weight, self.q_norm.eps)
         else:
@@ -485,8 +506,9 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer with parallel (neox) or sequential (llama) residual; its ``mlp`` is the dense
-    ``MLP``, or ``moe.MoE`` in the layers ``moe.is_moe_layer`` picks (with its shared experts as an ``MLP``)."""
+    """Transformer layer with parallel (neox) or sequential (llama) residual, its norms before the sublayers or on
+    their outputs (``model.norm_placement``, OLMo-2: ``x + norm(attn(x))``); its ``mlp`` is the dense ``MLP``, or
+    ``moe.MoE`` in the layers ``moe.is_moe_layer`` picks (with its shared experts as an ``MLP``)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, parallel: ParallelContext | None = None) -> None:
         super().__init__()
@@ -494,6 +516,7 @@ class TransformerLayer(nn.Module):
         self.parallel = parallel
         self.layer_number = layer_number
         self.parallel_residual = arch_spec(cfg.arch).parallel_residual
+        self.post_norm = cfg.norm_placement == "post_sublayer"
         self.hidden_dropout = cfg.hidden_dropout
         self.regions = EAGER
         self.attn_norm = make_norm(cfg, parallel)
@@ -513,6 +536,12 @@ class TransformerLayer(nn.Module):
                 meta: AttentionMeta | None = None, kv_cache: LayerKV | None = None) -> torch.Tensor:
         """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → same shape (``meta``, ``kv_cache``: see ``SelfAttention``)."""
         fn, n1, n2 = self.regions, norm_args(self.attn_norm), norm_args(self.mlp_norm)
+        if self.post_norm:  # attn_norm / mlp_norm normalise the sublayers' outputs
+            attn = self._dropout(fn.norm(self.attention(x, cos, sin, meta, kv_cache), *n1))
+            if self.parallel_residual:
+                return fn.add3(x, attn, self._dropout(fn.norm(self.mlp(x), *n2)))
+            x = x + attn
+            return x + self._dropout(fn.norm(self.mlp(x), *n2))
         attn = self._dropout(self.attention(fn.norm(x, *n1), cos, sin, meta, kv_cache))
         if self.parallel_residual:
             mlp = self._dropout(self.mlp(fn.norm(x, *n2)))

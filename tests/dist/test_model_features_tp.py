@@ -1,7 +1,9 @@
 """The open-model features (QK-norm, q/k/v bias, head_dim ≠ hidden/heads, llama3 rope) in one model under tp2, with and
 without SP, column-parallel and replicated-group QKV, against the 1-rank model (fp64): loss and every gradient after
 the trainer's TP sum of ``sequence_parallel`` parameters (the QK-norm weights see only a rank's heads, so they need it
-with and without SP). Full recompute on one rank is checked in the same launch."""
+with and without SP). The same for OLMo-2's features (QK-norm over the whole projection: its statistic all-reduced
+over TP, its weights split like the heads or, for a replicated kv group, whole; norms after the sublayers). Full
+recompute on one rank is checked in the same launch."""
 from __future__ import annotations
 
 import torch
@@ -15,11 +17,12 @@ from megatron_sp.testing import run_distributed
 S, B = 16, 2
 
 
-def _cfg(kv: int, recompute: str = "none") -> ModelConfig:
+def _cfg(kv: int, recompute: str = "none", olmo: bool = False) -> ModelConfig:
+    olmo2 = {"qk_norm_scope": "projection", "norm_placement": "post_sublayer"} if olmo else {}
     return ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=kv, head_dim=12,
                        ffn_hidden_size=48, rotary_pct=1.0, seq_length=S, vocab_size=50, padded_vocab_size=64,
                        qk_norm=True, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=8.0,
-                       rope_original_max_positions=8, init_std=0.2, recompute=recompute)
+                       rope_original_max_positions=8, init_std=0.2, recompute=recompute, **olmo2)
 
 
 def _run(model: GPTModel, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -38,15 +41,19 @@ def _run(model: GPTModel, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, 
 
 def _features(rank: int, world: int) -> dict[str, float]:
     group, errors = dist.group.WORLD, {}
-    for kv, sp in ((2, True), (2, False), (1, False)):  # column-parallel QKV with / without SP; a replicated kv group
-        ref_loss, ref = _run(GPTModel(_cfg(kv), seed=5).double())
-        model = GPTModel(_cfg(kv), seed=5, parallel=ParallelContext(tp_group=group, sequence_parallel=sp)).double()
+    # column-parallel QKV with / without SP; a replicated kv group (Qwen3's per-head QK-norm, OLMo-2's over the projection)
+    for kv, sp, olmo in ((2, True, False), (2, False, False), (1, False, False), (2, True, True), (2, False, True),
+                         (1, True, True)):
+        ref_loss, ref = _run(GPTModel(_cfg(kv, olmo=olmo), seed=5).double())
+        parallel = ParallelContext(tp_group=group, sequence_parallel=sp)
+        model = GPTModel(_cfg(kv, olmo=olmo), seed=5, parallel=parallel).double()
         loss, grads = _run(model, rank, world)
-        errors[f"kv{kv} sp{sp} loss"] = abs(loss.item() - ref_loss.item()) / ref_loss.item()
+        case = f"kv{kv} sp{sp}{' olmo' if olmo else ''}"
+        errors[f"{case} loss"] = abs(loss.item() - ref_loss.item()) / ref_loss.item()
         for name, p in model.named_parameters():
             grad = comm.all_reduce(grads[name].clone(), group) if p.sequence_parallel else grads[name]
             want = shard(ref[name], p.partition_dim, rank, world) if p.tensor_model_parallel else ref[name]
-            errors[f"kv{kv} sp{sp} {name}"] = ((grad - want).abs().max() / want.abs().max()).item()
+            errors[f"{case} {name}"] = ((grad - want).abs().max() / want.abs().max()).item()
     if rank == 0:  # full recompute replays the same layers: the same grads
         ref_loss, ref = _run(GPTModel(_cfg(2), seed=5).double())
         loss, grads = _run(GPTModel(_cfg(2, "full"), seed=5).double())

@@ -199,7 +199,8 @@ def test_qwen2_moe_layers_ours_cannot_hold_are_refused() -> None:
     for layers, first, freq in (({}, 0, 1), ({"mlp_only_layers": [0, 2]}, 1, 2), ({"decoder_sparse_step": 4}, 3, 1)):
         cfg = convert.model_config_from_hf({**raw, **layers}, "config.json")
         assert (cfg.moe_first_dense_layers, cfg.moe_layer_freq, cfg.moe_shared_experts) == (first, freq, 0)
-    for bad, says in (({"mlp_only_layers": [2]}, "sparse layers [0, 1, 3]"), ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    assert convert.model_config_from_hf({**raw, "norm_topk_prob": False}, "config.json").moe_renormalize is False
+    for bad, says in (({"mlp_only_layers": [2]}, "sparse layers [0, 1, 3]"),
                       ({"shared_expert_intermediate_size": 36}, "shared_expert_intermediate_size 36"),
                       ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16")):
         with pytest.raises(convert.DataError, match=re.escape(says)):

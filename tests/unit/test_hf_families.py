@@ -1,5 +1,6 @@
 """Cross-framework parity per open-model family: a tiny random model built from transformers' own config class
-(Llama-3 rope llama3 / linear / yarn, Qwen2 q/k/v biases, Qwen3 QK-norm and head_dim ≠ hidden/heads), saved as an HF
+(Llama-3 rope llama3 / linear / yarn, Qwen2 q/k/v biases, Qwen3 QK-norm and head_dim ≠ hidden/heads, Mistral without a
+window, OLMo-2 post-sublayer norms and QK-norm over the projection, Qwen3-MoE with its aux loss), saved as an HF
 directory, imported with tools/convert_checkpoint.py; on one batch our 1-rank loss equals transformers' loss, every
 parameter's gradient equals transformers' gradient of the same weight (max|Δ|/max|ref| ≤ 1e-5, fp32), greedy tokens
 equal transformers'; export of the import gives back the same tensors bit for bit and a config transformers loads."""
@@ -37,6 +38,14 @@ FAMILIES = {  # name: (config class, its keywords beyond TINY)
     "llama_yarn": ("LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 12, "rope_scaling": LLAMA3}),
+    "mistral": ("MistralConfig", {"head_dim": 12, "sliding_window": None}),
+    "olmo2": ("Olmo2Config", {}),
+    # one MoE layer, top-2 not renormalised, the aux loss in transformers' loss (its coef ↔ ours: docs/moe.md)
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 12, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
+                                     "moe_intermediate_size": 16, "mlp_only_layers": [0], "output_router_logits": True,
+                                     "router_aux_loss_coef": 0.05}),
+    "qwen3_moe_norm": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                                          "moe_intermediate_size": 16, "router_aux_loss_coef": 0.0}),
 }
 TOL = 1e-5  # max|Δ| / max|ref|, fp32
 
@@ -68,6 +77,20 @@ def imported(hf: torch.nn.Module, tmp_path: Path) -> tuple[Path, ModelConfig, GP
     return ckpt, cfg.model, model
 
 
+def per_expert(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked expert grads (``experts.gate_up_proj [E, 2f, h]``, ``experts.down_proj``) by the names
+    of its checkpoints (one matrix per expert), which ours maps to."""
+    out = {}
+    for name, grad in grads.items():
+        prefix, _, leaf = name.rpartition(".")
+        for e, matrix in enumerate(grad if prefix.endswith(".experts") else ()):
+            parts = dict(zip(("gate_proj", "up_proj"), matrix.chunk(2))) if leaf == "gate_up_proj" else {leaf: matrix}
+            out.update({f"{prefix}.{e}.{proj}.weight": m for proj, m in parts.items()})
+        if not prefix.endswith(".experts"):
+            out[name] = grad
+    return out
+
+
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
     labels = torch.cat([tokens[:, 1:], torch.full((B, 1), -100)], dim=1)
@@ -80,8 +103,9 @@ def test_loss_grads_and_greedy_equal_transformers(family: str, tmp_path: Path) -
     _, cfg, ours = imported(hf, tmp_path)
     tokens, labels = batch()
     hf.train()
-    hf_loss = hf(input_ids=tokens, labels=tokens).loss
-    hf_loss.backward()
+    out = hf(input_ids=tokens, labels=tokens)
+    out.loss.backward()  # with the aux loss when output_router_logits: ours adds only its gradient
+    hf_loss = out.loss - hf.config.router_aux_loss_coef * out.aux_loss if out.get("aux_loss") is not None else out.loss
     ours.train()
     losses = ours(tokens, labels=labels)
     mask = (labels >= 0).float()
@@ -89,7 +113,7 @@ def test_loss_grads_and_greedy_equal_transformers(family: str, tmp_path: Path) -
     loss.backward()
     assert abs(loss.item() - hf_loss.item()) <= TOL * hf_loss.item(), (loss.item(), hf_loss.item())
     grads = to_hf_state_dict({n: p.grad for n, p in ours.named_parameters()}, cfg)
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    hf_grads = per_expert({n: p.grad for n, p in hf.named_parameters()})
     assert set(grads) == set(hf_grads), set(grads) ^ set(hf_grads)
     worst = 0.0
     for name, ref in hf_grads.items():
@@ -109,7 +133,7 @@ def test_loss_grads_and_greedy_equal_transformers(family: str, tmp_path: Path) -
     assert [c.new_ids for c in done] == theirs.tolist()
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "olmo2", "qwen3_moe"])
 def test_export_of_import_is_bit_identical_and_loads(family: str, tmp_path: Path) -> None:
     hf = hf_model(family)
     ckpt, cfg, _ = imported(hf, tmp_path)
@@ -121,7 +145,8 @@ def test_export_of_import_is_bit_identical_and_loads(family: str, tmp_path: Path
         assert torch.equal(back[name], tensor), name
     loaded = transformers.AutoConfig.from_pretrained(out)
     assert type(loaded) is type(hf.config)
-    for key in ("head_dim", "num_key_value_heads", "tie_word_embeddings", "rms_norm_eps"):  # (Qwen2: no head_dim)
+    for key in ("head_dim", "num_key_value_heads", "tie_word_embeddings", "rms_norm_eps", "norm_topk_prob",
+                "mlp_only_layers", "num_experts", "router_aux_loss_coef"):  # (Qwen2: no head_dim)
         assert getattr(loaded, key, 8) == getattr(hf.config, key, 8), key
     assert loaded.rope_parameters == hf.config.rope_parameters
     assert json.loads((out / "config.json").read_text())["architectures"] == hf.config.architectures
@@ -137,7 +162,25 @@ def test_family_keys_refused_and_resolved() -> None:
     with pytest.raises(convert.DataError, match="attention_bias"):  # Qwen3's attention_bias biases o_proj too
         convert.model_config_from_hf({**raw, "architectures": ["Qwen3ForCausalLM"], "rope_scaling": None,
                                       "attention_bias": True}, "config.json")
+    mixtral = {**TINY, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 1}
+    assert convert.model_config_from_hf(mixtral, "config.json").moe_renormalize  # its top-1 weight is 1
+    bare = convert.Config()
+    bare.model.qk_norm_scope = "projection"
+    with pytest.raises(convert.ConfigError, match="qk_norm_scope=projection needs model.qk_norm=true"):
+        convert.finalize(bare)
+    with pytest.raises(convert.DataError, match="sliding_window 16 below max_position_embeddings 64 .sliding-window"):
+        convert.model_config_from_hf({**TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 16}, "config.json")
+    assert convert.model_config_from_hf({**TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 64},
+                                        "config.json").arch == "llama"  # a window covering the context: none
     cfg = convert.model_config_from_hf({**TINY, "architectures": ["Qwen3ForCausalLM"], "head_dim": 12}, "config.json")
+    post = dataclasses.replace(cfg, qk_norm=False, norm_placement="post_sublayer", num_kv_heads=2, ffn_hidden_size=48,
+                               rotary_pct=1.0, padded_vocab_size=128)  # OLMo-2's norms without its QK-norm
+    with pytest.raises(convert.ConfigError, match="norm_placement=post_sublayer"):
+        hf_config_dict(post)
+    moe = dataclasses.replace(post, qk_norm=True, norm_placement="pre", num_experts=4, moe_shared_experts=1,
+                              moe_ffn_hidden_size=16)
+    with pytest.raises(convert.ConfigError, match="Qwen3MoeForCausalLM needs model.moe_shared_experts=0"):
+        hf_config_dict(moe)
     both = dataclasses.replace(cfg, qkv_bias=True, num_kv_heads=2, ffn_hidden_size=48, rotary_pct=1.0,
                                padded_vocab_size=128)
     with pytest.raises(convert.ConfigError, match="no transformers class"):
