@@ -1,7 +1,6 @@
 """tools/convert_checkpoint.py: export to HF transformers (logits, greedy tokens), import, re-layout, refusals."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -14,14 +13,12 @@ import torch
 from megatron_sp import checkpointing, config
 from megatron_sp.model import GPTModel, generate_batch
 from megatron_sp.optim import DistributedOptimizer, named_trainable
+from tools import convert_checkpoint as convert
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
-convert = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(convert)  # type: ignore[union-attr]
 
 VOCAB = 258  # byte tokenizer
 ARCH = {"neox": ["model.arch=neox", "model.ffn_hidden_size=256"],

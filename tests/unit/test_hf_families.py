@@ -1,13 +1,13 @@
 """Cross-framework parity per open-model family: a tiny random model built from transformers' own config class
-(Llama-3 rope llama3 / linear / yarn, Qwen2 q/k/v biases, Qwen3 QK-norm and head_dim ≠ hidden/heads, Mistral without a
-window, OLMo-2 post-sublayer norms and QK-norm over the projection, Qwen3-MoE with its aux loss), saved as an HF
+(Llama-3 rope llama3 / linear / yarn, Qwen2 q/k/v biases, Qwen3 QK-norm and head_dim ≠ hidden/heads, Mistral with a
+sliding window of 5 (below the batch's 24 tokens and the 16 of generation), OLMo-2 post-sublayer norms and QK-norm
+over the projection, Qwen3-MoE with its aux loss), saved as an HF
 directory, imported with tools/convert_checkpoint.py; on one batch our 1-rank loss equals transformers' loss, every
 parameter's gradient equals transformers' gradient of the same weight (max|Δ|/max|ref| ≤ 1e-5, fp32), greedy tokens
 equal transformers'; export of the import gives back the same tensors bit for bit and a config transformers loads."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -17,14 +17,11 @@ import torch
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel, generate_batch
 from megatron_sp.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from tools import convert_checkpoint as convert
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
-convert = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(convert)  # type: ignore[union-attr]
 
 V, S, B = 96, 24, 2
 TINY = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -38,7 +35,7 @@ FAMILIES = {  # name: (config class, its keywords beyond TINY)
     "llama_yarn": ("LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 12, "rope_scaling": LLAMA3}),
-    "mistral": ("MistralConfig", {"head_dim": 12, "sliding_window": None}),
+    "mistral": ("MistralConfig", {"head_dim": 12, "sliding_window": 5}),  # a window below S and the generated length
     "olmo2": ("Olmo2Config", {}),
     # one MoE layer, top-2 not renormalised, the aux loss in transformers' loss (its coef ↔ ours: docs/moe.md)
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 12, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
@@ -168,10 +165,16 @@ def test_family_keys_refused_and_resolved() -> None:
     bare.model.qk_norm_scope = "projection"
     with pytest.raises(convert.ConfigError, match="qk_norm_scope=projection needs model.qk_norm=true"):
         convert.finalize(bare)
-    with pytest.raises(convert.DataError, match="sliding_window 16 below max_position_embeddings 64 .sliding-window"):
-        convert.model_config_from_hf({**TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 16}, "config.json")
+    qwen_window = {**TINY, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 16}
+    with pytest.raises(convert.DataError, match="a sliding window on some layers only"):
+        convert.model_config_from_hf({**qwen_window, "max_window_layers": 1}, "config.json")
+    windowed = convert.model_config_from_hf({**qwen_window, "max_window_layers": 0}, "config.json")
+    assert windowed.sliding_window == 16
+    windowed = dataclasses.replace(windowed, num_kv_heads=2, ffn_hidden_size=48, rotary_pct=1.0, padded_vocab_size=128)
+    assert hf_config_dict(windowed)["architectures"] == ["Qwen2ForCausalLM"]  # Llama has no window
+    assert hf_config_dict(windowed)["max_window_layers"] == 0
     assert convert.model_config_from_hf({**TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 64},
-                                        "config.json").arch == "llama"  # a window covering the context: none
+                                        "config.json").sliding_window is None  # a window covering the context: none
     cfg = convert.model_config_from_hf({**TINY, "architectures": ["Qwen3ForCausalLM"], "head_dim": 12}, "config.json")
     post = dataclasses.replace(cfg, qk_norm=False, norm_placement="post_sublayer", num_kv_heads=2, ffn_hidden_size=48,
                                rotary_pct=1.0, padded_vocab_size=128)  # OLMo-2's norms without its QK-norm
