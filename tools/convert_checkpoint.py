@@ -374,16 +374,19 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         raise refuse("attention_bias/mlp_bias=true")
     moe: dict[str, Any] = {}
     window = raw.get("sliding_window") if raw.get("use_sliding_window", names[0] in (MIXTRAL, "MistralForCausalLM")) else None
-    if window not in (None, 0) and int(window) < common["seq_length"]:
-        raise refuse(f"sliding_window {window} below max_position_embeddings {common['seq_length']} (sliding-window "
-                     "attention)")
+    window = int(window) if window and int(window) < common["seq_length"] else None  # one covering the context: none
+    kinds = raw.get("layer_types") or ["sliding_attention" if i >= int(raw.get("max_window_layers", 0)) else "full"
+                                       for i in range(common["num_layers"])]  # Qwen: windows from max_window_layers on
+    if window and any(kind != "sliding_attention" for kind in kinds):
+        raise refuse(f"a sliding window on some layers only (layer_types {kinds})")
     if names[0] in (QWEN2_MOE, QWEN3_MOE):
         moe = qwen2_moe_keys(raw, common["num_layers"], refuse, names[0] == QWEN3_MOE)
     if names[0] == MIXTRAL:  # llama with a MoE MLP in every layer
         moe = {"num_experts": int(raw["num_local_experts"]), "moe_top_k": int(raw.get("num_experts_per_tok", 2)),
                "moe_ffn_hidden_size": common["ffn_hidden_size"], "moe_renormalize": True,
                "moe_aux_loss_coeff": float(raw.get("router_aux_loss_coef", 0.01))}
-    cfg = ModelConfig(**common, **moe, num_kv_heads=int(raw.get("num_key_value_heads") or heads), rotary_pct=1.0,
+    cfg = ModelConfig(**common, **moe, sliding_window=window, num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                      rotary_pct=1.0,
                       rotary_base=_rope(raw, "rope_theta", "rope_theta", 10000.0), norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
     if moe:  # transformers' router_aux_loss_coef → our α (docs/moe.md)
         cfg.moe_aux_loss_coeff = hf_aux_loss_coef(cfg.moe_aux_loss_coeff, cfg, to_hf=False)

@@ -325,7 +325,8 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
               "data.prefetch_factor")
     _positive(cfg, "train.lr", "train.min_lr", "train.lr_warmup_iters", "train.weight_decay", "train.clip_grad",
               "train.eval_interval", "checkpoint.interval", "checkpoint.keep", "logging.dump_grads_step", "logging.peak_tflops",
-              "model.hidden_dropout", "model.attention_dropout", "model.cpu_attention_max_scores", "data.num_workers",
+              "model.hidden_dropout", "model.attention_dropout", "model.cpu_attention_max_scores", "model.sliding_window",
+              "data.num_workers",
               allow_zero=True)
     for key in ("hidden_dropout", "attention_dropout"):
         if getattr(m, key) >= 1.0:
@@ -364,6 +365,8 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     choice("model.rope_scaling", m.rope_scaling, ("none", "linear", "llama3", "yarn"))
     choice("model.qk_norm_scope", m.qk_norm_scope, ("head", "projection"))
     choice("model.norm_placement", m.norm_placement, ("pre", "post_sublayer"))
+    if m.sliding_window and m.attention_dropout > 0:
+        raise ConfigError("model.sliding_window needs model.attention_dropout=0 (the windowed kernels have no dropout)")
     if m.qk_norm_scope != "head" and not m.qk_norm:
         raise ConfigError(f"model.qk_norm_scope={m.qk_norm_scope} needs model.qk_norm=true")
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:

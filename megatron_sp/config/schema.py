@@ -55,6 +55,10 @@ class ModelConfig:
     norm_eps: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.")
     hidden_dropout: float = doc(0.0, "Dropout on the attention and MLP outputs before the residual add.")
     attention_dropout: float = doc(0.0, "Dropout on the attention probabilities.")
+    sliding_window: int | None = doc(None, "Sliding-window attention (Mistral): a token sees itself and the "
+                                           "sliding_window - 1 tokens before it (transformers' convention, flash-attn's "
+                                           "window_size=(w-1, 0)), in training (every cp_algo, packed documents) and "
+                                           "generation. None or 0: full causal. Needs attention_dropout=0.")
     cpu_attention_max_scores: int | None = doc(None, "CPU causal attention without CP or packed documents: the "
                                                      "block-causal explicit-scores kernel (faster; keeps about half "
                                                      "of the b·(n/tp)·s² probabilities per layer) while b·(n/tp)·s² is "

@@ -232,14 +232,15 @@ class GPTModel(nn.Module):
         cos, sin = self.rotary(position_ids, seq_len, x.device, angle_dtype, rope_dtype)  # [s, b|1, rd/2]
 
         meta = None
-        if comm.group_size(self.cp_group) > 1 or document_ids is not None:
+        window = self.cfg.sliding_window if self.cfg.sliding_window and self.cfg.sliding_window < seq_len else None
+        if comm.group_size(self.cp_group) > 1 or document_ids is not None or (window and kv_cache is None):
             if token_index is None and comm.group_size(self.cp_group) > 1:
                 raise ValueError("context parallelism needs token_index (the global index of each held token: "
                                  "layout.shard_batch provides it)")
             if token_index is None:
                 token_index = torch.arange(seq_len, device=x.device).unsqueeze(0).expand(x.shape[1], seq_len)
             meta = AttentionMeta.build(token_index, document_ids, par.cp_algo, self.cp_group,
-                                       par.cp_heads_k_stride, par.cp_ulysses_group, par.cp_ring_group)
+                                       par.cp_heads_k_stride, par.cp_ulysses_group, par.cp_ring_group, window)
         full_recompute = par.recompute == "full" and self.training and torch.is_grad_enabled()
         for index in self.layer_chunks[chunk]:
             layer = self.layers[str(index)]

@@ -65,7 +65,7 @@ FAMILIES = {
     "GPTNeoXForCausalLM": Family("gpt_neox", {"arch": "neox", "qk_norm": False, "norm_placement": "pre"},
                                  {"use_parallel_residual": True}),
     "LlamaForCausalLM": Family("llama", _PLAIN, {"attention_bias": False, "mlp_bias": False}),
-    "MistralForCausalLM": Family("mistral", _PLAIN, {"sliding_window": None}),  # a window < the context is refused
+    "MistralForCausalLM": Family("mistral", _PLAIN, {"sliding_window": None}),
     "Qwen2ForCausalLM": Family("qwen2", {**_PLAIN, "qkv_bias": True}, {"use_sliding_window": False}),
     "Qwen3ForCausalLM": Family("qwen3", {**_PLAIN, "qk_norm": True, "qk_norm_scope": "head"},
                                {"attention_bias": False, "use_sliding_window": False}),
@@ -89,12 +89,23 @@ def hf_dense_class(cfg: ModelConfig, prefer: str | None = None) -> str:
     for name in sorted(FAMILIES, key=lambda n: n != prefer):
         family = FAMILIES[name]
         if all(getattr(cfg, key) == value for key, value in family.keys.items()) and \
-                (family.keys["arch"] == "llama" or head_dim(cfg) == cfg.hidden_size // cfg.num_heads):
+                (family.keys["arch"] == "llama" or head_dim(cfg) == cfg.hidden_size // cfg.num_heads) and \
+                (not cfg.sliding_window or {"sliding_window", "use_sliding_window"} & family.hf.keys()):
             return name
     raise ConfigError(f"no transformers class has model.arch={cfg.arch} with qkv_bias={cfg.qkv_bias}, qk_norm="
                       f"{cfg.qk_norm} ({cfg.qk_norm_scope}), norm_placement={cfg.norm_placement}, head_dim="
-                      f"{head_dim(cfg)} (Qwen2: qkv_bias; Qwen3: qk_norm head; OLMo-2: qk_norm projection and "
-                      "post_sublayer norms; GPT-NeoX: none, head_dim = hidden/heads)")
+                      f"{head_dim(cfg)}, sliding_window={cfg.sliding_window} (Qwen2: qkv_bias; Qwen3: qk_norm head; OLMo-2: qk_norm "
+                      "projection and post_sublayer norms; GPT-NeoX: none, head_dim = hidden/heads; a window: Mistral, "
+                      "Qwen2, Qwen3)")
+
+
+def window_config(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
+    """``model.sliding_window`` as the ``config.json`` keys of a class whose constants are ``hf``: Mistral's (Mixtral's)
+    ``sliding_window``, or Qwen's with ``use_sliding_window`` and every layer windowed (``max_window_layers`` 0)."""
+    if not cfg.sliding_window:
+        return {}
+    qwen = {"use_sliding_window": True, "max_window_layers": 0} if "use_sliding_window" in hf else {}
+    return {"sliding_window": cfg.sliding_window, **qwen}
 
 
 def renormalised(cfg: ModelConfig) -> bool:
@@ -217,7 +228,7 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None, prefer: str | None
                 "layer_norm_eps": cfg.norm_eps, "attention_bias": True, "hidden_dropout": cfg.hidden_dropout}
     llama = {**common, **family.hf, "architectures": [dense], "model_type": family.model_type,
              "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-             "head_dim": head_dim(cfg)}
+             "head_dim": head_dim(cfg), **window_config(cfg, family.hf)}
     if not cfg.num_experts:
         return llama
     hf_class = hf_moe_class(cfg)
@@ -225,10 +236,12 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None, prefer: str | None
            "router_aux_loss_coef": hf_aux_loss_coef(cfg.moe_aux_loss_coeff, cfg)}  # transformers: training only
     if hf_class == MIXTRAL:
         return {**llama, **moe, "model_type": "mixtral", "intermediate_size": cfg.moe_ffn_hidden_size,
-                "num_local_experts": cfg.num_experts, "router_jitter_noise": 0.0, "sliding_window": None}
+                "num_local_experts": cfg.num_experts, "router_jitter_noise": 0.0, "sliding_window": None,
+                **window_config(cfg, {})}
     llama = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias")}
     qwen = {**llama, **moe, "num_experts": cfg.num_experts, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
             "norm_topk_prob": renormalised(cfg), "decoder_sparse_step": 1, "use_sliding_window": False,
+            **window_config(cfg, {"use_sliding_window": False}),
             "mlp_only_layers": [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)]}
     if hf_class == QWEN3_MOE:
         return {**qwen, "model_type": "qwen3_moe", "attention_bias": False}

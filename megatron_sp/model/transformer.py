@@ -393,6 +393,7 @@ class SelfAttention(nn.Module):
         self.out = RowParallelLinear(n * d, cfg.hidden_size, bias=bias, group=parallel.tp_group,
                                      sequence_parallel=parallel.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
+        self.window = cfg.sliding_window  # decoding; training gets it in the AttentionMeta
         self.regions = EAGER  # pointwise work: EAGER or compiled()
         self.max_scores = cfg.cpu_attention_max_scores  # the CPU block kernel's bound (None: the kernels' default)
         self.attention_fn: Callable[..., torch.Tensor] = functools.partial(dot_product_attention,
@@ -459,7 +460,7 @@ class SelfAttention(nn.Module):
             kv_cache.fill(k, v, meta)
         elif kv_cache is not None:
             k_all, v_all = kv_cache.append(k, v)  # [past + s, b, g, d]
-            return self.out(cached_attention(q, k_all, v_all, self.max_scores, kv_cache.pad).reshape(s, b, -1))
+            return self.out(cached_attention(q, k_all, v_all, self.max_scores, kv_cache.pad, self.window).reshape(s, b, -1))
         if self.parallel.recompute == "selective" and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core, q, k, v, meta, tracker=self.parallel.tracker)  # [s, b, n/t, d]
         else:

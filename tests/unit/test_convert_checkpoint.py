@@ -199,7 +199,7 @@ def test_qwen2_moe_layers_ours_cannot_hold_are_refused() -> None:
     assert convert.model_config_from_hf({**raw, "norm_topk_prob": False}, "config.json").moe_renormalize is False
     for bad, says in (({"mlp_only_layers": [2]}, "sparse layers [0, 1, 3]"),
                       ({"shared_expert_intermediate_size": 36}, "shared_expert_intermediate_size 36"),
-                      ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16")):
+                      ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, "some layers only")):
         with pytest.raises(convert.DataError, match=re.escape(says)):
             convert.model_config_from_hf({**raw, **bad}, "config.json")
 

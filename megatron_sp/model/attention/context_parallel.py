@@ -38,20 +38,23 @@ class AttentionMeta:
     ring_group: Any = None
     chunks: int | None = None
     """Chunks per rank's block classified separately (default: 2 for the zigzag layout, else 1)."""
+    window: int | None = None
+    """Sliding window (``model.sliding_window``): a query sees the keys of the last ``window`` global positions."""
     cache: dict = field(default_factory=dict, repr=False, compare=False)
     """Per micro-batch, shared by every layer's forward and backward: each block's chunk pairs, kinds and
     document plans (keyed by the position tensors this object holds, which stay alive with it)."""
 
     @staticmethod
     def build(token_index: torch.Tensor, document_ids: torch.Tensor | None, algo: str, group: Any,
-              heads_k_stride: int = 1, ulysses_group: Any = None, ring_group: Any = None) -> AttentionMeta:
+              heads_k_stride: int = 1, ulysses_group: Any = None, ring_group: Any = None,
+              window: int | None = None) -> AttentionMeta:
         """All-gather this rank's ``token_index`` (and ``document_ids``) ``[b, s/cp]`` over the cp group."""
         if algo not in ALGORITHMS:
             raise ValueError(f"parallel.cp_algo = {algo!r}; supported: {', '.join(ALGORITHMS)}")
         n, rank = comm.group_size(group), comm.group_rank(group)
         if n == 1:
-            return AttentionMeta("local", group, 0, [token_index],
-                                 None if document_ids is None else [document_ids], heads_k_stride)
+            return AttentionMeta("local", group, 0, [token_index], None if document_ids is None else [document_ids],
+                                 heads_k_stride, window=window)
         if algo == "usp" and (ulysses_group is None or ring_group is None):
             algo = "zigzag"  # Ulysses degree 1 (no sub-groups): USP is the zigzag ring
         stacked = token_index if document_ids is None else torch.stack([token_index, document_ids])
@@ -59,7 +62,8 @@ class AttentionMeta:
         parts = list(gathered.unbind(0))
         positions = parts if document_ids is None else [g[0] for g in parts]
         documents = None if document_ids is None else [g[1] for g in parts]
-        return AttentionMeta(algo, group, rank, positions, documents, heads_k_stride, ulysses_group, ring_group)
+        return AttentionMeta(algo, group, rank, positions, documents, heads_k_stride, ulysses_group, ring_group,
+                             window=window)
 
     @property
     def size(self) -> int:
@@ -104,10 +108,11 @@ def _cols(x: torch.Tensor | None, cols: slice) -> torch.Tensor | None:
 
 
 def _chunk_pairs(q_pos: torch.Tensor, q_doc: torch.Tensor | None, k_pos: torch.Tensor, k_doc: torch.Tensor | None,
-                 parts: int, cache: dict) -> list[tuple[slice, slice, tuple, str, dict]]:
+                 parts: int, cache: dict, window: int | None) -> list[tuple[slice, slice, tuple, str, dict]]:
     """``(query rows, key rows, (q_pos, k_pos, q_doc, k_doc), kind, memo)`` of each pair of a block's ``parts``
     query and key chunks, classified apart, that some query sees; ``memo`` keeps the pair's document plan. Found
-    once per micro-batch: ``cache`` is the meta's, and the positions are tensors the meta holds."""
+    once per micro-batch: ``cache`` is the meta's, and the positions are tensors the meta holds. Under a ``window``
+    the pairs wholly outside it are skipped here: the ring's and llama3's saving."""
     key = (id(q_pos), id(k_pos), parts)
     if key not in cache:
         sq, sk = q_pos.shape[1] // parts, k_pos.shape[1] // parts
@@ -117,7 +122,7 @@ def _chunk_pairs(q_pos: torch.Tensor, q_doc: torch.Tensor | None, k_pos: torch.T
             for j in range(parts):
                 ks = slice(j * sk, (j + 1) * sk)
                 ids = (q_pos[:, qs], k_pos[:, ks], _cols(q_doc, qs), _cols(k_doc, ks))
-                kind = kernels.classify(*ids)
+                kind = kernels.classify(*ids, window)
                 if kind != "empty":
                     pairs.append((qs, ks, ids, kind, {}))
         cache[key] = pairs
@@ -127,16 +132,19 @@ def _chunk_pairs(q_pos: torch.Tensor, q_doc: torch.Tensor | None, k_pos: torch.T
 class _Accumulator:
     """The merged (out, lse) of this rank's query chunks over the key blocks seen so far (fp32)."""
 
-    def __init__(self, q: torch.Tensor, q_pos: torch.Tensor, q_doc: torch.Tensor | None, parts: int,
-                 scale: float, cache: dict) -> None:
-        self.q, self.q_pos, self.q_doc, self.parts, self.scale, self.cache = q, q_pos, q_doc, parts, scale, cache
+    def __init__(self, q: torch.Tensor, q_pos: torch.Tensor, q_doc: torch.Tensor | None, meta: AttentionMeta,
+                 scale: float, parts: int | None = None) -> None:
+        self.q, self.q_pos, self.q_doc, self.scale, self.meta = q, q_pos, q_doc, scale, meta
+        self.parts = meta.parts if parts is None else parts
         self.acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # first row of a query chunk -> (out, lse)
 
     def add(self, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor | None) -> None:
         """Attend every query chunk to every chunk of this key block (skipping pairs no query sees)."""
-        for qs, ks, ids, kind, memo in _chunk_pairs(self.q_pos, self.q_doc, k_pos, k_doc, self.parts, self.cache):
+        window = self.meta.window
+        for qs, ks, ids, kind, memo in _chunk_pairs(self.q_pos, self.q_doc, k_pos, k_doc, self.parts, self.meta.cache,
+                                                    window):
             out, lse = kernels.attention_forward(self.q[qs], k[ks], v[ks], *ids, scale=self.scale, kind=kind,
-                                                 memo=memo)
+                                                 memo=memo, window=window)
             prev = self.acc.get(qs.start)
             self.acc[qs.start] = (out, lse) if prev is None else kernels.merge(prev[0], prev[1], out, lse)
 
@@ -149,16 +157,17 @@ class _Accumulator:
 
 def _block_backward(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_pos: torch.Tensor,
                     q_doc: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
-                    k_doc: torch.Tensor | None, parts: int, scale: float, cache: dict
+                    k_doc: torch.Tensor | None, meta: AttentionMeta, scale: float, parts: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq share, dk, dv) of one key block, in fp32, chunk pair by chunk pair (empty pairs skipped)."""
     dtype = kernels.compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
-    for qs, ks, ids, kind, memo in _chunk_pairs(q_pos, q_doc, k_pos, k_doc, parts, cache):
+    parts = meta.parts if parts is None else parts
+    for qs, ks, ids, kind, memo in _chunk_pairs(q_pos, q_doc, k_pos, k_doc, parts, meta.cache, meta.window):
         gq, gk, gv = kernels.attention_backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, :, qs], *ids,
-                                                scale=scale, kind=kind, memo=memo)
+                                                scale=scale, kind=kind, memo=memo, window=meta.window)
         dq[qs] += gq
         dk[ks] += gk
         dv[ks] += gv
@@ -183,7 +192,7 @@ def _ring_steps(k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward: K,V passed to the next rank, compute overlapping; fp32 (out, lse)."""
-    acc = _Accumulator(q, meta.positions[meta.rank], meta.doc(meta.rank), meta.parts, scale, meta.cache)
+    acc = _Accumulator(q, meta.positions[meta.rank], meta.doc(meta.rank), meta, scale)
     for kb, vb, src in _ring_steps(k, v, meta):
         acc.add(kb, vb, meta.positions[src], meta.doc(src))
     return acc.result()
@@ -196,7 +205,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq = dkv = None  # dkv: the fp32 accumulator of the block held now; it travels with the block
     for kb, vb, src in _ring_steps(k, v, meta):
         gq, gk, gv = _block_backward(dout, q, out, lse, meta.positions[rank], meta.doc(rank), kb, vb,
-                                     meta.positions[src], meta.doc(src), meta.parts, scale, meta.cache)
+                                     meta.positions[src], meta.doc(src), meta, scale)
         dq = gq if dq is None else dq + gq
         mine = torch.stack([gk, gv])
         dkv = mine if dkv is None else dkv + mine
@@ -236,7 +245,7 @@ def _llama3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     outs, lses = [], []
     for heads, kv in _gathered_heads(k, v, meta):
         acc = _Accumulator(q[:, :, heads.start * r:heads.stop * r], meta.positions[meta.rank], meta.doc(meta.rank),
-                           meta.parts, scale, meta.cache)
+                           meta, scale)
         for src in range(meta.size):
             block = kv[src * s:(src + 1) * s]
             acc.add(block[:, 0], block[:, 1], meta.positions[src], meta.doc(src))
@@ -263,7 +272,7 @@ def _llama3_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
             rows = slice(src * s, (src + 1) * s)
             gq, gk, gv = _block_backward(dout[:, :, qh], q[:, :, qh], out[:, :, qh], lse[:, qh], meta.positions[rank],
                                          meta.doc(rank), kv[rows, 0], kv[rows, 1], meta.positions[src],
-                                         meta.doc(src), meta.parts, scale, meta.cache)
+                                         meta.doc(src), meta, scale)
             dq[:, :, qh] += gq
             dkv[rows, 0] += gk
             dkv[rows, 1] += gv
@@ -289,7 +298,7 @@ def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atte
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of queries over keys that both cover the whole sequence: fp32 (out, lse)."""
     pos, doc, parts = _whole_sequence(meta)
-    acc = _Accumulator(q, pos, doc, parts, scale, meta.cache)
+    acc = _Accumulator(q, pos, doc, meta, scale, parts)
     acc.add(k, v, pos, doc)
     return acc.result()
 
@@ -297,7 +306,7 @@ def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atte
 def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, meta: AttentionMeta, scale: float) -> tuple[torch.Tensor, ...]:
     pos, doc, parts = _whole_sequence(meta)
-    return _block_backward(dout.contiguous(), q, out, lse, pos, doc, k, v, pos, doc, parts, scale, meta.cache)
+    return _block_backward(dout.contiguous(), q, out, lse, pos, doc, k, v, pos, doc, meta, scale, parts)
 
 
 _PASSES = {"ring": (_ring_forward, _ring_backward), "zigzag": (_ring_forward, _ring_backward),
@@ -353,7 +362,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionM
         group = meta.ulysses_group
         inner = AttentionMeta("ring", meta.ring_group, meta.rank // u,
                               [torch.cat(meta.positions[j:j + u], 1) for j in range(0, meta.size, u)], docs,
-                              chunks=u * meta.parts)
+                              chunks=u * meta.parts, window=meta.window)
     out, lse_h = _Ulysses.apply(q, k, v, group, inner, scale)  # [s/cp, b, n_heads, d], [b, n_heads/u, s·u/cp]
     lse = comm.all_to_all(lse_h, group, scatter_dim=2, gather_dim=1) if with_lse else None  # [b, n_heads, s/cp]
     return out, lse

@@ -71,38 +71,62 @@ def _runs(pos: torch.Tensor, doc: torch.Tensor | None) -> list[tuple[int, int, i
     return list(zip(docs, pos[first].tolist(), first.tolist(), lengths.tolist()))
 
 
-def _pieces(q_runs: list[tuple[int, int, int, int]],
-            k_runs: list[tuple[int, int, int, int]]) -> list[tuple[bool, int, int, int, int, int]]:
+def _pieces(q_runs: list[tuple[int, int, int, int]], k_runs: list[tuple[int, int, int, int]],
+            window: int | None = None) -> list[tuple[bool, int, int, int, int, int]]:
     """``(causal, q index, q length, k index, k length, occurrence)`` of the visible pieces of one row;
-    ``occurrence`` numbers the pieces of one query run, so that a batch never holds a row twice."""
+    ``occurrence`` numbers the pieces of one query run, so that a batch never holds a row twice. With a ``window``
+    the query runs go in chunks of at most ``window`` positions: keys at or after a chunk's first position meet only
+    the causal bound, older ones only the window's, ``j > p − window``, which is the causal bound of the mirrored
+    positions ``−j`` and ``window − 1 − p``: those pieces run on rows taken backwards (an index ``~i`` < 0)."""
     by_doc: dict[int, list[tuple[int, int, int]]] = {}
     for d, kp, ki, kn in k_runs:
         by_doc.setdefault(d, []).append((kp, ki, kn))
-    pieces = []
+    pieces: list[tuple[bool, int, int, int, int, int]] = []
     for d, qp, qi, qn in q_runs:
-        occurrence = 0
-        for kp, ki, kn in by_doc.get(d, ()):
-            before = min(kn, max(0, qp - kp))  # keys before the first query: every query sees them
-            if before:
-                pieces.append((False, qi, qn, ki, before, occurrence))
-                occurrence += 1
-            offset = kp + before - qp  # queries before the remaining keys see none of them
-            shared = min(kn - before, qn - offset)  # keys after the last query are seen by nobody
-            if shared <= 0:
-                continue
-            pieces.append((True, qi + offset, shared, ki + before, shared, occurrence))
-            occurrence += 1
-            if qn - offset - shared > 0:  # queries after the last key see all of the shared keys
-                pieces.append((False, qi + offset + shared, qn - offset - shared, ki + before, shared, occurrence))
-                occurrence += 1
+        keys = by_doc.get(d, [])
+        if not window:
+            pieces += _run_pieces(qp, qi, qn, keys, 0)
+            continue
+        for p0 in range(qp, qp + qn, window):
+            c, i0 = min(window, qp + qn - p0), qi + p0 - qp
+            recent = [(max(kp, p0), ki + max(0, p0 - kp), kp + kn - max(kp, p0)) for kp, ki, kn in keys if kp + kn > p0]
+            older = [(1 - min(kp + kn, p0), ~(ki + min(kn, p0 - kp) - 1), min(kn, p0 - kp)) for kp, ki, kn in keys if kp < p0]
+            mine = _run_pieces(p0, i0, c, recent, 0)
+            pieces += mine + _run_pieces(window - p0 - c, ~(i0 + c - 1), c, older, len(mine))
     return pieces
+
+
+def _run_pieces(qp: int, qi: int, qn: int, keys: list[tuple[int, int, int]],
+                occurrence: int) -> list[tuple[bool, int, int, int, int, int]]:
+    """The pieces of one query run (first position ``qp``, index ``qi``, length ``qn``) against its document's key
+    runs ``(first position, index, length)`` under the causal bound, numbered from ``occurrence``."""
+    pieces = []
+    for kp, ki, kn in keys:
+        before = min(kn, max(0, qp - kp))  # keys before the first query: every query sees them
+        if before:
+            pieces.append((False, qi, qn, ki, before, occurrence))
+            occurrence += 1
+        offset = kp + before - qp  # queries before the remaining keys see none of them
+        shared = min(kn - before, qn - offset)  # keys after the last query are seen by nobody
+        if shared <= 0:
+            continue
+        pieces.append((True, qi + offset, shared, ki + before, shared, occurrence))
+        occurrence += 1
+        if qn - offset - shared > 0:  # queries after the last key see all of the shared keys
+            pieces.append((False, qi + offset + shared, qn - offset - shared, ki + before, shared, occurrence))
+            occurrence += 1
+    return pieces
+
+
+def _index(starts: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Index ``j`` of runs that start at ``starts``, going up, or down from ``i`` for a start ``~i`` < 0."""
+    return torch.where(starts < 0, ~starts - j, starts + j)
 
 
 def _rows(starts: list[int], lengths: list[int], width: int, b: int, bi: list[int], pad: int) -> torch.Tensor:
     """``[width, G]`` flat rows ``(start + j)·b + bi`` for ``j < length``, else ``pad``."""
     j = torch.arange(width)[:, None]
-    start = torch.tensor(starts)[None, :]
-    rows = (start + j) * b + torch.tensor(bi)[None, :]
+    rows = _index(torch.tensor(starts)[None, :], j) * b + torch.tensor(bi)[None, :]
     return torch.where(j < torch.tensor(lengths)[None, :], rows, pad)
 
 
@@ -113,20 +137,21 @@ def _spans(starts: list[int], lengths: list[int], b: int,
     seq = torch.repeat_interleave(torch.arange(length.numel()), length)
     cu = torch.nn.functional.pad(length.cumsum(0), (1, 0))
     offset = torch.arange(seq.numel()) - cu[seq]
-    return (torch.tensor(starts)[seq] + offset) * b + torch.tensor(bi)[seq], seq, offset, cu.to(torch.int32)
+    return _index(torch.tensor(starts)[seq], offset) * b + torch.tensor(bi)[seq], seq, offset, cu.to(torch.int32)
 
 
 def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
-         packed: bool = False, device: torch.device | None = None) -> list[Group] | list[Packed]:
+         packed: bool = False, device: torch.device | None = None, window: int | None = None) -> list[Group] | list[Packed]:
     """The pieces of a block, batched (``Group``) or ``packed`` (its tensors on ``device``, default the positions'):
-    positions ``[b, sq]``/``[b, sk]``, documents the same or None. A group never holds a query row twice."""
+    positions ``[b, sq]``/``[b, sk]``, documents the same or None, a sliding ``window`` or None. A group never holds
+    a query row twice."""
     b, sq = q_pos.shape
     sk = k_pos.shape[1]
     shapes: dict[tuple[bool, int, int, int], list[tuple[int, int, int, int, int]]] = {}
     for bi in range(b):
         q_runs = _runs(q_pos[bi], None if q_doc is None else q_doc[bi])
         k_runs = _runs(k_pos[bi], None if k_doc is None else k_doc[bi])
-        for causal, qi, qn, ki, kn, occ in _pieces(q_runs, k_runs):
+        for causal, qi, qn, ki, kn, occ in _pieces(q_runs, k_runs, window):
             width = 0 if packed else bucket(qn)
             key = (causal, width, width if causal or packed else kn, occ)
             shapes.setdefault(key, []).append((bi, qi, qn, ki, kn))

@@ -44,18 +44,21 @@ def _check_docs(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None) -> bool:
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
-            k_doc: torch.Tensor | None = None) -> torch.Tensor:
-    """bool ``[b, sq, sk]``: key ``j`` is visible to query ``i`` iff ``k_pos[b, j] <= q_pos[b, i]`` and (no
-    documents or ``q_doc[b, i] == k_doc[b, j]``). Positions: int64 global token indices ``[b, sq]``/``[b, sk]``
+            k_doc: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """bool ``[b, sq, sk]``: key ``j`` is visible to query ``i`` iff ``k_pos[b, j] <= q_pos[b, i]``, (no window or
+    ``k_pos[b, j] > q_pos[b, i] − window``: the query and ``window − 1`` keys before it, as transformers' Mistral)
+    and (no documents or ``q_doc[b, i] == k_doc[b, j]``). Positions: int64 global token indices ``[b, sq]``/``[b, sk]``
     (not rotary positions); documents: int64 ids of the same shapes, or None for one document per sample."""
     mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [b, sq, sk]
+    if window:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
     if _check_docs(q_doc, k_doc):
         mask &= q_doc[:, :, None] == k_doc[:, None, :]
     return mask
 
 
 def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
-             k_doc: torch.Tensor | None = None) -> str:
+             k_doc: torch.Tensor | None = None, window: int | None = None) -> str:
     """The kind of the block's mask (``KINDS``, defined in docs/attention.md), decided from per-row min/max
     (O(s) per-document reductions when documents vary inside a row), never from the ``[sq, sk]`` mask."""
     has_docs = _check_docs(q_doc, k_doc)
@@ -65,7 +68,9 @@ def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | Non
         return "empty"
     q_lo, q_hi = torch.aminmax(q_pos, dim=1)
     k_lo, k_hi = torch.aminmax(k_pos, dim=1)
-    keys_after = k_lo > q_hi  # [b]: no key at or before any query of the row
+    keys_after = k_lo > q_hi  # [b]: no key at or before any query of the row (or inside any query's window)
+    if window:
+        keys_after |= k_hi <= q_lo - window
     if has_docs:
         qd_lo, qd_hi = torch.aminmax(q_doc, dim=1)
         kd_lo, kd_hi = torch.aminmax(k_doc, dim=1)
@@ -87,9 +92,11 @@ def classify(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | Non
         first_k = first_k.scatter_reduce(0, (inverse[:, sq:] + per_row).flatten(), k_pos.flatten(), "amin")
         return "masked" if bool((first_k <= last_q).any()) else "empty"
     # One document per row from here on: the position ranges decide.
-    if bool((k_hi <= q_lo).all()):
+    inside = not window or bool((k_lo > q_hi - window).all())  # no window bound cuts the block
+    if inside and bool((k_hi <= q_lo).all()):
         return "full"
-    if sq == sk and torch.equal(q_pos, k_pos) and (sq == 1 or bool((q_pos[:, 1:] > q_pos[:, :-1]).all())):
+    if (inside and sq == sk and torch.equal(q_pos, k_pos)
+            and (sq == 1 or bool((q_pos[:, 1:] > q_pos[:, :-1]).all()))):
         return "causal"
     return "masked"
 
@@ -112,14 +119,14 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
 
 def _prepare(phase: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
              q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, scale: float | None, kind: str | None,
-             kernel: str | None) -> tuple[str | None, bool, float]:
+             kernel: str | None, window: int | None) -> tuple[str | None, bool, float]:
     """Tell the observers, check a block: its kernel (``kernel_for``; None for an empty block), whether it is
     causal, and its scale."""
     for callback in _BLOCK_OBSERVERS:
         callback(phase, q, k, q_pos, k_pos, q_doc, k_doc, kind)
     _check_shapes(q, k, v, q_pos, k_pos)
     if kind is None:
-        kind = classify(q_pos, k_pos, q_doc, k_doc)
+        kind = classify(q_pos, k_pos, q_doc, k_doc, window)
     elif kind not in KINDS:
         raise ValueError(f"attention: unknown block kind {kind!r}; expected one of {' | '.join(KINDS)}")
     if kind == "empty":
@@ -239,54 +246,55 @@ def observe(callback: BlockObserver) -> Iterator[None]:
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                       q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, *,
                       scale: float | None = None, kind: str | None = None, kernel: str | None = None,
-                      memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``q`` over one key block: ``(out [sq, b, n, d], lse [b, n, sq])``, fp32 (fp64 for
+                      memo: dict | None = None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` over one key block (``window``: sliding, see ``visible``):
+    ``(out [sq, b, n, d], lse [b, n, sq])``, fp32 (fp64 for
     fp64 inputs) and contiguous, so callers ``merge`` without rounding; a row that sees no key: out 0, lse −inf.
     ``kind``: the ``classify`` result if the caller has it; ``kernel`` forces a kernel; ``memo``: a dict the caller
     keeps for this block's positions, in which a document plan is made once for every later call."""
-    name, causal, scale = _prepare("forward", q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
+    name, causal, scale = _prepare("forward", q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel, window)
     if name is None:
         return empty_result(q)
     with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
         if name == "documents":
             piece = piece_kernel(q)
-            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, piece in VARLEN, memo)
+            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, piece in VARLEN, memo, window)
             return documents.forward(q, k, v, groups, compute_dtype(q.dtype), _document_runners(piece, scale)[0])
         if name == "reference":
-            return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc), scale)
+            return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc, window), scale)
         return DENSE[name][0](q, k, v, scale, causal)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
                        k_doc: torch.Tensor | None = None, *, scale: float | None = None, kind: str | None = None,
-                       kernel: str | None = None, memo: dict | None = None
+                       kernel: str | None = None, memo: dict | None = None, window: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ONE key block given the FINAL ``out``/``lse`` over all key blocks: contiguous
     ``(dq [sq, b, n, d], dk [sk, b, g, d], dv [sk, b, g, d])`` in fp32 (fp64 for fp64 inputs), dk/dv summed over
     the query heads of each kv head. ``dq`` is this block's share (the caller sums over key blocks). ``memo``: as
     in ``attention_forward``."""
-    name, causal, scale = _prepare("backward", q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel)
+    name, causal, scale = _prepare("backward", q, k, v, q_pos, k_pos, q_doc, k_doc, scale, kind, kernel, window)
     dtype = compute_dtype(q.dtype)
     if name is None:
         return tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))  # type: ignore[return-value]
     with torch.autocast(q.device.type, enabled=False):  # fp32 gradients from the fp32 lse, also inside autocast
         if name == "documents":
             piece = piece_kernel(q)
-            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, piece in VARLEN, memo)
+            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, piece in VARLEN, memo, window)
             return documents.backward(dout, q, k, v, out, lse, groups, dtype, _document_runners(piece, scale)[1])
         if name == "reference":
-            return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc), scale)
+            return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc, window), scale)
         return DENSE[name][1](dout, q, k, v, out, lse, scale, causal)
 
 
 def _plan(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
-          k_doc: torch.Tensor | None, packed: bool, memo: dict | None) -> list:
+          k_doc: torch.Tensor | None, packed: bool, memo: dict | None, window: int | None) -> list:
     """The block's document plan on ``q``'s device, from ``memo`` when it has one of this form."""
-    key = ("documents", packed, q.device)
+    key = ("documents", packed, q.device, window)
     if memo is not None and key in memo:
         return memo[key]
-    groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=packed, device=q.device)
+    groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=packed, device=q.device, window=window)
     if memo is not None:
         memo[key] = groups
     return groups
@@ -565,25 +573,24 @@ def dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_scores: int | None = None,
-                     pad: torch.Tensor | None = None) -> torch.Tensor:
+                     pad: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of the new queries q ``[s, b, n, d]`` over cached + new keys k/v ``[past + s, b, g, d]``:
     query ``i`` sees keys ``0..past + i`` (bottom-right aligned, so not SDPA's top-left ``is_causal``; one new
-    token needs no mask). → ``[s, b, n, d]``. The first call (no past) is ``dot_product_attention`` with
-    ``max_scores``. ``pad [b]``: sequence j is left-padded by ``pad[j]`` keys, which no other query sees (a padding
-    query sees only itself, so its row stays finite)."""
-    s = q.shape[0]
-    total = k.shape[0]
+    token needs no mask), the last ``window`` of them with a sliding window. → ``[s, b, n, d]``. The first call (no
+    past, no window) is ``dot_product_attention`` with ``max_scores``. ``pad [b]``: sequence j is left-padded by
+    ``pad[j]`` keys, which no other query sees (a padding query sees only itself, so its row stays finite)."""
+    s, total = q.shape[0], k.shape[0]
     past = total - s
-    if pad is not None:
-        key_pos = torch.arange(total, device=q.device)
-        query_pos = key_pos[past:, None]  # [s, 1]
-        visible = (key_pos >= pad[:, None, None]) & (key_pos <= query_pos) | (key_pos == query_pos)  # [b, s, total]
-        return _sdpa(q, k, v, attn_mask=visible.unsqueeze(1))
-    if past == 0:
+    windowed = bool(window) and total > window
+    if pad is None and not windowed and past == 0:
         return dot_product_attention(q, k, v, 0.0, max_scores)
-    mask = None
-    if s > 1:
-        key_pos = torch.arange(total, device=q.device)
-        query_pos = torch.arange(past, total, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [s, past + s], True = attend
+    if pad is None and not windowed and s == 1:
+        return _sdpa(q, k, v)
+    key_pos = torch.arange(total, device=q.device)
+    query_pos = key_pos[past:, None]  # [s, 1]
+    mask = key_pos <= query_pos  # [s, total], True = attend
+    if windowed:
+        mask &= key_pos > query_pos - window
+    if pad is not None:
+        mask = ((key_pos >= pad[:, None, None]) & mask | (key_pos == query_pos)).unsqueeze(1)  # [b, 1, s, total]
     return _sdpa(q, k, v, attn_mask=mask)
