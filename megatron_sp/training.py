@@ -43,10 +43,15 @@ log = logging.getLogger("megatron_sp")
 
 
 def prepare_inputs(cfg: Config) -> Any:
-    """Build the demo data if asked and absent; load the tokenizer and derive the vocab sizes; open the dataset."""
+    """Build the demo data if asked and absent; load the tokenizer and derive the vocab sizes (the checkpoint's
+    vocabulary when it has more rows than the tokenizer has ids, as an imported Qwen); open the dataset."""
     if cfg.data.build_demo:
         ensure_demo_data(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer)
+    ckpt = checkpointing.resume_source(cfg)
+    rows = checkpointing.read_meta(ckpt).get("config", {}).get("model", {}).get("vocab_size") if ckpt else None
+    if cfg.model.vocab_size is None and rows is not None and rows >= tokenizer.vocab_size:
+        cfg.model.vocab_size = rows  # (fewer: another tokenizer, which check_resume_data refuses)
     config_mod.set_vocab(cfg, tokenizer.vocab_size)
     check_inputs(cfg)  # a missing, malformed or empty .bin/.idx, or too many samples: one line, before any rank starts
     return tokenizer

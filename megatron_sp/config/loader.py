@@ -453,12 +453,14 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
 
 
 def set_vocab(cfg: Config, vocab_size: int) -> None:
-    """Record the tokenizer's vocabulary size and derive the padded embedding size."""
+    """Record the model's vocabulary size (the tokenizer's ``vocab_size`` unless ``model.vocab_size`` is set: a model
+    may have more rows than its tokenizer has ids, as Qwen's 151936 for 151669, never fewer) and derive the padded
+    embedding size."""
     m = cfg.model
-    if m.vocab_size is not None and m.vocab_size != vocab_size:
-        raise ConfigError(f"model.vocab_size {m.vocab_size} does not match the tokenizer's {vocab_size}; "
+    if m.vocab_size is not None and m.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size {m.vocab_size} is smaller than the tokenizer's {vocab_size} ids; "
                           "drop model.vocab_size or use the matching tokenizer")
-    m.vocab_size = vocab_size
+    vocab_size = m.vocab_size = m.vocab_size or vocab_size
     multiple = m.make_vocab_size_divisible_by * cfg.parallel.tp
     padded = multiple * math.ceil(vocab_size / multiple)
     if m.padded_vocab_size is not None and m.padded_vocab_size != padded:

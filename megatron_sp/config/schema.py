@@ -71,7 +71,8 @@ class ModelConfig:
     scaled_init: bool = doc(True, "Scale the init std of the output projections (attention out, MLP out) by "
                                   "1/sqrt(2·num_layers), as Megatron and GPT-2 do.")
     make_vocab_size_divisible_by: int = doc(128, "The embedding rows are padded to a multiple of this × tp.")
-    vocab_size: int | None = doc(None, "Derived from the tokenizer: its number of tokens (unpadded).")
+    vocab_size: int | None = doc(None, "Derived from the tokenizer (or checkpoint.load's model): its number of "
+                                       "tokens (unpadded); set, it may exceed the tokenizer's (Qwen: 151936 > 151669).")
     padded_vocab_size: int | None = doc(None, "Derived: vocab_size padded to make_vocab_size_divisible_by × tp.")
     num_experts: int = doc(0, "Mixture of experts: routed experts per MoE layer (0: a dense model, every other moe_* "
                               "key left at its default). docs/moe.md.")

@@ -191,3 +191,45 @@ def test_family_keys_refused_and_resolved() -> None:
     state = GPTModel(both, seed=0).state_dict()  # ours holds both: its mapping still round-trips
     back = from_hf_state_dict(to_hf_state_dict(state, both), both)
     assert all(torch.equal(back[n], t) for n, t in state.items()) and set(back) == set(state)
+
+
+def test_model_vocab_larger_than_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen's embedding has more rows (151936) than its tokenizer.json has ids (151669): the checkpoint's rows win as
+    generate.py and train.py load it; loss and greedy tokens equal transformers' (the extra rows are in its softmax
+    too), export gives them back; a tokenizer larger than the model is one line."""
+    from megatron_sp import checkpointing, training
+    from tests.dist.test_hf_families_layouts import tokenizer_json
+    from tools.inference_setup import checkpoint_config, load_tokenizer
+
+    hf = hf_model("qwen3")
+    tokenizer_json(tmp_path / "hf", 80)  # ids 0..79 of the model's V = 96
+    ckpt, _, _ = imported(hf, tmp_path)
+    meta = checkpointing.read_meta(ckpt)
+    cfg = checkpoint_config(meta, ckpt, [], 1, batches=False)  # tools/generate.py's config, no data path
+    assert load_tokenizer(cfg).vocab_size == 80 and (cfg.model.vocab_size, cfg.model.padded_vocab_size) == (V, 128)
+    ours = GPTModel(cfg.model, seed=0)
+    checkpointing.load_model_state(ours, ckpt, None)
+    tokens = torch.randint(0, 80, (B, S), generator=torch.Generator().manual_seed(1))
+    labels = torch.cat([tokens[:, 1:], torch.full((B, 1), -100)], dim=1)
+    with torch.no_grad():
+        loss = ours(tokens, labels=labels)[labels >= 0].mean()
+        hf_loss = hf(input_ids=tokens, labels=tokens).loss
+    assert abs(loss.item() - hf_loss.item()) <= TOL * hf_loss.item(), (loss.item(), hf_loss.item())
+    ours.eval()
+    hf.eval().generation_config.eos_token_id = None
+    done = generate_batch(ours, tokens[:, :6].tolist(), max_new_tokens=10, eod=None)
+    with torch.no_grad():
+        theirs = hf.generate(tokens[:, :6], max_new_tokens=10, do_sample=False, pad_token_id=0)[:, 6:]
+    assert [c.new_ids for c in done] == theirs.tolist()
+    back = safetensors_torch.load_file(str(convert.to_hf(ckpt, tmp_path / "back", None) / "model.safetensors"))
+    original = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(back) == set(original) and all(torch.equal(back[n], t) for n, t in original.items())
+    train = checkpoint_config(meta, ckpt, [f"checkpoint.load={ckpt}"], 1)
+    train.model.vocab_size = None  # as configs/qwen3_8b.yml: the import's model section without its vocabulary
+    monkeypatch.setattr(training, "check_inputs", lambda cfg: None)  # (no data)
+    training.prepare_inputs(train)  # train.py's
+    assert (train.model.vocab_size, train.model.padded_vocab_size) == (V, 128)
+    tokenizer_json(tmp_path / "big", 120)
+    cfg = checkpoint_config(meta, ckpt, [f"tokenizer.model={tmp_path / 'big'}"], 1, batches=False)
+    with pytest.raises(convert.ConfigError, match=f"model.vocab_size {V} is smaller than the tokenizer's 120 ids"):
+        load_tokenizer(cfg)
