@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sp.model.attention import documents, kernels
+from megatron_sp.model.attention import band, documents, kernels
 from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
 from megatron_sp.mpu import comm
 
@@ -105,6 +105,23 @@ def test_cp1_window_and_bf16() -> None:
         ref = _oracle(*(x.to(dtype) for x in (q, k, v, dout)), POS, POS, None, None, 11) if dtype != torch.float64 else want
         for got, r in zip((out, *(x.grad for x in leaves)), (ref[0], *ref[2:])):
             assert _rel(got, r) <= bound, dtype
+
+
+
+def test_self_blocks_run_as_contiguous_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block whose queries are its keys (consecutive positions, one document per row) takes ``band`` (views of
+    chunks, no row gathers or scatters), and only such blocks; exactness: the ``whole*`` blocks above."""
+    chosen = {name: isinstance(kernels._plan(torch.zeros(1), *BLOCKS[name][:4], False, None, BLOCKS[name][4]), band.Band)
+              for name in ("whole", "whole_w1", "whole_docs", "edge", "zigzag_pair", "gappy")}
+    assert chosen == {"whole": True, "whole_w1": True, "whole_docs": False, "edge": False, "zigzag_pair": False,
+                      "gappy": False}
+    one_doc = torch.tensor([[4] * S, [9] * S])
+    assert band.plan(POS, POS, one_doc, one_doc, 7) == band.Band(7)
+    monkeypatch.setattr(documents, "forward", None)  # the piece path would fail
+    monkeypatch.setattr(documents, "backward", None)
+    x = torch.randn(S, 2, 2, D, dtype=torch.float64)
+    out, lse = kernels.attention_forward(x, x, x, POS, POS, window=7)
+    kernels.attention_backward(x, x, x, x, out, lse, POS, POS, window=7)
 
 
 @pytest.mark.parametrize("pad", [False, True])

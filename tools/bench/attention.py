@@ -1,6 +1,6 @@
 """The layer's causal attention on CPU: the block-causal explicit-scores kernel against torch's CPU flash kernel;
 with ``--window W``: sliding-window attention (``model.sliding_window``) against full causal, both on the path a
-window takes (``context_parallel_attention`` at cp = 1: document-aligned pieces on the CPU flash op).
+window takes (``context_parallel_attention`` at cp = 1: contiguous chunks on the CPU flash op, ``band.py``).
 
 Forward + backward of ``dot_product_attention``'s CPU kernels on q ``[s, b, n, d]``, k/v ``[s, b, g, d]``: time,
 bytes saved for backward and the error against an fp64 reference. Method: docs/attention.md.

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from megatron_sp import device as device_mod
-from megatron_sp.model.attention import documents, fused
+from megatron_sp.model.attention import band, documents, fused
 from megatron_sp.model.attention.fused import compute_dtype, repeat_kv
 
 log = logging.getLogger("megatron_sp")
@@ -257,8 +257,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         return empty_result(q)
     with torch.autocast(q.device.type, enabled=False):  # the contract's fp32 out/lse, also inside autocast
         if name == "documents":
-            piece = piece_kernel(q)
-            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, piece in VARLEN, memo, window)
+            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, (piece := piece_kernel(q)) in VARLEN, memo, window)
+            if isinstance(groups, band.Band):
+                return band.forward(q, k, v, groups, scale)
             return documents.forward(q, k, v, groups, compute_dtype(q.dtype), _document_runners(piece, scale)[0])
         if name == "reference":
             return _reference_forward(q, k, v, visible(q_pos, k_pos, q_doc, k_doc, window), scale)
@@ -280,8 +281,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return tuple(torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))  # type: ignore[return-value]
     with torch.autocast(q.device.type, enabled=False):  # fp32 gradients from the fp32 lse, also inside autocast
         if name == "documents":
-            piece = piece_kernel(q)
-            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, piece in VARLEN, memo, window)
+            groups = _plan(q, q_pos, k_pos, q_doc, k_doc, (piece := piece_kernel(q)) in VARLEN, memo, window)
+            if isinstance(groups, band.Band):
+                return band.backward(dout, q, k, v, out, lse, groups, scale)
             return documents.backward(dout, q, k, v, out, lse, groups, dtype, _document_runners(piece, scale)[1])
         if name == "reference":
             return _reference_backward(dout, q, k, v, out, lse, visible(q_pos, k_pos, q_doc, k_doc, window), scale)
@@ -289,12 +291,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def _plan(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None,
-          k_doc: torch.Tensor | None, packed: bool, memo: dict | None, window: int | None) -> list:
-    """The block's document plan on ``q``'s device, from ``memo`` when it has one of this form."""
+          k_doc: torch.Tensor | None, packed: bool, memo: dict | None, window: int | None) -> list | band.Band:
+    """The block's document plan on ``q``'s device (on CPU a ``band.Band`` where it fits), from ``memo`` if it has it."""
     key = ("documents", packed, q.device, window)
     if memo is not None and key in memo:
         return memo[key]
-    groups = documents.plan(q_pos, k_pos, q_doc, k_doc, packed=packed, device=q.device, window=window)
+    groups = ((q.device.type == "cpu" and not packed and band.plan(q_pos, k_pos, q_doc, k_doc, window))
+              or documents.plan(q_pos, k_pos, q_doc, k_doc, packed=packed, device=q.device, window=window))
     if memo is not None:
         memo[key] = groups
     return groups
