@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_sp import config
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 QUICK = ("train.iters=1", "train.eval_interval=0", "logging.peak_tflops=1")
@@ -31,11 +33,12 @@ at start-up; the commands' own settings otherwise (the sample included)."""
 @dataclass(frozen=True)
 class Rule:
     """A command matching ``pattern`` (re.search on the command line) runs with ``append`` added to its arguments,
-    or is skipped when ``append`` is None; ``reason`` says why."""
+    or is skipped when ``append`` is None, or only has its config checked (``config_only``); ``reason`` says why."""
 
     pattern: str
     reason: str
     append: tuple[str, ...] | None = ()
+    config_only: bool = False  # its config is loaded and checked in this process (config.load), not trained
 
 
 RULES = [  # first match wins
@@ -47,6 +50,10 @@ RULES = [  # first match wins
     Rule(r"^python tools/bench/", "a benchmark (minutes); each has its own smoke test in tests/unit", None),
     Rule(r"train\.compile=true", "compiling takes 20-130 s on CPU; tests/e2e/test_compile.py trains compiled", None),
     Rule(r"^python train\.py --help-config$", "prints the keys"),
+    Rule(r"^python train\.py --conf configs/demo\.yml logging\.name=(pp2|zero_bubble|interleaved|cp2|system_malloc) ",
+         "a layout or memory variant of the demo run: its keys are checked here (config.load); each layout trains in "
+         "tests/e2e/test_layout_parity.py; cache_host_memory=false only skips device.cache_host_memory "
+         "(tests/unit/test_host_memory.py)", config_only=True),
     Rule(r"^(python (train|deepy)\.py|torchrun) .*--conf ", "a training run: shortened", QUICK),
     Rule(r"^python tools/plan\.py ", "the planner (meta device; --verify runs 2 steps)"),
     Rule(r"^python tools/fuzz_parity\.py ", "the parity fuzzer (--draw-only: tests/unit/test_fuzz_space.py; a seeded "
@@ -163,6 +170,11 @@ def test_readme_commands_run_in_order(tmp_path: Path) -> None:
     timings = []
     for command, rule in zip(commands, rules):
         if rule.append is None:  # type: ignore[union-attr]
+            continue
+        if rule.config_only:  # type: ignore[union-attr]
+            confs = [str(repo / a) for flag, a in zip(command.argv, command.argv[1:]) if flag == "--conf"]
+            overrides = [a for a in command.argv[2:] if "=" in a and a not in confs]
+            config.load(confs, overrides)  # a key that does not exist or a layout the model refuses raises here
             continue
         argv = [*command.argv, *rule.append]  # type: ignore[union-attr]
         if argv[0] == "python":
