@@ -137,23 +137,25 @@ def moe_terms(D: PlanDims) -> dict[str, int]:
     taken to receive R rows under ep (the mean over the ep group; a skewed router gives one rank more: --verify's
     largest rank saves a few per cent more early in training), and a capacity factor's dropped rows are not
     subtracted. Router (fp32): its input (the fp32 copy under bf16, else the MoE input itself), the weight's fp32
-    copy under bf16, logits and scores ``[T, E]``; top-k experts (int64), selection scores, the renormalising sum
-    and the combine weights; logsumexp (z-loss) and, for sigmoid, the probabilities' sum; the loads ``[E]`` of
+    copy under bf16, logits and scores ``[T, E]``; top-k experts (int64), when renormalising (``moe_renormalize``,
+    unset: k > 1) the selection scores and their sum; logsumexp (z-loss) and, for sigmoid, the probabilities' sum; the loads ``[E]`` of
     the balancing loss. Dispatcher: the row gather's index and the combine's sort order (int64 ``[R]``; under ep
     also the received rows' permutation). Experts: the dispatched rows ``[R, h]`` (the grouped GEMM's input), the
     gate/up output ``[R, 2f]`` (the SwiGLU input) and the down input ``[R, f]`` (GeLU: its input and fc2's),
     SwiGLU's concatenated gate/up weights ``[E/ep, 2f, h]``, with biases the int64 index each
     ``repeat_interleave`` keeps; under expert tensor parallelism f is ``moe_ffn / tp`` (the rows stay ``[R, h]``: the
     TP all-reduces of the output rows and of the tokens' gradient save nothing). Combine: the expert outputs
-    ``[R, h]`` each ``index_copy`` keeps as its source (under ep two: before and after the all-to-all back), the
-    scattered outputs in fp32 ``[R, h]`` the weighted sum keeps. The shared experts save what a dense
+    ``[R, h]`` each ``index_copy`` keeps as its source (under ep two: before and after the all-to-all back); the
+    weighted sum, in the experts' dtype, keeps the scattered outputs ``[R, h]`` and the combine weights cast to that
+    dtype ``[T, k]`` (the fp32 weights themselves in fp32). No routing bias in use (``Router.bias_in_use``): no
+    biased top-k; with one, its indices are the experts, the same tensor. The shared experts save what a dense
     tensor-parallel MLP of their width does. Left out: the grouped GEMM's int32 offsets ``[E/ep]``."""
     e, h, T, E, k = D.e, D.h, D.shard_tokens, D.experts, D.top_k
     R, f, local = T * k, D.expert_local_ffn, D.experts // D.ep
     spec = arch_spec(D.arch)
-    topk = T * k * 8 + (T * k * 4 * 2 + T * 4 if k > 1 else T * 4)  # experts; scores (+ sum and weights when k > 1)
+    topk = T * k * 8 + (T * k * 4 + T * 4 if D.renorm else 0)  # experts; scores and their sum when renormalising
     terms = {"router input (fp32)": T * h * 4, "router weight copy (fp32)": E * h * 4 if e != 4 else 0,
-             "router logits + scores (fp32)": 2 * T * E * 4, "router top-k (experts, scores, weights)": topk,
+             "router logits + scores (fp32)": 2 * T * E * 4, "router top-k (experts; scores, sum)": topk,
              "router losses (lse, sums, loads)": T * 4 * (1 + D.sigmoid) + E * 4,
              "dispatch indices (int64)": R * 8 * (2 + (D.ep > 1)), "dispatched rows": R * h * e}
     if spec.swiglu:
@@ -163,7 +165,7 @@ def moe_terms(D: PlanDims) -> dict[str, int]:
         terms |= {"expert GeLU input": R * f * e, "expert fc2 input": R * f * e}
     if spec.bias:
         terms["expert bias indices (int64)"] = 2 * R * 8
-    terms |= {"expert output rows": R * h * e * (1 + (D.ep > 1)), "combine rows (fp32)": R * h * 4}
+    terms |= {"expert output rows": R * h * e * (1 + (D.ep > 1)), "combine rows": R * h * e, "combine weights": T * k * e}
     if D.shared_ffn:  # its input is the router's when that is the MoE input itself (fp32, no gather)
         same = e == 4 and not (D.sp and not D.recompute_allgather)
         terms |= mlp_terms(D, D.shared_ffn // D.tp, "shared ", input_held=same)

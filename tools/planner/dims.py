@@ -75,6 +75,7 @@ class PlanDims:
     shared_ffn: int = 0  # the shared experts' MLP width, ``moe_shared_experts · moe_ffn`` (tensor-parallel like a dense MLP)
     ep: int = 1  # expert parallelism: E/ep experts per rank
     sigmoid: bool = False  # the router scores by sigmoid (else softmax)
+    renorm: bool = False  # the selected top-k scores are renormalised (``model.moe_renormalize``; unset: k > 1)
     capacity: bool = False  # model.moe_capacity_factor set (training drops assignments past each expert's capacity)
     edp: int = 1  # expert data parallelism: ``expert_fold / ep`` ranks hold the same experts (their gradient and ZeRO group)
     etp: int = 1  # expert tensor parallelism (``parallel.expert_tp``, 1 or tp, no SP): each TP rank holds moe_ffn/etp of every expert
@@ -122,6 +123,7 @@ def dims_of(cfg: Config) -> PlanDims:
                     cpu_attention_max_scores=m.cpu_attention_max_scores, experts=m.num_experts,
                     top_k=m.moe_top_k if moe else 0, moe_ffn=moe_ffn, shared_ffn=m.moe_shared_experts * moe_ffn,
                     sigmoid=m.moe_router_score == "sigmoid",
+                    renorm=moe and (m.moe_top_k > 1 if m.moe_renormalize is None else m.moe_renormalize),
                     capacity=moe and m.moe_capacity_factor is not None, ep=p.ep, edp=max(1, expert_fold(cfg) // p.ep),
                     etp=p.expert_tp if moe else 1)
 
