@@ -1,14 +1,17 @@
 """Run a function on several gloo ranks: the multi-rank test harness (in the package: training and tools use it).
 
-``run_distributed(fn, world_size, **kwargs)`` forks ``world_size`` ranks from a ``forkserver`` with torch
-preloaded; each joins a gloo group on a free localhost port and returns ``fn(rank, world_size, **kwargs)``
+``run_distributed(fn, world_size, **kwargs)`` forks ``world_size`` ranks from a ``forkserver`` with torch and the
+training modules preloaded; each joins a gloo group on a free localhost port and returns ``fn(rank, world_size, **kwargs)``
 (a module-level function). A rank that raises makes it raise ``RankError`` naming that rank. See docs/parity.md.
+``train_ranks(argv)`` runs train.py's ``main(argv)`` on the ranks its config asks for, as torchrun would start them
+(without the launching process): the parity runs' fast path (~1 s a run instead of ~6 s).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -21,7 +24,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-_PRELOAD = ["torch", "torch.distributed", "megatron_sp.testing"]
+_PRELOAD = ["torch", "torch.distributed", "megatron_sp.testing", "megatron_sp.training"]
+TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 
 
 class RankError(RuntimeError):
@@ -134,6 +138,32 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float
     if failure is not None:
         raise failure
     return [out[r] for r in range(world_size)]
+
+
+def _train_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str]:
+    """One rank of ``train_ranks``: train.py's exit code and what it printed (stdout and stderr, in order)."""
+    import io
+
+    spec = importlib.util.spec_from_file_location("_megatron_sp_train", TRAIN_PY)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = module.main(argv)
+    return code, out.getvalue()
+
+
+def train_ranks(argv: list[str], *, timeout_s: float = 600.0) -> list[tuple[int, str]]:
+    """train.py ``argv`` (``--conf`` files and overrides) on the config's world size of ``run_distributed`` ranks,
+    each running ``main(argv)`` under the torchrun variables (``train.preflight`` off: no launching process runs it);
+    returns every rank's (exit code, output)."""
+    from . import config
+
+    confs = [a for flag, a in zip(argv, argv[1:]) if flag == "--conf"]
+    overrides = [a for a in argv if "=" in a and not a.startswith("-") and a not in confs]
+    world = config.load(confs, overrides).parallel.world_size
+    return run_distributed(_train_rank, world, init=False, timeout_s=timeout_s,
+                           argv=[*argv, "train.preflight=false"])
 
 
 def _get(q: Any, timeout: float) -> Any:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_sp.testing import train_ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # A small model on byte-level tokens: fast on 2 cores, big enough that every parameter gets a gradient.
@@ -35,13 +37,22 @@ def make_byte_dataset(directory: Path) -> str:
     return str(directory / "byte_text_document")
 
 
-def train(run_dir: Path, data: str, *overrides: str, expect_ok: bool = True,
+def train(run_dir: Path, data: str, *overrides: str, expect_ok: bool = True, cli: bool = False,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run train.py with BASE + overrides (and ``env`` added to the environment); its logging.dir is run_dir/log."""
-    args = [sys.executable, "train.py", *BASE, f"data.paths=[{data}]", f"logging.dir={run_dir}/log",
-            f"data.cache_dir={Path(data).parent}/cache", *overrides]
-    p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, **env} if env else None)
+    """Run train.py with BASE + overrides; its logging.dir is run_dir/log. By default its ``main`` runs on the
+    harness's ranks (``testing.train_ranks``: what torchrun starts, without the launching process and its
+    pre-flight; stdout holds every rank's output). ``cli``, ``env`` (added to the environment) or an expected failure
+    runs the command line itself in a subprocess: the launcher, the pre-flight, exit codes and output as a user
+    sees them."""
+    args = [*BASE, f"data.paths=[{data}]", f"logging.dir={run_dir}/log", f"data.cache_dir={Path(data).parent}/cache",
+            *overrides]
+    if cli or env or not expect_ok:
+        p = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=900, env={**os.environ, **env} if env else None)
+    else:
+        ranks = train_ranks(args)
+        code = next((c for c, _ in ranks if c), 0)
+        p = subprocess.CompletedProcess(args, code, "".join(out for _, out in ranks), "")
     if expect_ok:
         assert p.returncode == 0, f"train.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p

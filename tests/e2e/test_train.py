@@ -97,7 +97,7 @@ def test_nan_stops_with_the_step_unless_skipped(tmp_path, byte_data):
 def test_end_of_training_sample_under_pp_equals_one_rank(tmp_path, byte_data):
     """The greedy sample at the end of training, decoded through two pipeline stages with the prompt prefilled split
     over two cp ranks, is the 1-rank run's text (generate_batch under SP and the other layouts:
-    tests/dist/test_generate_layouts.py)."""
+    tests/distributed/test_generate_layouts.py)."""
     def sample(name: str, *layout: str) -> str:
         p = train(tmp_path / name, byte_data, "train.iters=3", "train.sample_prompt=def ", "train.sample_tokens=12",
                   *layout)

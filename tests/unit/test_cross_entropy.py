@@ -6,7 +6,7 @@ columns must not change the loss and must get zero gradient. The custom backward
 against finite differences (``gradcheck``, fp64). The chunked implementation: every chunking (one token,
 a chunk size not dividing the tokens, one chunk) gives the reference; backward saves the logits plus
 O(tokens) bytes, and under bf16 no fp32 tensor exceeds one chunk. Sharded (TP) parity lives in
-``tests/dist/test_tp_layers.py`` and ``tests/dist/test_cross_entropy_tp.py``.
+``tests/distributed/test_tp_layers.py`` and ``tests/distributed/test_cross_entropy_tp.py``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 One launch runs ring, zigzag, llama3, ulysses and usp (and zigzag over packed documents sharded per document) with
 window 5 over S = 24 tokens (GQA, fp64), one causal document and packed documents; the test process puts the shards
-back together (``tests/dist/test_context_parallel.py``'s layout helpers) and compares out, lse and the q/k/v
+back together (``tests/distributed/test_context_parallel.py``'s layout helpers) and compares out, lse and the q/k/v
 gradients with masked softmax attention over the whole sequence (``i - 5 < j <= i``, same document) within 1e-10.
 Also counted: zigzag hands the kernels fewer query-key pairs with the window than without (a chunk pair wholly
 outside it is skipped; at cp = 2 the contiguous ring has none: its one other block borders its own).
