@@ -1,5 +1,6 @@
-"""Smoke test of the compile-per-layout benchmark at a tiny size (one layout, fp32, one run of each mode): train.py
-runs eager and compiled, and the JSON line carries both rates, their ratio and the ratio against the first layout."""
+"""Smoke test of the compile-per-layout benchmark at a tiny size (one layout, fp32): a train.py run of ``--method
+processes``, and ``--method steps`` at dp2 whose JSON line carries both rates, their ratio and the ratio against the
+first layout."""
 from __future__ import annotations
 
 import json
@@ -19,16 +20,13 @@ TINY = ["--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "16", "--bat
         "--global-batch", "4", "--iters", "3", "--skip", "1", "--rounds", "1", "--dtype", "fp32", "--layouts", "1:"]
 
 
-def test_compile_layouts_tiny(capsys: pytest.CaptureFixture[str]) -> None:
-    compile_layouts.main(TINY)
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["bench"] == "compile_layouts"
-    (row,) = report["results"]
-    assert (row["layout"], row["overrides"], row["dtype"]) == ("1", "", "fp32")
-    for key in ("eager_tokens_per_s", "compiled_tokens_per_s", "speedup", "speedup_median"):
-        assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
-    assert row["speedup"] == pytest.approx(row["compiled_tokens_per_s"] / row["eager_tokens_per_s"])
-    assert row["speedup_vs_first_layout"] == pytest.approx(1.0)
+def test_processes_method_runs_train_py(tmp_path: Path) -> None:
+    """``--method processes``: one train.py run (eager here; the compiled run differs by ``train.compile`` alone and
+    compiles in the test below) gives the rates of its steps after ``--skip``."""
+    args = compile_layouts.parse_args(TINY)
+    data = compile_layouts.byte_dataset(tmp_path / "data", 64, args.seq)
+    rates = compile_layouts.run(args, "", "fp32", False, data, tmp_path / "run")
+    assert len(rates) == args.iters - args.skip and all(math.isfinite(r) and r > 0 for r in rates), rates
 
 
 def test_overrides_pad_the_vocabulary_per_tp_rank() -> None:
@@ -42,11 +40,14 @@ def test_overrides_pad_the_vocabulary_per_tp_rank() -> None:
 
 def test_compile_layouts_steps_dp2(capsys: pytest.CaptureFixture[str]) -> None:
     """``--method steps`` on two gloo ranks (dp2): train.py's setup, the eager and the compiled model side by side,
-    alternating steps; the rates after ``--skip`` of each."""
+    alternating steps; the rates after ``--skip`` of each, their ratio and the ratio against the first layout."""
     argv = [*TINY[:TINY.index("--layouts")], "--layouts", "dp2:parallel.dp=2", "--method", "steps"]
     compile_layouts.main(argv)
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (row,) = report["results"]
-    assert (row["layout"], row["method"], row["dtype"]) == ("dp2", "steps", "fp32")
+    assert report["bench"] == "compile_layouts"
+    assert (row["layout"], row["overrides"], row["method"], row["dtype"]) == ("dp2", "parallel.dp=2", "steps", "fp32")
     for key in ("eager_tokens_per_s", "compiled_tokens_per_s", "speedup", "speedup_median"):
         assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
+    assert row["speedup"] == pytest.approx(row["compiled_tokens_per_s"] / row["eager_tokens_per_s"])
+    assert row["speedup_vs_first_layout"] == pytest.approx(1.0)
