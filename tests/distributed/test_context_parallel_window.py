@@ -26,7 +26,7 @@ CASES = [(name, algo, stride, docs) for name, algo, stride in
 
 
 def _run(name: str, algo: str, stride: int, docs: str, rank: int, window: int | None) -> dict[str, torch.Tensor]:
-    from tests.dist.test_context_parallel import _indices, _inputs, _take, _usp_groups
+    from tests.distributed.test_context_parallel import _indices, _inputs, _take, _usp_groups
     q, k, v, dout, pos, doc = _inputs("gqa", docs, "fp64")
     index = _indices(name, doc, 2, q.shape[0])[rank]
     ql, kl, vl = (_take(x, index, 0).requires_grad_(True) for x in (q, k, v))
@@ -69,7 +69,7 @@ def _launch() -> list[dict[str, Any]]:
 
 
 def test_window_matches_full_sequence_oracle() -> None:
-    from tests.dist.test_context_parallel import _indices, _inputs, _put_back
+    from tests.distributed.test_context_parallel import _indices, _inputs, _put_back
     from tests.unit.test_attention_window import _oracle
     per_rank = _launch()
     bad = []

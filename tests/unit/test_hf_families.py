@@ -198,7 +198,7 @@ def test_model_vocab_larger_than_tokenizer(tmp_path: Path, monkeypatch: pytest.M
     generate.py and train.py load it; loss and greedy tokens equal transformers' (the extra rows are in its softmax
     too), export gives them back; a tokenizer larger than the model is one line."""
     from megatron_sp import checkpointing, training
-    from tests.dist.test_hf_families_layouts import tokenizer_json
+    from tests.distributed.test_hf_families_layouts import tokenizer_json
     from tools.inference_setup import checkpoint_config, load_tokenizer
 
     hf = hf_model("qwen3")
