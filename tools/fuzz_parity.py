@@ -76,7 +76,7 @@ FEATURES: dict[str, Key] = {
     "model.qk_norm": Key((False, True)),  # Qwen3: per-head weights whose grads are summed over TP
     "model.qk_norm_scope": Key(("head", "projection"), _is("model.qk_norm", True)),  # OLMo-2: statistic over TP
     "model.norm_placement": Key(("pre", "post_sublayer")),  # OLMo-2: x + norm(f(x))
-    "model.sliding_window": Key((None, 7)),  # Mistral: below seq_length, every cp_algo and packed documents
+    "model.sliding_window": Key((None, 7, 40)),  # Mistral: every cp_algo, packed documents; 40: below s, above s/cp
     "model.norm_eps": Key((1e-5, 1e-6)),
     "model.init_std": Key((0.02, 0.05)),
     "model.scaled_init": Key((True, False)),

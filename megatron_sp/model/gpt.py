@@ -232,9 +232,10 @@ class GPTModel(nn.Module):
         cos, sin = self.rotary(position_ids, seq_len, x.device, angle_dtype, rope_dtype)  # [s, b|1, rd/2]
 
         meta = None
-        window = self.cfg.sliding_window if self.cfg.sliding_window and self.cfg.sliding_window < seq_len else None
-        if comm.group_size(self.cp_group) > 1 or document_ids is not None or (window and kv_cache is None):
-            if token_index is None and comm.group_size(self.cp_group) > 1:
+        cp = comm.group_size(self.cp_group)  # a window cuts something when it is below the whole sequence (cp ranks')
+        window = self.cfg.sliding_window if self.cfg.sliding_window and self.cfg.sliding_window < seq_len * cp else None
+        if cp > 1 or document_ids is not None or (window and kv_cache is None):
+            if token_index is None and cp > 1:
                 raise ValueError("context parallelism needs token_index (the global index of each held token: "
                                  "layout.shard_batch provides it)")
             if token_index is None:

@@ -1,4 +1,4 @@
-"""Context-parallel attention with a sliding window (``AttentionMeta.window``) against the fp64 oracle, cp = 2.
+"""Context-parallel attention with a sliding window (``AttentionMeta.window``) against the fp64 oracle, cp 2 and 4.
 
 One launch runs ring, zigzag, llama3, ulysses and usp (and zigzag over packed documents sharded per document) with
 window 5 over S = 24 tokens (GQA, fp64), one causal document and packed documents; the test process puts the shards
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -28,9 +29,10 @@ CASES = [(name, algo, stride, docs) for name, algo, stride in
 def _run(name: str, algo: str, stride: int, docs: str, rank: int, window: int | None) -> dict[str, torch.Tensor]:
     from tests.distributed.test_context_parallel import _indices, _inputs, _take, _usp_groups
     q, k, v, dout, pos, doc = _inputs("gqa", docs, "fp64")
-    index = _indices(name, doc, 2, q.shape[0])[rank]
+    cp = dist.get_world_size()
+    index = _indices(name, doc, cp, q.shape[0])[rank]
     ql, kl, vl = (_take(x, index, 0).requires_grad_(True) for x in (q, k, v))
-    sub = _usp_groups(2, rank, stride) if algo == "usp" else (None, None)
+    sub = _usp_groups(cp, rank, stride) if algo == "usp" else (None, None)
     meta = AttentionMeta.build(_take(pos, index, 1), None if doc is None else _take(doc, index, 1), algo,
                                dist.group.WORLD, heads_k_stride=stride, ulysses_group=sub[0], ring_group=sub[1],
                                window=window)
@@ -64,19 +66,20 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
 
 
 @functools.cache
-def _launch() -> list[dict[str, Any]]:
-    return run_distributed(_rank, 2)
+def _launch(cp: int) -> list[dict[str, Any]]:
+    return run_distributed(_rank, cp)
 
 
-def test_window_matches_full_sequence_oracle() -> None:
+@pytest.mark.parametrize("cp", [2, 4])
+def test_window_matches_full_sequence_oracle(cp: int) -> None:
     from tests.distributed.test_context_parallel import _indices, _inputs, _put_back
     from tests.unit.test_attention_window import _oracle
-    per_rank = _launch()
+    per_rank = _launch(cp)
     bad = []
     for i, (name, _, _, docs) in enumerate(CASES):
         q, k, v, dout, pos, doc = _inputs("gqa", docs, "fp64")
         ref = dict(zip(("out", "lse", "dq", "dk", "dv"), _oracle(q, k, v, dout, pos, pos, doc, doc, WINDOW)))
-        index = _indices(name, doc, 2, q.shape[0])
+        index = _indices(name, doc, cp, q.shape[0])
         for t, want in ref.items():
             got = _put_back([r["results"][i][t] for r in per_rank], index, 2 if t == "lse" else 0)
             error = float((got - want).abs().max() / want.abs().max())
@@ -86,6 +89,6 @@ def test_window_matches_full_sequence_oracle() -> None:
 
 
 def test_window_skips_blocks_outside_it() -> None:
-    for r in _launch():
+    for r in _launch(2):
         for algo, (full, windowed) in r["pairs"].items():
             assert windowed < full, (algo, full, windowed)

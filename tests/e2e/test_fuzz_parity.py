@@ -11,9 +11,9 @@ import torch
 from megatron_sp.parity import load_grads
 from tools import fuzz_parity as fz
 
-# Seed 88 draws a llama MoE with tied embeddings on packed documents (both reset flags, EOD masking), 8 experts of
-# top-2 on every other layer, z-loss; layouts tp2 with expert_tp=2, and pp2 zero-bubble (tied embeddings across
-# stages). After an edit of the space, pick a seed whose two cases run again:
+# Seed 88 draws a llama MoE (4 experts, sigmoid router) with tied embeddings, head_dim 16 apart from hidden/heads,
+# q/k/v biases, full recompute, label smoothing and EOD masking; layouts tp2, and cp2 USP with ep2. After an edit of
+# the space, pick a seed whose two cases run again:
 #     python tools/fuzz_parity.py --seed S --count 2 --max-world 2 --draw-only
 SAMPLE = ["--seed", "88", "--count", "2", "--max-world", "2"]
 

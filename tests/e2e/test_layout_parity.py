@@ -22,6 +22,17 @@ MOE = LLAMA + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe
                "model.moe_capacity_factor=1.5"]
 MOE_NEOX = ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_top_k=1", "model.moe_shared_experts=1",
             "model.moe_capacity_factor=1.5"]
+# The open-model families' features (docs/families.md): Qwen2/Qwen3 (q/k/v bias, per-head QK-norm, head_dim apart from
+# hidden/heads), OLMo-2 (norms after the sublayers, QK-norm over the whole projection), Llama-3.1 and yarn rope
+# scaling (original context 16 < seq 64, so the scaling acts), Mistral's sliding window, Qwen3-MoE routing.
+QWEN3 = LLAMA + ["model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=24"]
+OLMO2 = LLAMA + ["model.norm_placement=post_sublayer", "model.qk_norm=true", "model.qk_norm_scope=projection"]
+ROPE_LLAMA3 = LLAMA + ["model.rope_scaling=llama3", "model.rope_scaling_factor=8", "model.rope_original_max_positions=16"]
+ROPE_YARN = LLAMA + ["model.rope_scaling=yarn", "model.rope_scaling_factor=4", "model.rope_original_max_positions=16"]
+WINDOW = LLAMA + ["model.sliding_window=20"]
+WINDOW_PACKED = WINDOW + PACKED
+QWEN3_MOE = QWEN3 + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_top_k=2",
+                     "model.moe_renormalize=true", "model.moe_capacity_factor=1.5"]
 MOE_CP = LLAMA + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_z_loss_coeff=1e-3",
                   "model.moe_shared_experts=1", "model.moe_router_score=sigmoid", "model.moe_bias_update_rate=1e-2"]
 
@@ -91,6 +102,23 @@ LAYOUTS = {
     # expert tensor parallelism: each expert's matrices split over the TP ranks (neox: the output bias on TP rank 0)
     "moe_ep2_etp2_tp2": (MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.expert_tp=2"]),
     "moe_neox_shared_etp2_tp2": (MOE_NEOX, ["parallel.tp=2", "parallel.expert_tp=2"]),
+    # open-model families: each feature under TP+SP, PP (interleaved), every CP algorithm, DP+ZeRO-1, EP
+    "qwen3_tp2_sp_pp2_interleaved": (QWEN3 + L4, ["parallel.tp=2", *SP, "parallel.pp=2", *INTERLEAVED]),
+    "qwen3_cp2_ulysses_dp2_zero1": (QWEN3, ["parallel.cp=2", "parallel.cp_algo=ulysses", "parallel.dp=2",
+                                            "parallel.zero=1"]),
+    "olmo2_tp2_sp_cp2_zigzag": (OLMO2, ["parallel.tp=2", *SP, "parallel.cp=2", "parallel.cp_algo=zigzag"]),
+    "olmo2_pp2_dp2_zero1": (OLMO2, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1"]),
+    "rope_llama3_cp2_llama3_tp2_sp": (ROPE_LLAMA3, ["parallel.cp=2", "parallel.cp_algo=llama3", "parallel.tp=2", *SP]),
+    "rope_yarn_cp2_ring_pp2": (ROPE_YARN, ["parallel.cp=2", "parallel.cp_algo=ring", "parallel.pp=2"]),
+    "window_cp4_zigzag": (WINDOW, ["parallel.cp=4", "parallel.cp_algo=zigzag"]),
+    "window_tp2_sp_pp2": (WINDOW, ["parallel.tp=2", *SP, "parallel.pp=2"]),
+    "window_packed_cp2_ring_dp2": (WINDOW_PACKED, ["parallel.cp=2", "parallel.cp_algo=ring", "parallel.dp=2"]),
+    "window_packed_cp2_llama3": (WINDOW_PACKED, ["parallel.cp=2", "parallel.cp_algo=llama3"]),
+    "window_packed_cp2_ulysses_tp2_sp": (WINDOW_PACKED, ["parallel.cp=2", "parallel.cp_algo=ulysses", "parallel.tp=2",
+                                                         *SP]),
+    "window_packed_cp4_usp_ulysses2": (WINDOW_PACKED, ["parallel.cp=4", "parallel.cp_algo=usp", "parallel.cp_ulysses=2"]),
+    "qwen3_moe_ep2_tp2_sp": (QWEN3_MOE, ["parallel.tp=2", *SP, "parallel.ep=2"]),
+    "qwen3_moe_ep2_dp4_zero1": (QWEN3_MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"]),
 }
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_tokens", "moe_tokens_per_expert")
 
@@ -98,7 +126,7 @@ MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_parity(tmp_path, byte_data, packed_data, reference_run, name):
     model, layout = LAYOUTS[name]
-    data = packed_data if model is PACKED else byte_data  # short documents: every sample packs several
+    data = packed_data if model in (PACKED, WINDOW_PACKED) else byte_data  # short documents: several per sample
     ref = reference_run(*model, data=data)
     train(tmp_path, data, *PARITY, *model, *layout)
     report = compare_runs(ref, tmp_path / "log")
@@ -109,7 +137,7 @@ def test_layout_parity(tmp_path, byte_data, packed_data, reference_run, name):
         if item.startswith(("parallel.dp=", "parallel.tp=", "parallel.pp=", "parallel.cp=")):
             world *= int(item.split("=")[1])
     assert metrics(tmp_path)[1]["world_size"] == world
-    if name.startswith("moe"):  # the balancing losses, loads and drops do not depend on the layout either
+    if "moe" in name:  # the balancing losses, loads and drops do not depend on the layout either
         for step, row in metrics(tmp_path).items():
             want = metrics(ref.parent)[step]
             assert row["moe_tokens_per_expert"] == want["moe_tokens_per_expert"], (name, step)
