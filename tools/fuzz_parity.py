@@ -95,6 +95,9 @@ FEATURES: dict[str, Key] = {
     "model.moe_first_dense_layers": Key((0, 1), _moe),
     "model.moe_router_score": Key(("softmax", "sigmoid"), _moe),
     "model.moe_renormalize": Key((None, True, False), _moe),  # transformers' norm_topk_prob
+    "model.moe_router_groups": Key((1, 2), _moe),  # DeepSeek-V3 group-limited routing (2 or 4 experts a group)
+    "model.moe_router_group_topk": Key((1, 2), _more("model.moe_router_groups")),
+    "model.moe_routed_scaling": Key((1.0, 2.5), _moe),
     "model.moe_aux_loss_coeff": Key((0.01, 0.0), _moe),
     "model.moe_z_loss_coeff": Key((0.0, 1e-3), _moe),
     "model.moe_bias_update_rate": Key((0.0, 1e-2), _moe),

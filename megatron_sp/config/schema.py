@@ -89,6 +89,13 @@ class ModelConfig:
                                            "to 1 (Mixtral, DeepSeek-V3); top-1 keeps its score (Switch).")
     moe_renormalize: bool | None = doc(None, "MoE: renormalise the selected top-k scores to sum to 1 (transformers' "
                                              "norm_topk_prob). Unset: exactly when moe_top_k > 1.")
+    moe_router_groups: int = doc(1, "MoE group-limited routing (DeepSeek-V3 n_group): the experts form this many "
+                                    "consecutive groups; a group scores the sum of its two highest selection scores "
+                                    "(routing bias included). 1: no groups.")
+    moe_router_group_topk: int = doc(1, "MoE: a token's top-k experts come from its this many best groups "
+                                        "(DeepSeek-V3 topk_group).")
+    moe_routed_scaling: float = doc(1.0, "MoE: the routed experts' combine weights are multiplied by this after any "
+                                         "renormalisation (DeepSeek-V3 routed_scaling_factor, e.g. 2.5).")
     moe_aux_loss_coeff: float = doc(0.01, "MoE: coefficient of the Switch/GShard load-balancing loss "
                                           "E·Σ f_i·P_i per micro-batch, added to the training objective (0: off).")
     moe_z_loss_coeff: float = doc(0.0, "MoE: coefficient of the router z-loss mean(logsumexp(logits)²) (ST-MoE; "

@@ -94,6 +94,15 @@ def check_moe_config(cfg: Config) -> None:
     if m.moe_first_dense_layers >= m.num_layers:
         raise ConfigError(f"model.moe_first_dense_layers: {m.moe_first_dense_layers} leaves no MoE layer among the "
                           f"{m.num_layers} layers; lower it or set model.num_experts=0")
+    groups, per = m.moe_router_groups, m.num_experts // max(m.moe_router_groups, 1)
+    if groups < 1 or m.num_experts % groups or (groups > 1 and per < 2):
+        raise ConfigError(f"model.moe_router_groups: {groups} must be >= 1 and divide model.num_experts "
+                          f"({m.num_experts}) into groups of at least 2 experts (1: no groups)")
+    if not 1 <= m.moe_router_group_topk <= groups or m.moe_top_k > m.moe_router_group_topk * per:
+        raise ConfigError(f"model.moe_router_group_topk: {m.moe_router_group_topk} must be in 1..moe_router_groups "
+                          f"({groups}) with moe_router_group_topk · {per} experts per group >= moe_top_k ({m.moe_top_k})")
+    if not m.moe_routed_scaling > 0:
+        raise ConfigError(f"model.moe_routed_scaling: {m.moe_routed_scaling} must be > 0 (1: the weights as routed)")
     if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
         raise ConfigError(f"model.moe_capacity_factor: {m.moe_capacity_factor} must be > 0 (unset: dropless)")
     if m.moe_ffn_hidden_size % p.expert_tp:
@@ -140,7 +149,8 @@ class Router(nn.Module):
             return F.linear(tokens.to(dtype), self.weight.to(dtype))
 
 
-def route(logits: torch.Tensor, top_k: int, score: str, bias: torch.Tensor | None = None, renormalize: bool | None = None
+def route(logits: torch.Tensor, top_k: int, score: str, bias: torch.Tensor | None = None, renormalize: bool | None = None,
+          groups: int = 1, group_top_k: int = 1, scaling: float = 1.0
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts ``[T, k]``, combine weights ``[T, k]``, selection scores ``[T, k]``, balancing probabilities
     ``[T, E]``, balancing experts ``[T, k]``) of logits ``[T, E]``. softmax: scores over all experts; sigmoid: per
@@ -149,15 +159,26 @@ def route(logits: torch.Tensor, top_k: int, score: str, bias: torch.Tensor | Non
     The balancing probabilities are the softmax, or the sigmoid
     scores normalised over the experts. ``bias [E]`` (aux-loss-free balancing) is added for choosing the top-k only:
     the selection scores, the weights and the probabilities are the unbiased scores of the chosen experts, and the
-    balancing experts (the aux loss's f) are the top-k of the unbiased scores (DeepSeek-V3, megatron-core)."""
+    balancing experts (the aux loss's f) are the top-k of the unbiased scores (DeepSeek-V3, megatron-core).
+    ``groups`` > 1 (group-limited routing, DeepSeek-V3): the experts form ``groups`` consecutive groups, a group's
+    score is the sum of its two highest selection scores (bias included), and a token's top-k come from its
+    ``group_top_k`` best groups. The weights are multiplied by ``scaling`` (routed_scaling_factor) last."""
     scores = logits.softmax(dim=-1) if score == "softmax" else logits.sigmoid()  # [T, E]
     top_scores, experts = scores.topk(top_k, dim=-1)  # [T, k]
     balance = experts
-    if bias is not None:
-        experts = (scores + bias.to(scores.dtype)).topk(top_k, dim=-1).indices  # [T, k]
+    if bias is not None or groups > 1:
+        choice = scores if bias is None else scores + bias.to(scores.dtype)  # [T, E]
+        if groups > 1:
+            grouped = choice.view(choice.shape[0], groups, -1)  # [T, G, E/G]
+            best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(group_top_k, dim=-1).indices  # [T, group_top_k]
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        experts = choice.topk(top_k, dim=-1).indices  # [T, k]
         top_scores = scores.gather(-1, experts)
     renorm = top_k > 1 if renormalize is None else renormalize
     weights = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) if renorm else top_scores
+    if scaling != 1.0:
+        weights = weights * scaling
     probs = scores if score == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     return experts, weights, top_scores, probs, balance
 
@@ -381,6 +402,7 @@ class MoE(nn.Module):
         ep_group, sp = parallel.ep_group, parallel.sp
         self.num_experts, self.top_k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
         self.renormalize = cfg.moe_renormalize
+        self.groups, self.scaling = (cfg.moe_router_groups, cfg.moe_router_group_topk), cfg.moe_routed_scaling
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.capacity_factor = cfg.moe_capacity_factor
         self.router = Router(cfg.hidden_size, cfg.num_experts, cfg.moe_bias_update_rate > 0)
@@ -437,7 +459,8 @@ class MoE(nn.Module):
         tokens = x.reshape(s * b, h)  # [T, h], row i·b + j
         logits = self.router(tokens)  # [T, E] fp32
         bias = self.router.expert_bias if self.router.bias_in_use else None
-        experts, weights, top_scores, probs, balance = route(logits, self.top_k, self.score, bias, self.renormalize)
+        experts, weights, top_scores, probs, balance = route(logits, self.top_k, self.score, bias, self.renormalize,
+                                                             *self.groups, self.scaling)
         keep = None
         if self.capacity_factor is not None and self.training:
             keep = self._capacity_keep(experts.view(s, b, -1), top_scores.view(s, b, -1)).reshape(s * b, -1)

@@ -34,7 +34,8 @@ WINDOW_PACKED = WINDOW + PACKED
 QWEN3_MOE = QWEN3 + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_top_k=2",
                      "model.moe_renormalize=true", "model.moe_capacity_factor=1.5"]
 MOE_CP = LLAMA + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_z_loss_coeff=1e-3",
-                  "model.moe_shared_experts=1", "model.moe_router_score=sigmoid", "model.moe_bias_update_rate=1e-2"]
+                  "model.moe_shared_experts=1", "model.moe_router_score=sigmoid", "model.moe_bias_update_rate=1e-2",
+                  "model.moe_router_groups=2", "model.moe_router_group_topk=1", "model.moe_routed_scaling=2.5"]
 
 # Each row is one train.py run (~10 s): a feature alone once, then in combinations. Rows whose
 # paths a combination already runs were folded into it (dp4 → dp3_zero1_odd, tp4 → tp4_sp and the

@@ -402,3 +402,39 @@ def test_moe_configs_load() -> None:
     assert olmoe.model.padded_vocab_size == 50304 and olmoe.train.grad_accum_steps == 8
     assert count_parameters(olmoe.model, exclude_embeddings=False) == pytest.approx(6.92e9, rel=1e-3)
     assert count_parameters(olmoe.model, active=True, exclude_embeddings=False) == pytest.approx(1.282e9, rel=1e-3)
+
+
+def test_group_limited_routing_matches_transformers_deepseek_v3() -> None:
+    """transformers' ``DeepseekV3TopkRouter`` (8 experts in 4 groups, top-2 groups, top-4, bias, norm_topk_prob,
+    routed scaling 2.5) on the same tokens: the same experts and combine weights."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    cfg = transformers.DeepseekV3Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=4, n_group=4,
+                                        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    gen = torch.Generator().manual_seed(12)
+    router = DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, 16, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(8, generator=gen) * 0.2)
+    x = torch.randn(40, 16, generator=gen)
+    logits, want_w, want_e = router(x)
+    experts, weights, _, _, _ = moe.route(logits, 4, "sigmoid", router.e_score_correction_bias, True, 4, 2, 2.5)
+    order_want, order_got = want_e.sort(-1), experts.sort(-1)
+    assert torch.equal(order_want.values, order_got.values)
+    torch.testing.assert_close(weights.gather(-1, order_got.indices), want_w.gather(-1, order_want.indices))
+
+
+@pytest.mark.parametrize("overrides,key", [(["model.moe_router_groups=3"], "model.moe_router_groups"),
+                                           (["model.moe_router_groups=4"], "model.moe_router_groups"),
+                                           (["model.moe_router_groups=2", "model.moe_router_group_topk=3"],
+                                            "model.moe_router_group_topk"),
+                                           (["model.moe_router_groups=2", "model.moe_top_k=3"],
+                                            "model.moe_router_group_topk"),
+                                           (["model.moe_routed_scaling=0"], "model.moe_routed_scaling")])
+def test_group_routing_keys_are_checked(overrides: list[str], key: str) -> None:
+    """Groups that do not divide the experts into pairs or more, more groups chosen than exist or too few experts
+    in them for the top-k, a scaling <= 0: one line naming the key."""
+    from megatron_sp import config
+    from megatron_sp.errors import ConfigError
+    with pytest.raises(ConfigError, match=key):
+        config.load([], ["tokenizer.type=byte", "model.num_experts=4", "model.moe_top_k=2", *overrides])

@@ -120,3 +120,26 @@ def test_bias_update_matches_megatron(mc, monkeypatch) -> None:
     got = bias.clone()
     moe.update_expert_bias(got, loads.double(), 1e-3)
     assert torch.equal(got, want) and got[2] == bias[2]
+
+
+@pytest.mark.parametrize("score,top_k,groups,group_top_k,bias", [("sigmoid", 4, 4, 2, True), ("sigmoid", 2, 2, 1, False),
+                                                                 ("softmax", 4, 4, 2, False), ("sigmoid", 6, 4, 3, True)])
+def test_group_limited_routing_matches_megatron(mc, score: str, top_k: int, groups: int, group_top_k: int,
+                                                bias: bool) -> None:
+    """DeepSeek-V3's group-limited top-k with routed scaling 2.5 (``num_groups``, ``group_topk``,
+    ``scaling_factor``): the same experts and weights, and their gradient. megatron-core scores a group by its top
+    ``k / group_topk`` selection scores, DeepSeek-V3 and transformers (and ours) by its top 2: the cases give both 2.
+    Softmax: megatron-core's ``use_pre_softmax`` (groups scored on probabilities, weights not renormalised)."""
+    logits = _logits(9)
+    b = torch.randn(E, generator=torch.Generator().manual_seed(10)) * 0.3 if bias else None
+    probs, routing_map = mc.topk_routing_with_score_function(logits, top_k, use_pre_softmax=score == "softmax",
+                                                             num_groups=groups, group_topk=group_top_k,
+                                                             scaling_factor=2.5, score_function=score, expert_bias=b)
+    renormalize = False if score == "softmax" else None
+    experts, weights, _, _, _ = moe.route(logits, top_k, score, b, renormalize, groups, group_top_k, 2.5)
+    ours = torch.zeros(T, E).scatter(1, experts, weights)
+    assert torch.equal(ours != 0, routing_map)
+    assert (routing_map.view(T, groups, -1).any(-1).sum(-1) <= group_top_k).all()
+    _close(ours, probs)
+    dout = torch.randn(T, E, generator=torch.Generator().manual_seed(11))
+    _close(torch.autograd.grad(ours, logits, dout)[0], torch.autograd.grad(probs, logits, dout)[0])
