@@ -57,6 +57,10 @@ def _moe(c: dict[str, Any]) -> bool:
     return c.get("model.num_experts", 0) > 0
 
 
+def _mla(c: dict[str, Any]) -> bool:
+    return c.get("model.kv_lora_rank", 0) > 0
+
+
 def _more(key: str) -> Callable[[dict[str, Any]], bool]:
     return lambda c: c.get(key, 1) > 1
 
@@ -64,16 +68,21 @@ def _more(key: str) -> Callable[[dict[str, Any]], bool]:
 # The model's features: the reference run has them too. One line per key.
 FEATURES: dict[str, Key] = {
     "model.arch": Key(("neox", "llama")),
-    "model.num_kv_heads": Key((None, 2, 1), _is("model.arch", "llama")),  # grouped-query attention
+    "model.kv_lora_rank": Key((0, 16), _is("model.arch", "llama")),  # DeepSeek's latent attention (MLA)
+    "model.q_lora_rank": Key((0, 24), _mla),
+    "model.qk_nope_head_dim": Key((8, 12), _mla),
+    "model.qk_rope_head_dim": Key((4, 8), _mla),
+    "model.v_head_dim": Key((12, 6), _mla),  # padded to nope + rope in the kernels
+    "model.num_kv_heads": Key((None, 2, 1), lambda c: c.get("model.arch") == "llama" and not _mla(c)),  # GQA
     "model.tie_embeddings": Key((False, True)),
     "model.rotary_pct": Key((None, 0.5, 1.0)),
     "model.rotary_base": Key((10000.0, 500000.0)),
     "model.rope_scaling": Key(("none", "linear", "llama3", "yarn")),
     "model.rope_scaling_factor": Key((4.0, 8.0), lambda c: c.get("model.rope_scaling", "none") != "none"),
     "model.rope_original_max_positions": Key((16,), _is("model.rope_scaling", "llama3", "yarn")),
-    "model.head_dim": Key((None, 16)),  # decoupled from hidden/heads (Qwen3)
-    "model.qkv_bias": Key((False, True), _is("model.arch", "llama")),  # Qwen2
-    "model.qk_norm": Key((False, True)),  # Qwen3: per-head weights whose grads are summed over TP
+    "model.head_dim": Key((None, 16), lambda c: not _mla(c)),  # decoupled from hidden/heads (Qwen3)
+    "model.qkv_bias": Key((False, True), lambda c: c.get("model.arch") == "llama" and not _mla(c)),  # Qwen2
+    "model.qk_norm": Key((False, True), lambda c: not _mla(c)),  # Qwen3: per-head weights summed over TP
     "model.qk_norm_scope": Key(("head", "projection"), _is("model.qk_norm", True)),  # OLMo-2: statistic over TP
     "model.norm_placement": Key(("pre", "post_sublayer")),  # OLMo-2: x + norm(f(x))
     "model.sliding_window": Key((None, 7, 40)),  # Mistral: every cp_algo, packed documents; 40: below s, above s/cp

@@ -248,6 +248,36 @@ def load(conf_files: list[str | Path] | None = None, overrides: list[str] | None
     return cfg
 
 
+def _check_mla(m: Any) -> None:
+    """Multi-head latent attention's keys (``model.kv_lora_rank`` > 0): fills ``head_dim`` (nope + rope) and
+    ``num_kv_heads`` (one key and value per head); refuses what MLA does not combine with, one line each."""
+    mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
+    if not m.kv_lora_rank:
+        changed = [k for k in mla_keys if getattr(m, k) != defaults[k]]
+        if changed:
+            raise ConfigError(f"model.{changed[0]} is set but model.kv_lora_rank is 0 (no latent attention); set "
+                              "model.kv_lora_rank or drop the MLA keys")
+        return
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, key) < 0 or (key in ("qk_rope_head_dim", "v_head_dim") and getattr(m, key) == 0):
+            raise ConfigError(f"model.{key}: {getattr(m, key)} must be > 0" + (" (or 0)" if key == "q_lora_rank" else ""))
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim: {m.qk_rope_head_dim} must be even (rotary turns pairs of dims)")
+    if m.v_head_dim > qk:
+        raise ConfigError(f"model.v_head_dim: {m.v_head_dim} above qk_nope_head_dim + qk_rope_head_dim = {qk} is not "
+                          "available (values are padded to the query/key dims)")
+    for key, bad in (("arch", m.arch != "llama"), ("qk_norm", m.qk_norm), ("qkv_bias", m.qkv_bias),
+                     ("head_dim", m.head_dim not in (None, qk)),
+                     ("num_kv_heads", m.num_kv_heads not in (None, m.num_heads))):
+        if bad:
+            raise ConfigError(f"model.{key}={getattr(m, key)} with model.kv_lora_rank (latent attention) is not "
+                              f"available: MLA needs arch llama, no qk_norm or qkv_bias, head_dim nope + rope = {qk}, "
+                              "num_kv_heads = num_heads")
+    m.head_dim, m.num_kv_heads = qk, m.num_heads
+
+
 def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
     for dotted in keys:
         section, key = dotted.split(".")
@@ -344,6 +374,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.z_loss: {t.z_loss} must be a finite number >= 0 (0 disables it; PaLM used 1e-4)")
 
     # --- model shape ---
+    _check_mla(m)
     if m.head_dim is None and m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size {m.hidden_size} must be divisible by model.num_heads {m.num_heads}")
     if m.num_kv_heads is None:
@@ -374,7 +405,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
                           f"model.rope_high_freq_factor {m.rope_high_freq_factor}")
     if not 0.0 < m.rotary_pct <= 1.0:
         raise ConfigError(f"model.rotary_pct: {m.rotary_pct} must be in (0, 1]")
-    rotary_dims = int(head_dim * m.rotary_pct)
+    rotary_dims = m.qk_rope_head_dim if m.kv_lora_rank else int(head_dim * m.rotary_pct)
     if rotary_dims == 0:
         raise ConfigError(f"model.rotary_pct: {m.rotary_pct} × head dim {head_dim} (hidden_size {m.hidden_size} / "
                           f"num_heads {m.num_heads}) gives no rotary dims; use fewer heads or a larger rotary_pct")

@@ -44,6 +44,12 @@ class ModelConfig:
     rope_attention_factor: float | None = doc(None, "yarn: factor on cos and sin; unset: 0.1·ln(factor) + 1.")
     head_dim: int | None = doc(None, "Derived (= hidden_size / num_heads) unless set: dims per attention head; Qwen3 "
                                      "sets it apart from hidden/heads (the attention is num_heads·head_dim wide).")
+    kv_lora_rank: int = doc(0, "Multi-head latent attention (DeepSeek-V2/V3) when > 0: keys and values from a "
+                               "compressed latent of this many values a token (plus one shared rotary key); llama only.")
+    q_lora_rank: int = doc(0, "MLA: queries from a latent of this rank (DeepSeek-V3: 1536); 0: a full projection.")
+    qk_nope_head_dim: int = doc(128, "MLA: query/key dims per head without rotary.")
+    qk_rope_head_dim: int = doc(64, "MLA: query/key dims per head with rotary (the key's shared by the heads).")
+    v_head_dim: int = doc(128, "MLA: value dims per head (at most qk_nope_head_dim + qk_rope_head_dim).")
     qkv_bias: bool = doc(False, "llama: biases on the q/k/v projections only (Qwen2); neox has every bias anyway.")
     qk_norm: bool = doc(False, "RMSNorm of each query and key head over its head_dim before rotary (Qwen3); one "
                                "[head_dim] weight each for q and k per layer, shared by the heads.")

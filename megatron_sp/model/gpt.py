@@ -22,6 +22,7 @@ from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.mpu.random import checkpoint
 from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model.mla import mla_parameters
 from megatron_sp.model.moe import expert_ffn, is_moe_layer
 from megatron_sp.model.rope import RopeScaling
 from megatron_sp.model.transformer import (EAGER, LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
@@ -34,7 +35,7 @@ OUTPUT_PROJECTIONS = ("attention.out.weight", "mlp.fc2.weight", "mlp.down.weight
                       "mlp.experts.down.weight", "mlp.shared.fc2.weight", "mlp.shared.down.weight")
 """Weights initialised with the scaled std (they write into the residual stream; MoE: routed and shared experts)."""
 
-NORM_MODULES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
+NORM_MODULES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_latent_norm", "kv_latent_norm")
 
 INIT_KINDS = ("normal", "scaled_normal", "zeros", "ones")
 
@@ -325,6 +326,7 @@ def parameter_parts(cfg: ModelConfig) -> dict[str, int]:
     norm = 2 * h if spec.layernorm else h
     attention = h * qkv_out + cfg.num_heads * d * h + (qkv_out + h if spec.bias else qkv_out if cfg.qkv_bias else 0)
     attention += (2 * d if cfg.qk_norm_scope == "head" else (cfg.num_heads + cfg.num_kv_heads) * d) if cfg.qk_norm else 0
+    attention = mla_parameters(cfg) if cfg.kv_lora_rank else attention
     embedding = cfg.padded_vocab_size * h
     parts = {"embedding": embedding, "layer": attention + mlp_parameters(cfg, cfg.ffn_hidden_size) + 2 * norm,
              "final_norm": norm, "output_layer": embedding}

@@ -86,6 +86,9 @@ _ROPE_USES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "hi
 def hf_dense_class(cfg: ModelConfig, prefer: str | None = None) -> str:
     """The dense transformers class whose ``Family.keys`` ``cfg`` has, ``prefer`` (an imported model's class: Mistral
     is Llama-shaped) first when it has them; a ConfigError naming the keys when none."""
+    if cfg.kv_lora_rank:
+        raise ConfigError("model.kv_lora_rank: latent attention (DeepSeek's MLA) has no transformers export yet "
+                          "(DeepseekV3ForCausalLM is not among the families)")
     for name in sorted(FAMILIES, key=lambda n: n != prefer):
         family = FAMILIES[name]
         if all(getattr(cfg, key) == value for key, value in family.keys.items()) and \
@@ -171,7 +174,10 @@ def _unmet(cfg: ModelConfig, hf_class: str) -> list[str]:
              ("model.qk_norm=true (head)" if qwen3 else "model.qk_norm=false",
               (cfg.qk_norm, cfg.qk_norm_scope) != (True, "head") if qwen3 else cfg.qk_norm),
              ("model.qkv_bias=false", cfg.qkv_bias and hf_class != QWEN2_MOE),
-             ("model.moe_shared_experts=0", cfg.moe_shared_experts > 0 and hf_class != QWEN2_MOE)]
+             ("model.moe_shared_experts=0", cfg.moe_shared_experts > 0 and hf_class != QWEN2_MOE),
+             ("model.moe_router_groups=1", cfg.moe_router_groups > 1), ("model.moe_routed_scaling=1",
+                                                                        cfg.moe_routed_scaling != 1.0),
+             ("model.kv_lora_rank=0 (no latent attention)", cfg.kv_lora_rank > 0)]
     if hf_class == MIXTRAL:
         needs += [("renormalised top-k weights (model.moe_top_k >= 2 or moe_renormalize=true)", not renormalised(cfg)),
                   ("every layer MoE (moe_layer_freq 1, moe_first_dense_layers 0)",

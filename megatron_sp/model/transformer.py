@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.attention.context_parallel import AttentionMeta, context_parallel_attention
 from megatron_sp.model.attention.kernels import cached_attention, dot_product_attention
+from megatron_sp.model.mla import LatentAttention
 from megatron_sp.model.moe import MoE, expert_ffn, is_moe_layer
 from megatron_sp.model.qk_norm import projection_norms, projection_rms_norm
 from megatron_sp.model.rope import RopeScaling
@@ -249,8 +250,9 @@ def head_dim(cfg: ModelConfig) -> int:
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
-    """Leading dims of each head that receive rotary embeddings (GPT-NeoX's ``int(d * rotary_pct)``)."""
-    return int(head_dim(cfg) * cfg.rotary_pct)
+    """Leading dims of each head that receive rotary embeddings (GPT-NeoX's ``int(d * rotary_pct)``; MLA:
+    ``qk_rope_head_dim``)."""
+    return cfg.qk_rope_head_dim if cfg.kv_lora_rank else int(head_dim(cfg) * cfg.rotary_pct)
 
 
 def make_norm(cfg: ModelConfig, parallel: ParallelContext | None = None) -> nn.Module:
@@ -371,8 +373,11 @@ class SelfAttention(nn.Module):
         bias = arch_spec(cfg.arch).bias
         g, n, d = cfg.num_kv_heads, cfg.num_heads, head_dim(cfg)
         self.head_dim = d
-        self.qkv: nn.Module
-        if g % parallel.tp_size == 0:
+        self.qkv: nn.Module | None = None
+        self.mla = LatentAttention(cfg, parallel) if cfg.kv_lora_rank else None  # DeepSeek's latent attention
+        if self.mla is not None:
+            self.q_per_kv = 1
+        elif g % parallel.tp_size == 0:
             self.q_per_kv = n // g
             self.qkv = ColumnParallelLinear(cfg.hidden_size, g * (self.q_per_kv + 2) * d, bias=bias or cfg.qkv_bias,
                                             group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
@@ -390,7 +395,7 @@ class SelfAttention(nn.Module):
             self.q_norm, self.k_norm = nn.RMSNorm(d, eps=cfg.norm_eps), nn.RMSNorm(d, eps=cfg.norm_eps)
             for param in (self.q_norm.weight, self.k_norm.weight):
                 set_tp_attributes(param, False, -1, sequence_parallel=True)
-        self.out = RowParallelLinear(n * d, cfg.hidden_size, bias=bias, group=parallel.tp_group,
+        self.out = RowParallelLinear(n * (cfg.v_head_dim if self.mla else d), cfg.hidden_size, bias=bias, group=parallel.tp_group,
                                      sequence_parallel=parallel.sequence_parallel, input_is_parallel=True)
         self.dropout_p = cfg.attention_dropout
         self.window = cfg.sliding_window  # decoding; training gets it in the AttentionMeta
@@ -447,8 +452,10 @@ class SelfAttention(nn.Module):
 
         Under CP ``s`` is this rank's ``s/cp`` tokens (``meta`` says which). With ``kv_cache``
         (inference, no SP or CP) the tokens follow the cached ones and attend over all of them."""
+        if self.mla is not None:
+            q, k, v = self.mla(x, cos, sin, apply_rotary)
+            return self._attend(q, k, v, meta, kv_cache)
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
-        s, b = qkv.shape[0], qkv.shape[1]
         if self.projection_qk_norm:
             q, k, v = self._projection_norm_rotary_qkv(qkv, cos, sin)
         elif self.q_norm is not None and self.k_norm is not None:
@@ -456,16 +463,27 @@ class SelfAttention(nn.Module):
                                                    self.k_norm.weight, self.q_norm.eps)
         else:
             q, k, v = self.regions.rotary_qkv(qkv, cos, sin, self.q_per_kv, self.head_dim)  # [s, b, n/t | g_local, d]
+        return self._attend(q, k, v, meta, kv_cache)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta | None,
+                kv_cache: LayerKV | None) -> torch.Tensor:
+        """The attention of q ``[s, b, n/t, d]`` over k/v (and the cache), then the output projection."""
         if kv_cache is not None and meta is not None:  # CP prefill: cache the whole sequence, attend as in training
             kv_cache.fill(k, v, meta)
         elif kv_cache is not None:
             k_all, v_all = kv_cache.append(k, v)  # [past + s, b, g, d]
-            return self.out(cached_attention(q, k_all, v_all, self.max_scores, kv_cache.pad, self.window).reshape(s, b, -1))
+            return self.out(self._context(cached_attention(q, k_all, v_all, self.max_scores, kv_cache.pad, self.window)))
         if self.parallel.recompute == "selective" and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core, q, k, v, meta, tracker=self.parallel.tracker)  # [s, b, n/t, d]
         else:
             ctx = self.core(q, k, v, meta)  # [s, b, n/t, d]
-        return self.out(ctx.reshape(s, b, -1))  # [s/t, b, h] (SP) or [s, b, h]
+        return self.out(self._context(ctx))  # [s/t, b, h] (SP) or [s, b, h]
+
+    def _context(self, ctx: torch.Tensor) -> torch.Tensor:
+        """``[s, b, n/t, d]`` → ``[s, b, n/t·d]`` (MLA: the values' own dims, the zero padding cut)."""
+        if self.mla is not None:
+            ctx = ctx[..., :self.mla.v_dim]
+        return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
 
 
 class MLP(nn.Module):

@@ -27,6 +27,9 @@ ARCH = {"neox": ["model.arch=neox", "model.ffn_hidden_size=256"],
                     "model.moe_top_k=2", "model.moe_ffn_hidden_size=48"]}
 ARCH["qwen2_moe"] = [*ARCH["mixtral"], "model.moe_shared_experts=1", "model.moe_first_dense_layers=1"]  # not a Mixtral
 ARCH["sigmoid"] = [*ARCH["mixtral"], "model.moe_router_score=sigmoid"]  # a MoE llama no transformers class holds exactly
+ARCH["mla"] = ["model.arch=llama", "model.ffn_hidden_size=96", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
+               "model.qk_rope_head_dim=8", "model.v_head_dim=8"]  # DeepSeek's latent attention: no export yet
+ARCH["grouped"] = [*ARCH["mixtral"], "model.moe_router_groups=2"]
 
 
 def save_ours(tmp_path: Path, arch: str, tied: bool = False, tokenizer: list[str] | None = None,
@@ -148,6 +151,17 @@ def test_moe_without_an_exact_transformers_class_is_refused(tmp_path: Path, caps
     assert run("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf") == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Qwen2MoeForCausalLM needs model.moe_router_score=softmax" in err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("arch,says", [("mla", "model.kv_lora_rank: latent attention"),
+                                       ("grouped", "MixtralForCausalLM needs model.moe_router_groups=1")])
+def test_deepseek_features_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, arch: str,
+                                                   says: str) -> None:
+    ckpt, _ = save_ours(tmp_path, arch)
+    assert run("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and says in err, err
     assert not (tmp_path / "hf").exists()
 
 

@@ -1,0 +1,98 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, ``model.kv_lora_rank`` > 0) under TP, SP, CP and PP.
+
+Per token: keys and values come from one compressed latent ``c = RMSNorm(x W_dkv)`` of ``kv_lora_rank`` values
+(``kv_up``: per head ``qk_nope_head_dim`` key dims and ``v_head_dim`` value dims) plus one rotary key of
+``qk_rope_head_dim`` dims shared by every head; queries from a full projection (``q_lora_rank`` 0) or from their own
+latent (``q_down``, ``q_latent_norm``, ``q_up``). A head's query and key are ``[rope | nope]`` (rotary on the first
+dims, as ``apply_rotary`` does; the weights keep transformers' ``[nope | rope]`` row order per head).
+
+Layout: the down projections and latent norms are replicated and act on this rank's tokens, so under SP the
+all-gather before the head-split up projections moves the latent (``kv_lora_rank`` + ``qk_rope_head_dim`` values a
+token, not ``hidden_size``); their gradients are summed over TP under SP (tagged ``sequence_parallel``), as a
+LayerNorm's. The shared rotary key enters the TP region like the latent (gathered under SP, ``copy_to_tp`` without),
+so its gradient sums every rank's heads. The attention kernels take one head dim: values are padded with zeros to the
+query/key dim (exact: the padded output columns are zero and cut off), the scale stays ``1/sqrt(nope + rope)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from collections.abc import Callable
+
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.mpu.layers import ColumnParallelLinear, set_tp_attributes
+from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
+from megatron_sp.mpu.parallel_state import ParallelContext
+
+
+def _replicated(in_features: int, out_features: int, sp: bool) -> nn.Linear:
+    """A down projection on this rank's tokens: whole on every TP rank, its grad summed over TP under SP."""
+    linear = nn.Linear(in_features, out_features, bias=False)
+    set_tp_attributes(linear.weight, False, -1, sequence_parallel=sp)
+    return linear
+
+
+def _latent_norm(width: int, cfg: ModelConfig, sp: bool) -> nn.RMSNorm:
+    norm = nn.RMSNorm(width, eps=cfg.norm_eps)
+    set_tp_attributes(norm.weight, False, -1, sequence_parallel=sp)
+    return norm
+
+
+def mla_parameters(cfg: ModelConfig) -> int:
+    """Parameters of one MLA block (projections and latent norms; the layer norm before it is not counted)."""
+    h, n, qk = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = h * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * n * qk if cfg.q_lora_rank else h * n * qk
+    kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+    return q + kv + cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim) + n * cfg.v_head_dim * h
+
+
+class LatentAttention(nn.Module):
+    """MLA's projections in place of ``SelfAttention.qkv``: the layer keeps its ``core`` (kernels, CP, recompute,
+    hooks), KV cache and output projection (``num_heads · v_head_dim`` → hidden, row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext) -> None:
+        super().__init__()
+        sp, group, t = parallel.sequence_parallel, parallel.tp_group, parallel.tp_size
+        self.parallel = parallel
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.heads = cfg.num_heads // t
+        up = {"bias": False, "group": group, "sequence_parallel": sp,
+              "recompute_allgather": parallel.recompute_allgather}
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank:
+            self.q_down = _replicated(cfg.hidden_size, cfg.q_lora_rank, sp)
+            self.q_latent_norm = _latent_norm(cfg.q_lora_rank, cfg, sp)
+            self.q_up = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_heads * qk, **up)
+        else:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * qk, **up)
+        self.kv_down = _replicated(cfg.hidden_size, cfg.kv_lora_rank + self.rope, sp)
+        self.kv_latent_norm = _latent_norm(cfg.kv_lora_rank, cfg, sp)
+        self.kv_up = ColumnParallelLinear(cfg.kv_lora_rank, cfg.num_heads * (self.nope + self.v_dim), **up)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rotary: Callable[..., torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → q, k ``[s, b, n/t, rope + nope]`` (``apply_rotary`` on the rope
+        dims) and v ``[s, b, n/t, rope + nope]`` (zero-padded from ``v_head_dim``)."""
+        group, n, qk = self.parallel.tp_group, self.heads, self.nope + self.rope
+        q = self.q_up(self.q_latent_norm(self.q_down(x))) if hasattr(self, "q_up") else self.q_proj(x)
+        latent, k_rope = self.kv_down(x).split([self.kv_lora, self.rope], dim=-1)
+        kv = self.kv_up(self.kv_latent_norm(latent))  # [s, b, n/t·(nope + v)]
+        sp = self.parallel.sequence_parallel and self.parallel.tp_size > 1
+        k_rope = gather_from_sp(k_rope, group) if sp else copy_to_tp(k_rope, group)  # [s, b, rope]
+        s, b = q.shape[0], q.shape[1]
+        q = q.view(s, b, n, qk)
+        kv = kv.view(s, b, n, self.nope + self.v_dim)
+        cos, sin = cos.to(q.dtype)[:, :, None, :], sin.to(q.dtype)[:, :, None, :]  # [s, b|1, 1, rope]
+        q = apply_rotary(torch.cat([q[..., self.nope:], q[..., :self.nope]], dim=-1), cos, sin)
+        k_rope = apply_rotary(k_rope[:, :, None, :], cos, sin).expand(s, b, n, self.rope)
+        k = torch.cat([k_rope, kv[..., :self.nope]], dim=-1)
+        v = F.pad(kv[..., self.nope:], (0, qk - self.v_dim)) if self.v_dim < qk else kv[..., self.nope:]
+        return q, k, v
+
+    def context(self, ctx: torch.Tensor) -> torch.Tensor:
+        """The attention output ``[s, b, n/t, rope + nope]`` → ``[s, b, n/t · v_head_dim]`` (the padding cut)."""
+        return ctx[..., :self.v_dim].reshape(ctx.shape[0], ctx.shape[1], -1)
+

@@ -1,0 +1,112 @@
+"""Multi-head latent attention (``model.kv_lora_rank``) against transformers' DeepseekV3 (dense layers, rope not
+interleaved) with the same weights, fp64: loss and every parameter's gradient; greedy decoding with the KV cache equals
+greedy decoding without it, and transformers' greedy tokens. Layouts: tests/distributed/test_mla.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model import GPTModel
+from megatron_sp.model.inference import Sampling, generate_batch
+
+transformers = pytest.importorskip("transformers")
+
+S, B, V = 16, 2, 64
+NAMES = {"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+         "output_layer.weight": "lm_head.weight"}
+LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attention.out": "self_attn.o_proj",
+         "attention.mla.q_down": "self_attn.q_a_proj", "attention.mla.q_latent_norm": "self_attn.q_a_layernorm",
+         "attention.mla.q_up": "self_attn.q_b_proj", "attention.mla.q_proj": "self_attn.q_proj",
+         "attention.mla.kv_down": "self_attn.kv_a_proj_with_mqa", "attention.mla.kv_latent_norm": "self_attn.kv_a_layernorm",
+         "attention.mla.kv_up": "self_attn.kv_b_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
+         "mlp.down": "mlp.down_proj"}
+
+
+def hf_name(ours: str) -> str:
+    if ours in NAMES:
+        return NAMES[ours]
+    _, index, rest = ours.split(".", 2)
+    module, param = rest.rsplit(".", 1)
+    return f"model.layers.{index}.{LAYER[module]}.{param}"
+
+
+def _models(q_lora: int) -> tuple[GPTModel, torch.nn.Module]:
+    cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=12,
+                      ffn_hidden_size=48, rotary_pct=1.0, seq_length=S, vocab_size=V, padded_vocab_size=V,
+                      kv_lora_rank=16, q_lora_rank=q_lora, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                      init_std=0.2, norm_eps=1e-6)
+    ours = GPTModel(cfg, seed=3).double()
+    hf_cfg = transformers.DeepseekV3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora or None,
+                                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                           first_k_dense_replace=2, rope_interleave=False, rms_norm_eps=1e-6,
+                                           max_position_embeddings=S, tie_word_embeddings=False)
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).double().eval()
+    state = hf.state_dict()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "norm" in name:  # off 1, so that a misplaced norm shows
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            state[hf_name(name)].copy_(p)
+    return ours, hf
+
+
+@pytest.mark.parametrize("q_lora", [24, 0])
+def test_loss_and_grads_equal_transformers(q_lora: int) -> None:
+    ours, hf = _models(q_lora)
+    tokens = torch.randint(0, V, (B, S + 1), generator=torch.Generator().manual_seed(5))
+    loss = ours(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+    loss.backward()
+    logits = hf(tokens[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-6 * want.item()  # transformers' rotary tables are fp32
+    grads = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        ref = grads[hf_name(name)].grad
+        assert ((p.grad - ref).abs().max() / ref.abs().max()).item() <= 1e-5, name
+
+
+def test_greedy_with_the_cache_equals_transformers() -> None:
+    ours, hf = _models(24)
+    ours.eval()
+    prompts = [[5, 9, 2, 33], [7, 1]]
+    cached = generate_batch(ours, prompts, 8, None, Sampling(greedy=True))
+    uncached = generate_batch(ours, prompts, 8, None, Sampling(greedy=True), use_cache=False)
+    for prompt, a, b in zip(prompts, cached, uncached):
+        assert a.new_ids == b.new_ids and len(a.new_ids) == 8
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+        assert a.new_ids == want
+
+
+@pytest.mark.parametrize("overrides,key", [(["model.qk_nope_head_dim=8"], "model.qk_nope_head_dim"),
+                                           (["model.kv_lora_rank=16", "model.arch=neox"], "model.arch"),
+                                           (["model.kv_lora_rank=16", "model.arch=llama", "model.qk_norm=true"],
+                                            "model.qk_norm"),
+                                           (["model.kv_lora_rank=16", "model.arch=llama", "model.num_kv_heads=2"],
+                                            "model.num_kv_heads"),
+                                           (["model.kv_lora_rank=16", "model.arch=llama", "model.v_head_dim=200"],
+                                            "model.v_head_dim"),
+                                           (["model.kv_lora_rank=16", "model.arch=llama", "model.qk_rope_head_dim=5"],
+                                            "model.qk_rope_head_dim")])
+def test_mla_keys_are_checked(overrides: list[str], key: str) -> None:
+    """MLA keys without ``kv_lora_rank``, or MLA with what it does not combine with: one line naming the key."""
+    from megatron_sp import config
+    from megatron_sp.errors import ConfigError
+    with pytest.raises(ConfigError, match=key):
+        config.load([], ["tokenizer.type=byte", *overrides])
+
+
+def test_mla_config_derives_heads_and_counts_parameters() -> None:
+    from megatron_sp import config
+    from megatron_sp.model import count_parameters
+    cfg = config.load([], ["tokenizer.type=byte", "data.build_demo=true", "model.arch=llama", "model.num_layers=2",
+                           "model.hidden_size=32",
+                           "model.num_heads=4", "model.kv_lora_rank=16", "model.q_lora_rank=24",
+                           "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6"])
+    config.set_vocab(cfg, 64)
+    assert (cfg.model.head_dim, cfg.model.num_kv_heads) == (12, 4)
+    model = GPTModel(cfg.model, seed=1)
+    assert count_parameters(cfg.model, exclude_embeddings=False) == sum(p.numel() for p in model.parameters())
