@@ -50,7 +50,8 @@ def mla_parameters(cfg: ModelConfig) -> int:
 
 class LatentAttention(nn.Module):
     """MLA's projections in place of ``SelfAttention.qkv``: the layer keeps its ``core`` (kernels, CP, recompute,
-    hooks), KV cache and output projection (``num_heads · v_head_dim`` → hidden, row-parallel)."""
+    hooks) and output projection (``num_heads · v_head_dim`` → hidden, row-parallel); its KV cache holds each token's
+    latent and shared rotary key (``kv_lora_rank + qk_rope_head_dim`` values a layer), expanded every step."""
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
@@ -74,25 +75,26 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rotary: Callable[..., torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → q, k ``[s, b, n/t, rope + nope]`` (``apply_rotary`` on the rope
-        dims) and v ``[s, b, n/t, rope + nope]`` (zero-padded from ``v_head_dim``)."""
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → q ``[s, b, n/t, rope + nope]`` (``apply_rotary`` on the rope dims),
+        the normed latent ``[s/t | s, b, kv_lora_rank]`` and the rotated shared key ``[s, b, rope]``: what a KV cache
+        keeps of each token (``expand`` makes the heads' keys and values of them)."""
         group, n, qk = self.parallel.tp_group, self.heads, self.nope + self.rope
         q = self.q_up(self.q_latent_norm(self.q_down(x))) if hasattr(self, "q_up") else self.q_proj(x)
         latent, k_rope = self.kv_down(x).split([self.kv_lora, self.rope], dim=-1)
-        kv = self.kv_up(self.kv_latent_norm(latent))  # [s, b, n/t·(nope + v)]
         sp = self.parallel.sequence_parallel and self.parallel.tp_size > 1
         k_rope = gather_from_sp(k_rope, group) if sp else copy_to_tp(k_rope, group)  # [s, b, rope]
         s, b = q.shape[0], q.shape[1]
-        q = q.view(s, b, n, qk)
-        kv = kv.view(s, b, n, self.nope + self.v_dim)
         cos, sin = cos.to(q.dtype)[:, :, None, :], sin.to(q.dtype)[:, :, None, :]  # [s, b|1, 1, rope]
+        q = q.view(s, b, n, qk)
         q = apply_rotary(torch.cat([q[..., self.nope:], q[..., :self.nope]], dim=-1), cos, sin)
-        k_rope = apply_rotary(k_rope[:, :, None, :], cos, sin).expand(s, b, n, self.rope)
-        k = torch.cat([k_rope, kv[..., :self.nope]], dim=-1)
+        return q, self.kv_latent_norm(latent), apply_rotary(k_rope[:, :, None, :], cos, sin)[:, :, 0]
+
+    def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads' keys ``[s, b, n/t, rope + nope]`` and values (zero-padded from ``v_head_dim`` to the same
+        width) of the normed latents and rotated shared keys of ``forward`` (or of a cache: every token so far)."""
+        kv = self.kv_up(latent)  # [s, b, n/t·(nope + v)]; under SP the latent is gathered here
+        s, b, n, qk = kv.shape[0], kv.shape[1], self.heads, self.nope + self.rope
+        kv = kv.view(s, b, n, self.nope + self.v_dim)
+        k = torch.cat([k_rope[:, :, None, :].expand(s, b, n, self.rope), kv[..., :self.nope]], dim=-1)
         v = F.pad(kv[..., self.nope:], (0, qk - self.v_dim)) if self.v_dim < qk else kv[..., self.nope:]
-        return q, k, v
-
-    def context(self, ctx: torch.Tensor) -> torch.Tensor:
-        """The attention output ``[s, b, n/t, rope + nope]`` → ``[s, b, n/t · v_head_dim]`` (the padding cut)."""
-        return ctx[..., :self.v_dim].reshape(ctx.shape[0], ctx.shape[1], -1)
-
+        return k, v

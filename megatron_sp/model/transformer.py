@@ -452,9 +452,14 @@ class SelfAttention(nn.Module):
 
         Under CP ``s`` is this rank's ``s/cp`` tokens (``meta`` says which). With ``kv_cache``
         (inference, no SP or CP) the tokens follow the cached ones and attend over all of them."""
-        if self.mla is not None:
-            q, k, v = self.mla(x, cos, sin, apply_rotary)
-            return self._attend(q, k, v, meta, kv_cache)
+        if self.mla is not None:  # the cache keeps the latents and the shared rotary keys: [s, b, 1, r] each
+            q, latent, k_rope = self.mla(x, cos, sin, apply_rotary)
+            if kv_cache is not None and meta is not None:
+                kv_cache.fill(latent[:, :, None], k_rope[:, :, None], meta)
+            elif kv_cache is not None:
+                latent, k_rope = (t[:, :, 0] for t in kv_cache.append(latent[:, :, None], k_rope[:, :, None]))
+                return self._decode(q, *self.mla.expand(latent, k_rope), kv_cache)
+            return self._attend(q, *self.mla.expand(latent, k_rope), meta, None)
         qkv = self.qkv(x)  # [s, b, local (r+2)·d·groups]
         if self.projection_qk_norm:
             q, k, v = self._projection_norm_rotary_qkv(qkv, cos, sin)
@@ -471,13 +476,16 @@ class SelfAttention(nn.Module):
         if kv_cache is not None and meta is not None:  # CP prefill: cache the whole sequence, attend as in training
             kv_cache.fill(k, v, meta)
         elif kv_cache is not None:
-            k_all, v_all = kv_cache.append(k, v)  # [past + s, b, g, d]
-            return self.out(self._context(cached_attention(q, k_all, v_all, self.max_scores, kv_cache.pad, self.window)))
+            return self._decode(q, *kv_cache.append(k, v), kv_cache)  # k/v: [past + s, b, g, d]
         if self.parallel.recompute == "selective" and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core, q, k, v, meta, tracker=self.parallel.tracker)  # [s, b, n/t, d]
         else:
             ctx = self.core(q, k, v, meta)  # [s, b, n/t, d]
         return self.out(self._context(ctx))  # [s/t, b, h] (SP) or [s, b, h]
+
+    def _decode(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, kv_cache: LayerKV) -> torch.Tensor:
+        """New tokens' queries over every cached key and value, then the output projection."""
+        return self.out(self._context(cached_attention(q, k_all, v_all, self.max_scores, kv_cache.pad, self.window)))
 
     def _context(self, ctx: torch.Tensor) -> torch.Tensor:
         """``[s, b, n/t, d]`` → ``[s, b, n/t·d]`` (MLA: the values' own dims, the zero padding cut)."""

@@ -5,7 +5,8 @@ different lengths: greedy and seeded top-p sampling must give the 1-rank tokens;
 must not depend on the other prompts of the batch nor on the micro-batching (several micro-batches in flight
 through the pipeline); a prompt that fills the context stops with ``context``; a tied llama with GQA and kv heads
 replicated over tp 4 too (tp > kv heads); under SP (no KV cache: the whole contexts re-run) too; and with the
-prompts prefilled over two cp ranks (zigzag; llama3 with tp2), every cp rank then decoding with the whole cache.
+prompts prefilled over two cp ranks (zigzag; llama3 with tp2), every cp rank then decoding with the whole cache;
+and DeepSeek's latent attention (its cache of latents) under tp2 × pp2 and tp2 × cp2 zigzag.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ SAMPLE = Sampling(greedy=False, temperature=0.9, top_k=20, top_p=0.9, seed=5)
 
 def _cfg(arch: str) -> ModelConfig:
     extra = {"num_kv_heads": 2, "tie_embeddings": True} if arch == "llama" else {"num_kv_heads": 4}
+    if arch == "mla":  # DeepSeek's latent attention: the cache holds latents and shared rotary keys
+        arch, extra = "llama", {"num_kv_heads": 4, "head_dim": 12, "kv_lora_rank": 16, "q_lora_rank": 24,
+                                "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
     return ModelConfig(arch=arch, num_layers=4, hidden_size=32, num_heads=4, seq_length=16,
                        vocab_size=50, padded_vocab_size=64, ffn_hidden_size=64, rotary_pct=1.0, **extra)
 
@@ -56,7 +60,8 @@ def _rank(rank: int, world: int, tp: int, pp: int, sp: bool, arch: str, eod: int
 
 @pytest.mark.parametrize("arch,tp,pp,sp,cp", [("neox", 2, 1, True, ""), ("llama", 2, 2, False, ""),
                                               ("llama", 4, 1, False, ""),
-                                              ("neox", 1, 1, False, "zigzag"), ("llama", 2, 1, False, "llama3")])
+                                              ("neox", 1, 1, False, "zigzag"), ("llama", 2, 1, False, "llama3"),
+                                              ("mla", 2, 2, False, ""), ("mla", 2, 1, False, "zigzag")])
 def test_generate_batch_layouts_equal_one_rank(arch: str, tp: int, pp: int, sp: bool, cp: str) -> None:
     torch.set_num_threads(1)
     model = GPTModel(_cfg(arch), seed=SEED)

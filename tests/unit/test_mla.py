@@ -110,3 +110,20 @@ def test_mla_config_derives_heads_and_counts_parameters() -> None:
     assert (cfg.model.head_dim, cfg.model.num_kv_heads) == (12, 4)
     model = GPTModel(cfg.model, seed=1)
     assert count_parameters(cfg.model, exclude_embeddings=False) == sum(p.numel() for p in model.parameters())
+
+
+def test_the_cache_holds_the_latent_and_the_rotary_key() -> None:
+    """Per token and layer the KV cache keeps ``kv_lora_rank`` + ``qk_rope_head_dim`` values (16 + 4 here, against
+    2 · heads · (nope + rope) = 96 expanded), and the logits of a token decoded through it equal the full forward's."""
+    from megatron_sp.model.inference import KVCache
+    ours, _ = _models(24)
+    ours.eval()
+    tokens = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(6))
+    cache = KVCache(16)
+    with torch.no_grad():
+        ours(tokens[:, :9], kv_cache=cache)
+        step = ours(tokens[:, 9:], kv_cache=cache)
+        full = ours(tokens)
+    layer = cache.layer(0)
+    assert (layer.k.shape[2:], layer.v.shape[2:]) == ((1, 16), (1, 4))
+    torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-12, atol=1e-12)
