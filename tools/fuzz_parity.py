@@ -80,6 +80,7 @@ FEATURES: dict[str, Key] = {
     "model.rope_scaling": Key(("none", "linear", "llama3", "yarn")),
     "model.rope_scaling_factor": Key((4.0, 8.0), lambda c: c.get("model.rope_scaling", "none") != "none"),
     "model.rope_original_max_positions": Key((16,), _is("model.rope_scaling", "llama3", "yarn")),
+    "model.rope_mscale_all_dim": Key((0.0, 1.0), lambda c: _mla(c) and c.get("model.rope_scaling") == "yarn"),
     "model.head_dim": Key((None, 16), lambda c: not _mla(c)),  # decoupled from hidden/heads (Qwen3)
     "model.qkv_bias": Key((False, True), lambda c: c.get("model.arch") == "llama" and not _mla(c)),  # Qwen2
     "model.qk_norm": Key((False, True), lambda c: not _mla(c)),  # Qwen3: per-head weights summed over TP

@@ -253,6 +253,7 @@ def _check_mla(m: Any) -> None:
     ``num_kv_heads`` (one key and value per head); refuses what MLA does not combine with, one line each."""
     mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
+    mla_keys += ("rope_mscale_all_dim",)
     if not m.kv_lora_rank:
         changed = [k for k in mla_keys if getattr(m, k) != defaults[k]]
         if changed:
@@ -276,6 +277,8 @@ def _check_mla(m: Any) -> None:
                               f"available: MLA needs arch llama, no qk_norm or qkv_bias, head_dim nope + rope = {qk}, "
                               "num_kv_heads = num_heads")
     m.head_dim, m.num_kv_heads = qk, m.num_heads
+    if m.rope_mscale_all_dim and m.rope_scaling != "yarn":
+        raise ConfigError(f"model.rope_mscale_all_dim: {m.rope_mscale_all_dim} needs model.rope_scaling=yarn")
 
 
 def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:

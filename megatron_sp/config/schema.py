@@ -42,6 +42,8 @@ class ModelConfig:
     rope_beta_fast: float = doc(32.0, "yarn: rotations bounding the extrapolated (kept) frequencies.")
     rope_beta_slow: float = doc(1.0, "yarn: rotations bounding the interpolated (scaled) frequencies.")
     rope_attention_factor: float | None = doc(None, "yarn: factor on cos and sin; unset: 0.1·ln(factor) + 1.")
+    rope_mscale_all_dim: float = doc(0.0, "yarn with latent attention (DeepSeek-V3's mscale_all_dim, e.g. 1.0): the "
+                                          "softmax scale × (0.1·this·ln(rope_scaling_factor) + 1)²; 0: off.")
     head_dim: int | None = doc(None, "Derived (= hidden_size / num_heads) unless set: dims per attention head; Qwen3 "
                                      "sets it apart from hidden/heads (the attention is num_heads·head_dim wide).")
     kv_lora_rank: int = doc(0, "Multi-head latent attention (DeepSeek-V2/V3) when > 0: keys and values from a "

@@ -15,6 +15,8 @@ query/key dim (exact: the padded output columns are zero and cut off), the scale
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +42,11 @@ def _latent_norm(width: int, cfg: ModelConfig, sp: bool) -> nn.RMSNorm:
     return norm
 
 
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's yarn magnitude scale ``0.1·mscale·ln(factor) + 1`` (transformers' ``yarn_get_mscale``)."""
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
 def mla_parameters(cfg: ModelConfig) -> int:
     """Parameters of one MLA block (projections and latent norms; the layer norm before it is not counted)."""
     h, n, qk = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -59,6 +66,9 @@ class LatentAttention(nn.Module):
         self.parallel = parallel
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora = cfg.kv_lora_rank
+        # DeepSeek's yarn: the softmax scale × mscale², on the queries (the kernels take 1/sqrt(d))
+        self.q_scale = yarn_mscale(cfg.rope_scaling_factor, cfg.rope_mscale_all_dim) ** 2 \
+            if cfg.rope_mscale_all_dim and cfg.rope_scaling_factor > 1 else 1.0
         self.heads = cfg.num_heads // t
         up = {"bias": False, "group": group, "sequence_parallel": sp,
               "recompute_allgather": parallel.recompute_allgather}
@@ -87,6 +97,8 @@ class LatentAttention(nn.Module):
         cos, sin = cos.to(q.dtype)[:, :, None, :], sin.to(q.dtype)[:, :, None, :]  # [s, b|1, 1, rope]
         q = q.view(s, b, n, qk)
         q = apply_rotary(torch.cat([q[..., self.nope:], q[..., :self.nope]], dim=-1), cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         return q, self.kv_latent_norm(latent), apply_rotary(k_rope[:, :, None, :], cos, sin)[:, :, 0]
 
     def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,17 +31,24 @@ def hf_name(ours: str) -> str:
     return f"model.layers.{index}.{LAYER[module]}.{param}"
 
 
-def _models(q_lora: int) -> tuple[GPTModel, torch.nn.Module]:
+YARN = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_positions": 8,
+        "rope_attention_factor": 1.0, "rope_mscale_all_dim": 1.0}  # DeepSeek-V3's yarn: mscale = mscale_all_dim
+HF_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
+           "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}
+
+
+def _models(q_lora: int, yarn: bool = False) -> tuple[GPTModel, torch.nn.Module]:
     cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=12,
                       ffn_hidden_size=48, rotary_pct=1.0, seq_length=S, vocab_size=V, padded_vocab_size=V,
                       kv_lora_rank=16, q_lora_rank=q_lora, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-                      init_std=0.2, norm_eps=1e-6)
+                      init_std=0.2, norm_eps=1e-6, **(YARN if yarn else {}))
     ours = GPTModel(cfg, seed=3).double()
     hf_cfg = transformers.DeepseekV3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora or None,
                                            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                                            first_k_dense_replace=2, rope_interleave=False, rms_norm_eps=1e-6,
-                                           max_position_embeddings=S, tie_word_embeddings=False)
+                                           max_position_embeddings=S, tie_word_embeddings=False,
+                                           **({"rope_parameters": HF_YARN} if yarn else {}))
     hf = transformers.DeepseekV3ForCausalLM(hf_cfg).double().eval()
     state = hf.state_dict()
     gen = torch.Generator().manual_seed(4)
@@ -53,9 +60,10 @@ def _models(q_lora: int) -> tuple[GPTModel, torch.nn.Module]:
     return ours, hf
 
 
-@pytest.mark.parametrize("q_lora", [24, 0])
-def test_loss_and_grads_equal_transformers(q_lora: int) -> None:
-    ours, hf = _models(q_lora)
+@pytest.mark.parametrize("q_lora,yarn", [(24, False), (0, False), (24, True)])
+def test_loss_and_grads_equal_transformers(q_lora: int, yarn: bool) -> None:
+    """With and without a query latent; and DeepSeek-V3's yarn (its softmax scale × mscale(factor)²)."""
+    ours, hf = _models(q_lora, yarn)
     tokens = torch.randint(0, V, (B, S + 1), generator=torch.Generator().manual_seed(5))
     loss = ours(tokens[:, :-1], labels=tokens[:, 1:]).mean()
     loss.backward()
