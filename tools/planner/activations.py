@@ -109,10 +109,26 @@ def layer_terms(D: PlanDims, recompute: str | None = None, moe: bool = False) ->
         terms["QKV input"] = D.tokens * h * e
         terms["replicated QKV weight rows"] = (D.local_heads + 2) * D.head_dim * h * e
     terms |= attention_terms(D, recompute)
+    if D.mla[0]:
+        terms |= mla_terms(D)
     terms |= moe_terms(D) if moe else mlp_terms(D, D.local_ffn)
     if D.hidden_dropout > 0:
         terms["dropout masks"] = 2 * x * D.mask_bytes
     return terms
+
+
+def mla_terms(D: PlanDims) -> dict[str, int]:
+    """What latent attention saves beyond the kernel's terms (which count q, k and the zero-padded v at nope + rope
+    dims): each latent's norm input (fp32 statistics) on this rank's tokens and the up projection's input (gathered
+    unless SP recomputes the all-gather), the queries' and the shared key's rotary inputs; its output projection takes
+    ``v_head_dim`` of the padded output (``attention output`` counts the padded width)."""
+    kv_lora, q_lora, rope, v = D.mla
+    gathered = D.shard_tokens if D.sp and D.recompute_allgather else D.tokens
+    latents = (kv_lora + q_lora) * D.e
+    return _nonzero({"MLA latent norm inputs": D.shard_tokens * latents + 4 * D.shard_tokens * (2 if q_lora else 1),
+                     "MLA up-projection inputs": gathered * latents,
+                     "MLA rotary inputs": D.tokens * (D.local_heads + 1) * rope * D.e,
+                     "MLA output width": -D.tokens * D.local_heads * (D.head_dim - v) * D.e})
 
 
 def mlp_terms(D: PlanDims, local_ffn: int, prefix: str = "", input_held: bool = False) -> dict[str, int]:

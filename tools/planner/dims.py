@@ -79,6 +79,7 @@ class PlanDims:
     capacity: bool = False  # model.moe_capacity_factor set (training drops assignments past each expert's capacity)
     edp: int = 1  # expert data parallelism: ``expert_fold / ep`` ranks hold the same experts (their gradient and ZeRO group)
     etp: int = 1  # expert tensor parallelism (``parallel.expert_tp``, 1 or tp, no SP): each TP rank holds moe_ffn/etp of every expert
+    mla: tuple[int, int, int, int] = (0, 0, 0, 0)  # latent attention: kv_lora_rank, q_lora_rank, qk_rope, v head dims
 
     @property
     def expert_local_ffn(self) -> int:
@@ -125,7 +126,8 @@ def dims_of(cfg: Config) -> PlanDims:
                     sigmoid=m.moe_router_score == "sigmoid",
                     renorm=moe and (m.moe_top_k > 1 if m.moe_renormalize is None else m.moe_renormalize),
                     capacity=moe and m.moe_capacity_factor is not None, ep=p.ep, edp=max(1, expert_fold(cfg) // p.ep),
-                    etp=p.expert_tp if moe else 1)
+                    etp=p.expert_tp if moe else 1,
+                    mla=(m.kv_lora_rank, m.q_lora_rank, m.qk_rope_head_dim, m.v_head_dim) if m.kv_lora_rank else (0, 0, 0, 0))
 
 
 def stage_layers(cfg: Config, pp_rank: int) -> list[range]:
