@@ -2,9 +2,12 @@
 without SP, column-parallel and replicated-group QKV, against the 1-rank model (fp64): loss and every gradient after
 the trainer's TP sum of ``sequence_parallel`` parameters (the QK-norm weights see only a rank's heads, so they need it
 with and without SP). The same for OLMo-2's features (QK-norm over the whole projection: its statistic all-reduced
-over TP, its weights split like the heads or, for a replicated kv group, whole; norms after the sublayers). Full
-recompute on one rank is checked in the same launch."""
+over TP, its weights split like the heads or, for a replicated kv group, whole; norms after the sublayers), and for
+DeepSeek's latent attention (the replicated down projections and latent norms summed over TP under SP), with and
+without a query latent. Full recompute on one rank is checked in the same launch."""
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -39,26 +42,39 @@ def _run(model: GPTModel, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, 
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def _mla_cfg(q_lora: int, recompute: str = "none") -> ModelConfig:
+    """DeepSeek's latent attention (the loader's derived head_dim = nope + rope, num_kv_heads = num_heads by hand)."""
+    return ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=12,
+                       ffn_hidden_size=48, rotary_pct=1.0, seq_length=S, vocab_size=50, padded_vocab_size=64,
+                       kv_lora_rank=16, q_lora_rank=q_lora, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                       init_std=0.2, recompute=recompute)
+
+
+# (case, config with a recompute mode, sequence parallelism): column-parallel QKV with / without SP; a replicated kv
+# group (Qwen3's per-head QK-norm, OLMo-2's over the projection); MLA with and without a query latent
+CASES = [(f"kv{kv} sp{sp}{' olmo' if olmo else ''}", functools.partial(_cfg, kv, olmo=olmo), sp)
+         for kv, sp, olmo in ((2, True, False), (2, False, False), (1, False, False), (2, True, True),
+                              (2, False, True), (1, True, True))] + \
+        [(f"mla q_lora{q} sp{sp}", functools.partial(_mla_cfg, q), sp) for q, sp in ((24, True), (24, False), (0, True))]
+
+
 def _features(rank: int, world: int) -> dict[str, float]:
     group, errors = dist.group.WORLD, {}
-    # column-parallel QKV with / without SP; a replicated kv group (Qwen3's per-head QK-norm, OLMo-2's over the projection)
-    for kv, sp, olmo in ((2, True, False), (2, False, False), (1, False, False), (2, True, True), (2, False, True),
-                         (1, True, True)):
-        ref_loss, ref = _run(GPTModel(_cfg(kv, olmo=olmo), seed=5).double())
-        parallel = ParallelContext(tp_group=group, sequence_parallel=sp)
-        model = GPTModel(_cfg(kv, olmo=olmo), seed=5, parallel=parallel).double()
+    for case, cfg, sp in CASES:
+        ref_loss, ref = _run(GPTModel(cfg(), seed=5).double())
+        model = GPTModel(cfg(), seed=5, parallel=ParallelContext(tp_group=group, sequence_parallel=sp)).double()
         loss, grads = _run(model, rank, world)
-        case = f"kv{kv} sp{sp}{' olmo' if olmo else ''}"
         errors[f"{case} loss"] = abs(loss.item() - ref_loss.item()) / ref_loss.item()
         for name, p in model.named_parameters():
             grad = comm.all_reduce(grads[name].clone(), group) if p.sequence_parallel else grads[name]
             want = shard(ref[name], p.partition_dim, rank, world) if p.tensor_model_parallel else ref[name]
             errors[f"{case} {name}"] = ((grad - want).abs().max() / want.abs().max()).item()
     if rank == 0:  # full recompute replays the same layers: the same grads
-        ref_loss, ref = _run(GPTModel(_cfg(2), seed=5).double())
-        loss, grads = _run(GPTModel(_cfg(2, "full"), seed=5).double())
-        errors["recompute loss"] = abs(loss.item() - ref_loss.item())
-        errors.update({f"recompute {n}": (grads[n] - g).abs().max().item() for n, g in ref.items()})
+        for case, cfg in (("recompute", functools.partial(_cfg, 2)), ("mla recompute", functools.partial(_mla_cfg, 24))):
+            ref_loss, ref = _run(GPTModel(cfg(), seed=5).double())
+            loss, grads = _run(GPTModel(cfg(recompute="full"), seed=5).double())
+            errors[f"{case} loss"] = abs(loss.item() - ref_loss.item())
+            errors.update({f"{case} {n}": (grads[n] - g).abs().max().item() for n, g in ref.items()})
     return errors
 
 

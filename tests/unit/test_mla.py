@@ -1,6 +1,7 @@
 """Multi-head latent attention (``model.kv_lora_rank``) against transformers' DeepseekV3 (dense layers, rope not
 interleaved) with the same weights, fp64: loss and every parameter's gradient; greedy decoding with the KV cache equals
-greedy decoding without it, and transformers' greedy tokens. Layouts: tests/distributed/test_mla_tp.py."""
+greedy decoding without it, and transformers' greedy tokens. Layouts: tests/distributed/test_model_features_tp.py
+and the parity matrix."""
 from __future__ import annotations
 
 import pytest
