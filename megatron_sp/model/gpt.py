@@ -355,6 +355,9 @@ def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True, active: 
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token for MFU, ``6·N + 6·L·h·s``: PaLM appendix B with the attention term over the
     causal half; N excludes the input embedding and, in MoE layers, counts the active parameters only (router,
-    top-k experts, shared experts: what a token computes with; docs/metrics.md, docs/moe.md)."""
+    top-k experts, shared experts: what a token computes with; docs/metrics.md, docs/moe.md). The attention term is
+    ``3·L·n·(d_qk + d_v)·s`` (``h = n·d`` when both are the head dim; latent attention's values are ``v_head_dim``
+    wide, the kernels' zero padding not counted)."""
     n = count_parameters(cfg, exclude_embeddings=True, active=True)
-    return 6.0 * n + 6.0 * cfg.num_layers * cfg.num_heads * head_dim(cfg) * cfg.seq_length
+    d_v = cfg.v_head_dim if cfg.kv_lora_rank else head_dim(cfg)
+    return 6.0 * n + 3.0 * cfg.num_layers * cfg.num_heads * (head_dim(cfg) + d_v) * cfg.seq_length

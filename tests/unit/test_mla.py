@@ -119,6 +119,9 @@ def test_mla_config_derives_heads_and_counts_parameters() -> None:
     assert (cfg.model.head_dim, cfg.model.num_kv_heads) == (12, 4)
     model = GPTModel(cfg.model, seed=1)
     assert count_parameters(cfg.model, exclude_embeddings=False) == sum(p.numel() for p in model.parameters())
+    from megatron_sp.model import flops_per_token  # attention: 3·L·n·(qk + v)·s = 3·2·4·(12 + 6)·seq
+    attention = flops_per_token(cfg.model) - 6 * count_parameters(cfg.model, exclude_embeddings=True, active=True)
+    assert attention == 3 * 2 * 4 * (12 + 6) * cfg.model.seq_length
 
 
 def test_the_cache_holds_the_latent_and_the_rotary_key() -> None:

@@ -86,7 +86,7 @@ def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None, execute
     moe = sum(moe_layers_of(cfg, c) for c in chunks)
     n = (layers - moe) * parts["layer"] + moe * parts.get("moe_layer_active", 0) + \
         (parts["final_norm"] + parts["output_layer"] if pp_rank == D.pp - 1 else 0)
-    attention = 6 * layers * D.heads * D.head_dim * D.seq
+    attention = 3 * layers * D.heads * (D.head_dim + (D.mla[3] or D.head_dim)) * D.seq  # as gpt.flops_per_token
     per_token = 6 * n + attention
     if recompute == "full":
         per_token += 2 * n + attention / 3
