@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from collections.abc import Callable
-
 from megatron_sp.config.schema import ModelConfig
+from megatron_sp.model.rope import apply_rotary
 from megatron_sp.mpu.layers import ColumnParallelLinear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.parallel_state import ParallelContext
@@ -43,8 +42,9 @@ def _latent_norm(width: int, cfg: ModelConfig, sp: bool) -> nn.RMSNorm:
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
-    """DeepSeek's yarn magnitude scale ``0.1·mscale·ln(factor) + 1`` (transformers' ``yarn_get_mscale``)."""
-    return 0.1 * mscale * math.log(factor) + 1.0
+    """DeepSeek's yarn magnitude scale ``0.1·mscale·ln(factor) + 1``, 1 for ``factor <= 1`` (transformers'
+    ``yarn_get_mscale``); ``mscale`` 0 (``model.rope_mscale_all_dim`` unset): 1."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def mla_parameters(cfg: ModelConfig) -> int:
@@ -67,8 +67,7 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora = cfg.kv_lora_rank
         # DeepSeek's yarn: the softmax scale × mscale², on the queries (the kernels take 1/sqrt(d))
-        self.q_scale = yarn_mscale(cfg.rope_scaling_factor, cfg.rope_mscale_all_dim) ** 2 \
-            if cfg.rope_mscale_all_dim and cfg.rope_scaling_factor > 1 else 1.0
+        self.q_scale = yarn_mscale(cfg.rope_scaling_factor, cfg.rope_mscale_all_dim) ** 2
         self.heads = cfg.num_heads // t
         up = {"bias": False, "group": group, "sequence_parallel": sp,
               "recompute_allgather": parallel.recompute_allgather}
@@ -83,9 +82,9 @@ class LatentAttention(nn.Module):
         self.kv_latent_norm = _latent_norm(cfg.kv_lora_rank, cfg, sp)
         self.kv_up = ColumnParallelLinear(cfg.kv_lora_rank, cfg.num_heads * (self.nope + self.v_dim), **up)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rotary: Callable[..., torch.Tensor]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → q ``[s, b, n/t, rope + nope]`` (``apply_rotary`` on the rope dims),
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → q ``[s, b, n/t, rope + nope]`` (rotary on the rope dims),
         the normed latent ``[s/t | s, b, kv_lora_rank]`` and the rotated shared key ``[s, b, rope]``: what a KV cache
         keeps of each token (``expand`` makes the heads' keys and values of them)."""
         group, n, qk = self.parallel.tp_group, self.heads, self.nope + self.rope

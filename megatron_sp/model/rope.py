@@ -63,3 +63,16 @@ class RopeScaling:
             extrapolation = (1 - ramp).to(pos_freqs)
             return 1.0 / (self.factor * pos_freqs) * (1 - extrapolation) + inv_freq * extrapolation
         return inv_freq
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary (HF's ``rotate_half``) on the first ``rd = cos.shape[-1]`` dims of ``x [..., d]``; the
+    rest pass. ``x·cos``, then each half adds the other half times its part of the (signed) sin in place: no
+    swapped copy of ``x`` (a ``flip`` of the strided q/k views cost 2–6× this on CPU)."""
+    rd, d = cos.shape[-1], x.shape[-1]
+    h = rd // 2
+    x_rot = x if rd == d else x[..., :rd]
+    rotated = x_rot * cos
+    rotated[..., :h].addcmul_(x_rot[..., h:], sin[..., :h])
+    rotated[..., h:].addcmul_(x_rot[..., :h], sin[..., h:])
+    return rotated if rd == d else torch.cat([rotated, x[..., rd:]], dim=-1)

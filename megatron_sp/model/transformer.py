@@ -26,7 +26,7 @@ from megatron_sp.model.attention.kernels import cached_attention, dot_product_at
 from megatron_sp.model.mla import LatentAttention
 from megatron_sp.model.moe import MoE, expert_ffn, is_moe_layer
 from megatron_sp.model.qk_norm import projection_norms, projection_rms_norm
-from megatron_sp.model.rope import RopeScaling
+from megatron_sp.model.rope import RopeScaling, apply_rotary
 from megatron_sp.mpu.layers import ColumnParallelLinear, RowParallelLinear, linear, set_tp_attributes
 from megatron_sp.mpu.mappings import copy_to_tp, gather_from_sp
 from megatron_sp.mpu.parallel_state import ParallelContext
@@ -56,19 +56,6 @@ def arch_spec(arch: str) -> ArchSpec:
 
 # The pointwise regions of a layer, called through ``self.regions`` (``EAGER`` or ``compiled()``). No region
 # communicates, draws random numbers or reads state beyond its arguments (docs/compile.md).
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary (HF's ``rotate_half``) on the first ``rd = cos.shape[-1]`` dims of ``x [..., d]``; the
-    rest pass. ``x·cos``, then each half adds the other half times its part of the (signed) sin in place: no
-    swapped copy of ``x`` (a ``flip`` of the strided q/k views cost 2–6× this on CPU)."""
-    rd, d = cos.shape[-1], x.shape[-1]
-    h = rd // 2
-    x_rot = x if rd == d else x[..., :rd]
-    rotated = x_rot * cos
-    rotated[..., :h].addcmul_(x_rot[..., h:], sin[..., :h])
-    rotated[..., h:].addcmul_(x_rot[..., :h], sin[..., h:])
-    return rotated if rd == d else torch.cat([rotated, x[..., rd:]], dim=-1)
 
 
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -453,7 +440,7 @@ class SelfAttention(nn.Module):
         Under CP ``s`` is this rank's ``s/cp`` tokens (``meta`` says which). With ``kv_cache``
         (inference, no SP or CP) the tokens follow the cached ones and attend over all of them."""
         if self.mla is not None:  # the cache keeps the latents and the shared rotary keys: [s, b, 1, r] each
-            q, latent, k_rope = self.mla(x, cos, sin, apply_rotary)
+            q, latent, k_rope = self.mla(x, cos, sin)
             if kv_cache is not None and meta is not None:
                 kv_cache.fill(latent[:, :, None], k_rope[:, :, None], meta)
             elif kv_cache is not None:
