@@ -140,16 +140,22 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, timeout_s: float
     return [out[r] for r in range(world_size)]
 
 
+@functools.cache
+def _train_py() -> Any:
+    """The repository's train.py as a module (its ``parse_args`` and ``main``)."""
+    spec = importlib.util.spec_from_file_location("_megatron_sp_train", TRAIN_PY)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
 def _train_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str]:
     """One rank of ``train_ranks``: train.py's exit code and what it printed (stdout and stderr, in order)."""
     import io
 
-    spec = importlib.util.spec_from_file_location("_megatron_sp_train", TRAIN_PY)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = module.main(argv)
+        code = _train_py().main(argv)
     return code, out.getvalue()
 
 
@@ -159,9 +165,8 @@ def train_ranks(argv: list[str], *, timeout_s: float = 600.0) -> list[tuple[int,
     returns every rank's (exit code, output)."""
     from . import config
 
-    confs = [a for flag, a in zip(argv, argv[1:]) if flag == "--conf"]
-    overrides = [a for a in argv if "=" in a and not a.startswith("-") and a not in confs]
-    world = config.load(confs, overrides).parallel.world_size
+    args = _train_py().parse_args(argv)
+    world = config.load(args.conf, args.overrides).parallel.world_size
     return run_distributed(_train_rank, world, init=False, timeout_s=timeout_s,
                            argv=[*argv, "train.preflight=false"])
 

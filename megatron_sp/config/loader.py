@@ -251,9 +251,8 @@ def load(conf_files: list[str | Path] | None = None, overrides: list[str] | None
 def _check_mla(m: Any) -> None:
     """Multi-head latent attention's keys (``model.kv_lora_rank`` > 0): fills ``head_dim`` (nope + rope) and
     ``num_kv_heads`` (one key and value per head); refuses what MLA does not combine with, one line each."""
-    mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_mscale_all_dim")
     defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
-    mla_keys += ("rope_mscale_all_dim",)
     if not m.kv_lora_rank:
         changed = [k for k in mla_keys if getattr(m, k) != defaults[k]]
         if changed:
