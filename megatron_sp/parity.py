@@ -81,7 +81,9 @@ def compare_runs(ref_dir: str | Path, got_dir: str | Path, loss_rtol: float = 5e
     if sorted(got) != steps or not steps:
         problems.append(f"logged steps differ: ref {sorted(ref)}, got {sorted(got)}")
         steps = sorted(set(ref) & set(got))
-    worst_loss = max((abs(got[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in steps), default=math.inf)
+    keys = ["loss", *sorted(k for k in ref[steps[0]] if k.startswith("mtp_loss_"))] if steps else ["loss"]
+    worst_loss = max((abs(got[s].get(k, math.inf) - ref[s][k]) / abs(ref[s][k]) for s in steps for k in keys),
+                     default=math.inf)  # the LM loss and each multi-token prediction loss
     if worst_loss > loss_rtol:
         problems.append(f"loss differs by {worst_loss:.1e} relative (tolerance {loss_rtol:.0e})")
     s1 = steps[0] if steps else 1

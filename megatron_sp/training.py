@@ -24,7 +24,7 @@ from torch import nn
 from . import checkpointing, config as config_mod, device as device_mod, faults, metrics as metrics_mod
 from .config import Config
 from .data import build_datasets, build_tokenizer, check_inputs, ensure_demo_data
-from .data.batching import next_train_batch, rank_batch
+from .data.batching import IGNORE, next_train_batch, rank_batch
 from .files import atomic_file
 from .errors import ConfigError, TrainingError
 from .mpu import ParallelContext, ParallelDims, ParallelState, comm, init_default_group, initialize
@@ -35,7 +35,7 @@ from .parity import full_main_grads
 from .pipeline.executor import ScheduleStats, agree_costs, forward_backward, forward_only
 from .model import count_parameters, flops_per_token
 from .model.inference import generate_batch
-from .model import moe
+from .model import moe, mtp
 from .model.transformer import compile_cache_dir
 from .pipeline.partition import build_stage, stage_chunks, tied_embedding_params
 
@@ -231,7 +231,10 @@ def train_step(rt: Runtime) -> dict[str, Any]:
     cfg, opt, st = rt.cfg, rt.optimizer, rt.state
     opt.zero_grad()
     batch = next_train_batch(rt)
-    global_tokens = _global_sum([float(batch["loss_mask"].sum())], rt)[0]
+    depth = cfg.model.mtp_layers  # multi-token prediction: each module's valid targets count on their own
+    counts = _global_sum([float(batch["loss_mask"].sum()),
+                          *(float((batch["mtp_labels"][..., k] != IGNORE).sum()) for k in range(depth))], rt)
+    global_tokens, mtp_targets = counts[0], counts[1:]
     denom = max(global_tokens, 1.0)
 
     def loss_fn(token_losses: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -250,6 +253,8 @@ def train_step(rt: Runtime) -> dict[str, Any]:
     grad_scale = rt.scaler.scale if rt.scaler.enabled else 1.0
     if cfg.model.num_experts:  # each micro-batch's MoE aux losses weigh mbs / gbs of the objective (docs/moe.md)
         moe.set_aux_loss_scale(rt.model, grad_scale * cfg.train.micro_batch_size / cfg.train.global_batch_size)  # type: ignore[operator]
+    if depth:
+        mtp.set_loss_scales(rt.model, cfg.model, mtp_targets, grad_scale)
     loss_sum = forward_backward(rt.model, _micro_batches(batch, cfg), st, loss_fn, cfg.parallel.pp_schedule,
                                 lambda on: setattr(opt, "sync_grads", on),
                                 grad_scale=grad_scale,
@@ -265,6 +270,7 @@ def train_step(rt: Runtime) -> dict[str, Any]:
         opt.scale_grads(rt.scaler.inv_scale)
     loss_sum = comm.all_reduce(loss_sum, st.pp_group)  # the loss lives on the last stage
     global_loss = _global_sum([loss_sum.item()], rt)[0]
+    mtp_losses = mtp.step_losses(rt.model, cfg.model, mtp_targets, st) if depth else None
     if cfg.logging.dump_grads_step == rt.step + 1:
         dump_grads(rt)
     lr = lr_at(rt.step, cfg.train)
@@ -274,7 +280,7 @@ def train_step(rt: Runtime) -> dict[str, Any]:
     rt.consumed_samples += cfg.train.global_batch_size  # type: ignore[operator]
     _check_step(rt, stepped, grad_norm, global_loss)
     return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens, "stepped": stepped,
-            "moe": moe_stats}
+            "moe": moe_stats, "mtp": mtp_losses}
 
 
 def _micro_batches(batch: dict[str, torch.Tensor], cfg: Config) -> list[dict[str, torch.Tensor]]:
@@ -417,6 +423,10 @@ def _loop(rt: Runtime) -> None:
                 record.update(moe.metrics_record([w["moe"] for w in window], cfg.model))
                 moe_line = (f" | MoE aux {record['moe_aux_loss']:.4f} z {record['moe_z_loss']:.3g} load max/mean "
                             f"{record['moe_load_imbalance']:.2f} dropped {record['moe_dropped_tokens']:.0f}")
+            if cfg.model.mtp_layers:  # each module's mean loss over the global batches of the window
+                losses = np.mean([w["mtp"] for w in window], axis=0).tolist()
+                record.update({f"mtp_loss_{k + 1}": v for k, v in enumerate(losses)})
+                moe_line += " | MTP " + " ".join(f"{v:.4f}" for v in losses)
             metrics.write(record)
             log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | MFU %.1f%%%s | ETA %s",
                      rt.step, cfg.train.iters, record["loss"], out["lr"], out["grad_norm"], rate["tokens_per_s"],

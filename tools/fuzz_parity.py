@@ -112,6 +112,8 @@ FEATURES: dict[str, Key] = {
     "model.moe_z_loss_coeff": Key((0.0, 1e-3), _moe),
     "model.moe_bias_update_rate": Key((0.0, 1e-2), _moe),
     "model.moe_capacity_factor": Key((None, 1.0, 1.5), _moe),
+    "model.mtp_layers": Key((0, 1, 2)),  # DeepSeek-V3 multi-token prediction (after the MoE keys: its layers may be MoE)
+    "model.mtp_loss_coeff": Key((0.1, 1.0), lambda c: c.get("model.mtp_layers", 0) > 0),
     "train.micro_batch_size": Key((1, 2)),  # the reference's (MoE: the aux loss counts loads per micro-batch)
 }
 

@@ -358,7 +358,7 @@ def finalize(cfg: Config, world_size: int | None = None) -> Config:
     _positive(cfg, "train.lr", "train.min_lr", "train.lr_warmup_iters", "train.weight_decay", "train.clip_grad",
               "train.eval_interval", "checkpoint.interval", "checkpoint.keep", "logging.dump_grads_step", "logging.peak_tflops",
               "model.hidden_dropout", "model.attention_dropout", "model.cpu_attention_max_scores", "model.sliding_window",
-              "data.num_workers",
+              "model.mtp_layers", "model.mtp_loss_coeff", "data.num_workers",
               allow_zero=True)
     for key in ("hidden_dropout", "attention_dropout"):
         if getattr(m, key) >= 1.0:

@@ -52,6 +52,11 @@ class ModelConfig:
     qk_nope_head_dim: int = doc(128, "MLA: query/key dims per head without rotary.")
     qk_rope_head_dim: int = doc(64, "MLA: query/key dims per head with rotary (the key's shared by the heads).")
     v_head_dim: int = doc(128, "MLA: value dims per head (at most qk_nope_head_dim + qk_rope_head_dim).")
+    mtp_layers: int = doc(0, "Multi-token prediction (DeepSeek-V3): this many sequential modules after the main model; "
+                             "module k predicts the token k + 1 ahead from module k-1's state and the embedding of "
+                             "token k ahead, sharing the embedding and output layer. Training only. 0: off. docs/mtp.md.")
+    mtp_loss_coeff: float = doc(0.1, "MTP: lambda; the objective adds lambda/mtp_layers · Σ_k L_k, L_k module k's mean "
+                                     "cross entropy over its valid targets in the global batch (DeepSeek-V3: 0.3, then 0.1).")
     qkv_bias: bool = doc(False, "llama: biases on the q/k/v projections only (Qwen2); neox has every bias anyway.")
     qk_norm: bool = doc(False, "RMSNorm of each query and key head over its head_dim before rotary (Qwen3); one "
                                "[head_dim] weight each for q and k per layer, shared by the heads.")

@@ -23,7 +23,8 @@ from megatron_sp.mpu.random import checkpoint
 from megatron_sp.mpu.sharding import local_shard_of, stored_shape
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model.mla import mla_parameters
-from megatron_sp.model.moe import expert_ffn, is_moe_layer
+from megatron_sp.model.moe import AuxLossGrad, expert_ffn, is_moe_layer
+from megatron_sp.model.mtp import MTPModule
 from megatron_sp.model.rope import RopeScaling
 from megatron_sp.model.transformer import (EAGER, LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
                                            compiled, head_dim, hidden_dropout, make_norm, norm_args, rotary_dim, scaled_init_std)
@@ -31,11 +32,16 @@ from megatron_sp.model.transformer import (EAGER, LayerKV, RotaryEmbedding, Tran
 EMBEDDING_NAME = "embedding.weight"
 """The input embedding's parameter name (also the init name of a tied output-layer copy)."""
 
+MTP_EMBEDDING = "mtp_embedding.weight"
+"""A last pipeline stage's copy of the input embedding for multi-token prediction (untied; a tied stage uses the
+output layer's copy)."""
+
 OUTPUT_PROJECTIONS = ("attention.out.weight", "mlp.fc2.weight", "mlp.down.weight", "mlp.experts.fc2.weight",
                       "mlp.experts.down.weight", "mlp.shared.fc2.weight", "mlp.shared.down.weight")
 """Weights initialised with the scaled std (they write into the residual stream; MoE: routed and shared experts)."""
 
-NORM_MODULES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_latent_norm", "kv_latent_norm")
+NORM_MODULES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_latent_norm", "kv_latent_norm", "enorm",
+                "hnorm")
 
 INIT_KINDS = ("normal", "scaled_normal", "zeros", "ones")
 
@@ -151,11 +157,19 @@ class GPTModel(nn.Module):
                                                   sequence_parallel=sp, recompute_allgather=parallel.recompute_allgather,
                                                   skip_weight=tied_here)
                              if post_process else None)
+        # Multi-token prediction (model/mtp.py): its modules on the last stage, with the embedding's copy there.
+        self.mtp = (nn.ModuleList(MTPModule(cfg, k, parallel) for k in range(cfg.mtp_layers))
+                    if post_process and cfg.mtp_layers else None)
+        self.mtp_embedding = (VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=group,
+                                                     sequence_parallel=sp, skip_weight=cfg.tie_embeddings)
+                              if self.mtp is not None and not pre_process else None)
+        self.mtp_loss_scales: list[float] = [0.0] * cfg.mtp_layers  # mtp.set_loss_scales
+        self.mtp_sums: torch.Tensor | None = None  # [D] fp32: the micro-batches' summed MTP losses since then
 
         for name, param in self.named_parameters():
-            shared = cfg.tie_embeddings and (name == EMBEDDING_NAME or name == "output_layer.weight")
+            shared = (cfg.tie_embeddings and name in (EMBEDDING_NAME, "output_layer.weight")) or name == MTP_EMBEDDING
             tag_parameter(param, shared_embedding=shared)
-            if name in (EMBEDDING_NAME, "output_layer.weight"):
+            if name in (EMBEDDING_NAME, "output_layer.weight", MTP_EMBEDDING):
                 param.vocab_rows = self.vocab_size  # rows past it are padding (see mpu.sharding)
         self.reset_parameters()
 
@@ -173,7 +187,7 @@ class GPTModel(nn.Module):
         (``mpu.layers.token_stats``, ``logit_grad``) through ``torch.compile`` (``train.compile``; see
         ``transformer.Regions``), or eagerly again with ``enabled=False``."""
         self.regions = compiled() if enabled else EAGER
-        for layer in self.layers.values():
+        for layer in [*self.layers.values(), *(m.layer for m in self.mtp or ())]:
             layer.set_regions(self.regions)
 
     def output_weight(self) -> torch.Tensor:
@@ -188,7 +202,8 @@ class GPTModel(nn.Module):
                 labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 chunk: int = 0, token_index: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache: KVCacheLike | None = None,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None,
+                mtp: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run this stage (or its model chunk ``chunk``).
 
         Args:
@@ -203,6 +218,8 @@ class GPTModel(nn.Module):
             logit_rows: ``[b]`` (inference, without ``labels``): the logits of one row per sequence only, its index
                 in this rank's ``s`` rows (under SP in the whole sequence): the final norm and the output layer run
                 on ``b`` rows, not ``s·b`` (a prefill samples from its last token alone).
+            mtp: ``(mtp_tokens, mtp_labels)``, ``[b, s, D]`` each (``data.batching.mtp_targets``): a training step's
+                multi-token prediction, whose loss joins the gradient (``model/mtp.py``), not the returned losses.
 
         Returns: last stage: logits ``[b, s, padded_vocab]`` (``[b, 1, padded_vocab]`` with ``logit_rows``) without
         ``labels``, else the per-token fp32 cross entropy ``[b, s]`` (unreduced); other stages: hidden ``[s, b, h]``.
@@ -266,14 +283,40 @@ class GPTModel(nn.Module):
             logits = linear(copy_to_tp(self.regions.norm(x, *norm_args(self.final_norm)), par.tp_group),
                             self.output_weight())  # [1, b, V/t]
             return gather_from_tp(logits, par.tp_group).transpose(0, 1)  # [b, 1, V]
-        x = self.regions.norm(x, *norm_args(self.final_norm))
-        logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/t]
         if labels is None:
+            logits = self.output_layer(self.regions.norm(x, *norm_args(self.final_norm)), weight=self.output_weight())
             return gather_from_tp(logits, par.tp_group).transpose(0, 1)  # [b, s, V]
-        # Padded vocab rows (ids >= vocab_size) are outside the softmax: the loss is the same for any padding.
-        return vocab_parallel_cross_entropy(logits, labels.t(), par.tp_group, label_smoothing=self.label_smoothing,
-                                            vocab_size=self.vocab_size, z_loss=self.z_loss,
-                                            compiled=self.regions is not EAGER).t()  # [b, s]
+        losses = self._head_loss(x, self.final_norm, labels)  # [b, s]
+        if self.mtp is not None and self.training and torch.is_grad_enabled():
+            if mtp is None:
+                raise ValueError("a model with model.mtp_layers trains with mtp=(mtp_tokens, mtp_labels) "
+                                 "(data.batching.mtp_targets)")
+            sums = []
+            for k, module in enumerate(self.mtp):
+                emb = self._mtp_embedding(mtp[0][..., k])
+                x = module(x, hidden_dropout(emb, self.hidden_dropout, self.training, par), cos, sin, meta,
+                           full_recompute)
+                sums.append(self._head_loss(x, module.final_norm, mtp[1][..., k]).float().sum())
+            sums_t = torch.stack(sums)  # [D]: this micro-batch's summed loss of each module
+            self.mtp_sums = sums_t.detach() if self.mtp_sums is None else self.mtp_sums + sums_t.detach()
+            weighted = (sums_t * torch.tensor(self.mtp_loss_scales, device=sums_t.device)).sum()
+            losses = AuxLossGrad.apply(losses, weighted, 1.0)
+        return losses
+
+    def _head_loss(self, x: torch.Tensor, norm: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` of ``labels [b, s]`` from the state ``x`` through ``norm`` and the
+        output layer. Padded vocab rows (ids >= vocab_size) are outside the softmax: the same loss for any padding."""
+        logits = self.output_layer(self.regions.norm(x, *norm_args(norm)), weight=self.output_weight())  # [s, b, V/t]
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.parallel.tp_group,
+                                            label_smoothing=self.label_smoothing, vocab_size=self.vocab_size,
+                                            z_loss=self.z_loss, compiled=self.regions is not EAGER).t()
+
+    def _mtp_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding of ``ids [b, s]`` on the last stage: ``[s/t, b, h]`` under SP, else ``[s, b, h]``."""
+        if self.embedding is not None:
+            return self.embedding(ids.t())
+        assert self.mtp_embedding is not None
+        return self.mtp_embedding(ids.t(), weight=self.output_weight() if self.cfg.tie_embeddings else None)
 
     def kv_cache_unsupported(self) -> str | None:
         """Why this model cannot decode with a ``inference.KVCache`` (None when it can)."""
@@ -302,6 +345,8 @@ class GPTModel(nn.Module):
         embedding_is_output = self.post_process and self.output_layer is not None and self.output_layer.weight is None
         if exclude_embeddings and self.embedding is not None and not embedding_is_output:
             total -= self.embedding.weight.numel()
+        if exclude_embeddings and self.mtp_embedding is not None and self.mtp_embedding.weight is not None:
+            total -= self.mtp_embedding.weight.numel()
         return total
 
 
@@ -318,7 +363,8 @@ def parameter_parts(cfg: ModelConfig) -> dict[str, int]:
     """Parameter counts from the config alone: ``embedding``, ``layer`` (one dense transformer layer),
     ``final_norm`` and ``output_layer`` (counted even when tied: a last stage holds a copy); with experts also
     ``moe_layer`` (one MoE layer: router, every expert, shared experts) and ``moe_layer_active`` (the parameters one
-    token passes through: router, top-k experts, shared experts)."""
+    token passes through: router, top-k experts, shared experts); with multi-token prediction ``mtp`` and
+    ``mtp_active`` (its D modules: norms, ``eh_proj``, the layer; the shared embedding and output layer not again)."""
     check_model_config(cfg)
     spec = arch_spec(cfg.arch)
     h, d = cfg.hidden_size, head_dim(cfg)
@@ -336,6 +382,9 @@ def parameter_parts(cfg: ModelConfig) -> dict[str, int]:
         shared = mlp_parameters(cfg, cfg.moe_shared_experts * f) if cfg.moe_shared_experts else 0
         parts["moe_layer"] = base + shared + cfg.num_experts * mlp_parameters(cfg, f)
         parts["moe_layer_active"] = base + shared + cfg.moe_top_k * mlp_parameters(cfg, f)
+    for key, moe_part in (("mtp", "moe_layer"), ("mtp_active", "moe_layer_active")):
+        parts[key] = sum(3 * norm + 2 * h * h + parts[moe_part if is_moe_layer(cfg, cfg.num_layers + k) else "layer"]
+                         for k in range(cfg.mtp_layers))
     return parts
 
 
@@ -346,7 +395,7 @@ def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True, active: 
     moe_part = "moe_layer_active" if active else "moe_layer"
     layers = sum(parts[moe_part] if is_moe_layer(cfg, i) else parts["layer"] for i in range(cfg.num_layers))
     # final norm + output layer (or the tied embedding, counted here as the output layer)
-    total = layers + parts["final_norm"] + parts["output_layer"]
+    total = layers + parts["final_norm"] + parts["output_layer"] + parts["mtp_active" if active else "mtp"]
     if not cfg.tie_embeddings and not exclude_embeddings:
         total += parts["embedding"]
     return total
@@ -357,7 +406,9 @@ def flops_per_token(cfg: ModelConfig) -> float:
     causal half; N excludes the input embedding and, in MoE layers, counts the active parameters only (router,
     top-k experts, shared experts: what a token computes with; docs/metrics.md, docs/moe.md). The attention term is
     ``3·L·n·(d_qk + d_v)·s`` (``h = n·d`` when both are the head dim; latent attention's values are ``v_head_dim``
-    wide, the kernels' zero padding not counted)."""
-    n = count_parameters(cfg, exclude_embeddings=True, active=True)
+    wide, the kernels' zero padding not counted). Multi-token prediction adds its modules' parameters, their layers'
+    attention and one more pass through the output layer each."""
+    n = count_parameters(cfg, exclude_embeddings=True, active=True) + cfg.mtp_layers * parameter_parts(cfg)["output_layer"]
     d_v = cfg.v_head_dim if cfg.kv_lora_rank else head_dim(cfg)
-    return 6.0 * n + 3.0 * cfg.num_layers * cfg.num_heads * (head_dim(cfg) + d_v) * cfg.seq_length
+    layers = cfg.num_layers + cfg.mtp_layers
+    return 6.0 * n + 3.0 * layers * cfg.num_heads * (head_dim(cfg) + d_v) * cfg.seq_length

@@ -6,7 +6,7 @@ for an fp64 model) whatever the autocast precision, each token takes its top-k e
 only code that knows the token permutation: it sorts the (token, slot) assignments by expert so the ``Experts``
 see contiguous per-expert blocks (``torch._grouped_mm`` or a loop over experts), then puts the outputs back and
 sums each token's k outputs weighted by its router weights. Shared experts (one MLP) add to the routed output.
-The load-balancing loss and the router z-loss reach the gradient through ``_AuxLossGrad`` (the objective, the
+The load-balancing loss and the router z-loss reach the gradient through ``AuxLossGrad`` (the objective, the
 scale and why it stays exact: docs/moe.md). Under expert parallelism (``parallel.ep``) each rank holds E/ep experts
 and the dispatcher all-to-alls the rows to them and back.
 """
@@ -373,7 +373,7 @@ class Experts(nn.Module):
         return expert_linear(inner, counts, self.fc2.weight, self._out_bias(self.fc2.bias), self.backend)
 
 
-class _AuxLossGrad(torch.autograd.Function):
+class AuxLossGrad(torch.autograd.Function):
     """Identity on the layer output; its backward also gives the scalar ``aux`` the gradient ``scale``, so
     ``scale · aux`` joins the objective wherever this layer's backward runs (any pipeline stage), without
     touching the LM loss. Megatron's ``MoEAuxLossAutoScaler`` does the same."""
@@ -486,7 +486,7 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():  # once per micro-batch (a full recompute's first pass has no grad)
             self.router.record(self.tokens_per_expert, self.aux_loss, self.z_loss, self.dropped_tokens, first)
         if torch.is_grad_enabled() and self.training and (self.aux_coeff or self.z_coeff):
-            out = _AuxLossGrad.apply(out, self.aux_coeff * aux + self.z_coeff * z, self.aux_loss_scale)
+            out = AuxLossGrad.apply(out, self.aux_coeff * aux + self.z_coeff * z, self.aux_loss_scale)
         return out
 
 
@@ -513,7 +513,7 @@ def update_expert_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> N
 
 
 def end_step(model: nn.Module, cfg: ModelConfig, state: ParallelState, stepped: bool) -> torch.Tensor:
-    """After the optimizer step, on every rank: this step's ``Router.step_stats`` as ``[num_layers, E + 4]`` fp64
+    """After the optimizer step, on every rank: this step's ``Router.step_stats`` as ``[layers, E + 4]`` fp64
     (zero rows for dense layers), summed over the global batch, then (``moe_bias_update_rate`` set, step taken)
     every expert bias moved by ``update_expert_bias``; the accumulators restart.
 
@@ -523,7 +523,7 @@ def end_step(model: nn.Module, cfg: ModelConfig, state: ParallelState, stepped: 
     integers in fp64, so every rank gets the same loads and the same bias as the 1-rank run."""
     layers = moe_layers(model)
     device = next(model.parameters()).device
-    stats = torch.zeros(cfg.num_layers, cfg.num_experts + 4, dtype=torch.float64, device=device)
+    stats = torch.zeros(cfg.num_layers + cfg.mtp_layers, cfg.num_experts + 4, dtype=torch.float64, device=device)
     for i, layer in layers.items():
         if layer.router.step_stats is not None:
             stats[i] = layer.router.step_stats
@@ -546,7 +546,7 @@ def metrics_record(steps: list[torch.Tensor], cfg: ModelConfig) -> dict[str, Any
     steps), ``moe_dropped_tokens`` (assignments dropped per step, all layers), ``moe_tokens_per_expert`` (per MoE
     layer, the counts summed over the steps)."""
     e = cfg.num_experts
-    rows = [i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)]
+    rows = [i for i in range(cfg.num_layers + cfg.mtp_layers) if is_moe_layer(cfg, i)]
     s = torch.stack(steps).cpu()[:, rows]  # [steps, MoE layers, E + 4]
     load = s[..., :e]
     micro = s[..., e + 3].sum(dim=0).clamp_min(1.0)  # [MoE layers]
@@ -561,11 +561,12 @@ def metrics_record(steps: list[torch.Tensor], cfg: ModelConfig) -> dict[str, Any
 def expert_bias_state(model: nn.Module, cfg: ModelConfig, state: ParallelState) -> dict[str, list[float]]:
     """{global layer: expert bias} of every MoE layer, gathered over pp (collective; the same on every rank): the
     layout-free form the checkpoint's meta.json keeps (fp32 → JSON float → fp32 is exact)."""
-    full = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.float64, device=next(model.parameters()).device)
+    layers = cfg.num_layers + cfg.mtp_layers  # (multi-token prediction's layers after the main ones)
+    full = torch.zeros(layers, cfg.num_experts, dtype=torch.float64, device=next(model.parameters()).device)
     for i, layer in moe_layers(model).items():
         full[i] = layer.router.expert_bias
     comm.all_reduce(full, state.pp_group)
-    return {str(i): full[i].tolist() for i in range(cfg.num_layers) if is_moe_layer(cfg, i)}
+    return {str(i): full[i].tolist() for i in range(layers) if is_moe_layer(cfg, i)}
 
 
 @torch.no_grad()

@@ -268,12 +268,14 @@ class VocabParallelEmbedding(_TPModule):
 
     Ids outside the slice give zero vectors; the partial results are all-reduced (reduce-scattered along ``s``
     under SP). ``num_embeddings`` must already be padded to a multiple of ``t`` (``padded_vocab_size``).
+    ``skip_weight``: ``forward`` is given the weight (a tied output layer's copy of it).
     """
 
     partition_dims: ClassVar[dict[str, int]] = {"weight": 0}
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Any, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 skip_weight: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__(group)
         if num_embeddings % self.tp_size:
             raise ValueError(f"VocabParallelEmbedding: num_embeddings = {num_embeddings} must be padded to a multiple "
@@ -284,15 +286,17 @@ class VocabParallelEmbedding(_TPModule):
         self.rows_per_rank = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.rows_per_rank
         self.vocab_end = self.vocab_start + self.rows_per_rank
-        self._add_param("weight", (self.rows_per_rank, embedding_dim), dtype, device)
+        self._add_param("weight", (self.rows_per_rank, embedding_dim), dtype, device, create=not skip_weight)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids ``[s, b]`` (sequence first) → ``[s, b, h]``, or ``[s/t, b, h]`` under SP."""
+    def forward(self, ids: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """ids ``[s, b]`` (sequence first) → ``[s, b, h]``, or ``[s/t, b, h]`` under SP; ``weight``: instead of
+        ``self.weight``."""
+        weight = self.weight if weight is None else weight
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)  # [s, b, h]
+            return F.embedding(ids, weight)  # [s, b, h]
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # [s, b]
         local_ids = (ids - self.vocab_start).masked_fill_(outside, 0)
-        partial = F.embedding(local_ids, self.weight)  # [s, b, h]
+        partial = F.embedding(local_ids, weight)  # [s, b, h]
         partial = partial.masked_fill_(outside.unsqueeze(-1), 0.0)  # the embedding saves ids only: in place is safe
         if self.sequence_parallel:
             return reduce_scatter_to_sp(partial, self.group)  # [s/t, b, h]

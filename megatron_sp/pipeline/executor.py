@@ -20,7 +20,8 @@ from .schedules import UNIT_COSTS, Action, checked_schedule, virtual_stage
 
 MicroBatch = Mapping[str, torch.Tensor]
 """``tokens``, ``labels``, ``loss_mask``, ``position_ids`` and optionally ``token_index`` (context
-parallelism) and ``document_ids`` (packed documents), each ``[b, s]``, as ``train_step`` slices them."""
+parallelism) and ``document_ids`` (packed documents), each ``[b, s]``, and ``mtp_tokens``/``mtp_labels`` (``[b, s, D]``,
+multi-token prediction), as ``train_step`` slices them."""
 
 LossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 """``loss_fn(token_losses [b, s], micro_batch) -> scalar``: e.g. ``(t.float() * mask).sum() / global_tokens``."""
@@ -206,7 +207,8 @@ def _execute(stage: GPTModel, micro_batches: Sequence[MicroBatch], state: Parall
             with forward_context():
                 out = stage(mb["tokens"] if s == 0 else None, position_ids=mb.get("position_ids"),
                             labels=mb["labels"] if s == last_stage else None, hidden_states=x, chunk=a.chunk,
-                            token_index=mb.get("token_index"), document_ids=mb.get("document_ids"))
+                            token_index=mb.get("token_index"), document_ids=mb.get("document_ids"),
+                            mtp=(mb["mtp_tokens"], mb["mtp_labels"]) if s == last_stage and "mtp_tokens" in mb else None)
             if s == last_stage:
                 out = loss_fn(out, mb)
                 loss_sum += out.detach().double().cpu()

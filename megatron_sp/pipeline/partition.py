@@ -67,7 +67,7 @@ def _balanced_counts(cfg_model: ModelConfig, stages: int) -> list[int]:
 
     parts = parameter_parts(cfg_model)
     n, per_layer = cfg_model.num_layers, parts["layer"]
-    head = parts["final_norm"] + parts["output_layer"]
+    head = parts["final_norm"] + parts["output_layer"] + parts["mtp"]  # (multi-token prediction: the last stage's)
 
     def cost(stage: int, count: int) -> int:
         return count * per_layer + (parts["embedding"] if stage == 0 else 0) + (head if stage == stages - 1 else 0)
@@ -146,14 +146,18 @@ def build_stage(cfg_model: ModelConfig, seed: int, state: ParallelState, paralle
 
 
 def tied_embedding_params(stage: GPTModel, state: ParallelState) -> list[nn.Parameter]:
-    """The parameters to sum over ``state.embedding_group`` for tied embeddings: ``[embedding.weight]`` on the
-    first stage, ``[output_layer.weight]`` on the last, else (middle stage, untied model, pp == 1) ``[]``."""
-    if not stage.cfg.tie_embeddings or state.pp_size == 1:
+    """The parameters to sum over ``state.embedding_group`` for tied embeddings, or the embedding copy that
+    multi-token prediction uses on the last stage: ``[embedding.weight]`` on the first stage,
+    ``[output_layer.weight]`` (tied) or ``[mtp_embedding.weight]`` on the last, else (middle stage, untied model
+    without MTP, pp == 1) ``[]``."""
+    tied = stage.cfg.tie_embeddings
+    if not (tied or stage.cfg.mtp_layers) or state.pp_size == 1:
         return []
     if state.is_first_stage:
         assert stage.embedding is not None
         return [stage.embedding.weight]
     if state.is_last_stage:
-        assert stage.output_layer is not None and stage.output_layer.weight is not None
-        return [stage.output_layer.weight]
+        copy = stage.output_layer if tied else stage.mtp_embedding
+        assert copy is not None and copy.weight is not None
+        return [copy.weight]
     return []
