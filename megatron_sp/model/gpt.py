@@ -296,10 +296,10 @@ class GPTModel(nn.Module):
                 emb = self._mtp_embedding(mtp[0][..., k])
                 x = module(x, hidden_dropout(emb, self.hidden_dropout, self.training, par), cos, sin, meta,
                            full_recompute)
-                sums.append(self._head_loss(x, module.final_norm, mtp[1][..., k]).float().sum())
+                sums.append(self._head_loss(x, module.final_norm, mtp[1][..., k]).sum())  # fp32 (fp64 model: fp64)
             sums_t = torch.stack(sums)  # [D]: this micro-batch's summed loss of each module
             self.mtp_sums = sums_t.detach() if self.mtp_sums is None else self.mtp_sums + sums_t.detach()
-            weighted = (sums_t * torch.tensor(self.mtp_loss_scales, device=sums_t.device)).sum()
+            weighted = (sums_t * sums_t.new_tensor(self.mtp_loss_scales)).sum()
             losses = AuxLossGrad.apply(losses, weighted, 1.0)
         return losses
 

@@ -40,6 +40,9 @@ MLA_NO_Q_LATENT = MLA[:4] + ["model.qk_nope_head_dim=8", "model.qk_rope_head_dim
 MOE_CP = LLAMA + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_z_loss_coeff=1e-3",
                   "model.moe_shared_experts=1", "model.moe_router_score=sigmoid", "model.moe_bias_update_rate=1e-2",
                   "model.moe_router_groups=2", "model.moe_router_group_topk=1", "model.moe_routed_scaling=2.5"]
+# DeepSeek-V3 as a whole: latent attention, grouped sigmoid routing with the bias, a dense first layer, and two
+# multi-token prediction modules (MoE layers too; their losses are compared as well)
+DEEPSEEK = MLA + MOE_CP[4:] + ["model.moe_first_dense_layers=1", "model.mtp_layers=2", "model.mtp_loss_coeff=0.3"]
 
 # Each row is one train.py run (~10 s): a feature alone once, then in combinations. Rows whose
 # paths a combination already runs were folded into it (dp4 → dp3_zero1_odd, tp4 → tp4_sp and the
@@ -133,6 +136,12 @@ LAYOUTS = {
                                                        "parallel.zero=1"]),
     "mla_no_q_latent_tp4_full_recompute": (MLA_NO_Q_LATENT, ["parallel.tp=4", "model.recompute=full"]),
     "mla_moe_groups_ep2_cp2_ring": (MLA + MOE_CP[4:], ["parallel.cp=2", "parallel.cp_algo=ring", "parallel.ep=2"]),
+    "deepseek_mtp_moe_tp2_sp_ep2": (DEEPSEEK, ["parallel.tp=2", *SP, "parallel.ep=2"]),
+    "deepseek_mtp_moe_tp2_pp2": (DEEPSEEK, ["parallel.tp=2", "parallel.pp=2"]),  # the last stage's embedding copy
+    "deepseek_mtp_moe_cp2_zigzag": (DEEPSEEK, ["parallel.cp=2", "parallel.cp_algo=zigzag"]),
+    "deepseek_mtp_moe_packed_cp2_llama3": (DEEPSEEK + PACKED, ["parallel.cp=2", "parallel.cp_algo=llama3"]),
+    "deepseek_mtp_moe_dp2_zero1_ep2": (DEEPSEEK, ["parallel.dp=2", "parallel.zero=1", "parallel.ep=2"]),
+    "mtp_tied_pp2_interleaved_v2": (TIED + L4 + ["model.mtp_layers=1"], ["parallel.pp=2", *INTERLEAVED]),  # tied copy
 }
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_tokens", "moe_tokens_per_expert")
 
