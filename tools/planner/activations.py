@@ -252,6 +252,11 @@ def chunk_activations(cfg: Config, pp_rank: int, chunk: int) -> ChunkActivations
         # the logits themselves (no fp32 copy) + max, Σexp (fp32), target index (int64), two flags
         extra["cross entropy (logits, per-token)"] = tok * (D.padded_vocab // D.tp) * e + tok * 18
         shared["loss mask"] = rank_samples * D.s_local * 4
+        head = sum(extra[k] for k in ("final norm", "output layer input", "cross entropy (logits, per-token)"))
+        mtp = range(D.layers, D.layers + cfg.model.mtp_layers)  # each module: ids, enorm + hnorm, eh_proj input,
+        extra["multi-token prediction"] = sum(  # its layer, its head (final norm, output layer, cross entropy)
+            tok * 9 + 2 * extra["final norm"] + gathered * 2 * h * e + head +
+            sum(layer_terms(D, moe=moe_layers_of(cfg, range(i, i + 1)) > 0).values()) for i in mtp)
     layers = chunks[chunk]
     moe = moe_layers_of(cfg, layers)
     kinds = [k for k, n in ((False, len(layers) - moe), (True, moe)) if n]  # dense and/or MoE layers here

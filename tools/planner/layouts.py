@@ -82,10 +82,12 @@ def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None, execute
     recompute = D.recompute if recompute is None else recompute
     parts = parameter_parts(cfg.model)
     chunks = stage_layers(cfg, pp_rank)
-    layers = sum(len(c) for c in chunks)
-    moe = sum(moe_layers_of(cfg, c) for c in chunks)
-    n = (layers - moe) * parts["layer"] + moe * parts.get("moe_layer_active", 0) + \
-        (parts["final_norm"] + parts["output_layer"] if pp_rank == D.pp - 1 else 0)
+    last = pp_rank == D.pp - 1
+    mtp = range(D.layers, D.layers + cfg.model.mtp_layers) if last else range(0)  # multi-token prediction's layers
+    main, main_moe = sum(len(c) for c in chunks), sum(moe_layers_of(cfg, c) for c in chunks)
+    n = (main - main_moe) * parts["layer"] + main_moe * parts.get("moe_layer_active", 0) + \
+        (parts["final_norm"] + (1 + len(mtp)) * parts["output_layer"] + parts["mtp_active"] if last else 0)
+    layers, moe = main + len(mtp), main_moe + moe_layers_of(cfg, mtp)
     attention = 3 * layers * D.heads * (D.head_dim + (D.mla[3] or D.head_dim)) * D.seq  # as gpt.flops_per_token
     per_token = 6 * n + attention
     if recompute == "full":
