@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import sys
 import uuid
@@ -42,8 +43,9 @@ from megatron_sp.config.loader import _apply_section, apply_override, finalize, 
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.data.tokenizer import SPACE_SYMBOL
 from megatron_sp.errors import ConfigError, DataError, OneLineArgumentParser, UserError, write_failure
-from megatron_sp.model.hf_names import (HF_ARCHS, MIXTRAL, QWEN2_MOE, QWEN3_MOE, family_keys, from_hf_state_dict,
-                                        hf_aux_loss_coef, hf_config_dict, to_hf_state_dict)
+from megatron_sp.model.hf_names import (DEEPSEEK_V3, HF_ARCHS, MIXTRAL, QWEN2_MOE, QWEN3_MOE, family_keys,
+                                        from_hf_state_dict, hf_aux_loss_coef, hf_config_dict, to_hf_state_dict)
+from megatron_sp.model.moe import is_moe_layer
 
 log = logging.getLogger("megatron_sp")
 
@@ -290,14 +292,24 @@ def to_hf(src: Path, out: Path, iteration: int | None) -> Path:
     if _tokenizer_file(cfg) is not None and importlib.util.find_spec("tokenizers") is None:
         raise ConfigError("--to hf writes the tokenizer's tokenizer.json with the 'tokenizers' package, which is not "
                           "installed: pip install -e '.[hf]'")
-    m = cfg.model
-    if any(any(b) for b in (meta.get("moe_expert_bias") or {}).values()):
+    m, bias = cfg.model, meta.get("moe_expert_bias") or {}
+    if not m.kv_lora_rank and any(any(b) for b in bias.values()):
         raise DataError(f"{ckpt}: its experts are chosen with a learned routing bias (model.moe_bias_update_rate), "
-                        "which transformers' MoE classes have no place for: the export would route differently")
+                        "which transformers' MoE classes other than DeepseekV3ForCausalLM (latent attention) have no "
+                        "place for: the export would route differently")
+    if mtp := [n for n in weights if n.startswith(("mtp.", "mtp_embedding."))]:
+        log.info("dropped the %d multi-token prediction tensors (mtp.*): MTP modules are training-only", len(mtp))
+    weights = {n: t for n, t in weights.items() if n not in mtp}
+    if m.num_experts:  # the routing bias as the router's buffer: DeepSeek-V3's e_score_correction_bias
+        weights.update({f"layers.{i}.mlp.router.expert_bias": torch.tensor(bias.get(str(i)) or [0.0] * m.num_experts)
+                        for i in range(m.num_layers) if is_moe_layer(m, i)})
     vocab = weights["embedding.weight"].shape[0]  # stored without the layout's padding rows
     special = special_token_ids(cfg)
-    hf_cfg = {**hf_config_dict(m, prefer=meta.get("hf_class")), "vocab_size": vocab, "torch_dtype": "float32", **special}
-    state = {name: t.detach().to(torch.float32).contiguous().clone() for name, t in to_hf_state_dict(weights, m).items()}
+    interleave = meta.get("hf_rope_interleave", True)  # DeepSeek-V3's rotary layout, as imported (default: the Hub's)
+    hf_cfg = {**hf_config_dict(m, prefer=meta.get("hf_class"), rope_interleave=interleave), "vocab_size": vocab,
+              "torch_dtype": "float32", **special}
+    state = {name: t.detach().to(torch.float32).contiguous().clone()
+             for name, t in to_hf_state_dict(weights, m, rope_interleave=interleave).items()}
     with staging(out, sum(t.nbytes for t in state.values())) as tmp:
         checkpointing.store.save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=1))
@@ -337,6 +349,35 @@ def qwen2_moe_keys(raw: dict[str, Any], num_layers: int, refuse: Callable[[str],
             "moe_aux_loss_coeff": float(raw.get("router_aux_loss_coef", 0.001))}
 
 
+_DEEPSEEK_V3 = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                "n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+                "routed_scaling_factor": 2.5}  # DeepseekV3Config's defaults of the keys read
+
+
+def deepseek_keys(raw: dict[str, Any], num_layers: int, refuse: Callable[[str], DataError]) -> dict[str, Any]:
+    """Our latent-attention and MoE keys for a DeepseekV3ForCausalLM config (a MoE one: sigmoid router with groups,
+    routed scaling, shared experts, ``first_k_dense_replace`` dense layers; ``moe_aux_loss_coeff`` 0 as transformers'
+    class has no aux loss); ``q_lora_rank`` null is 0. Refused: a router other than ``scoring_func`` sigmoid with
+    ``topk_method`` noaux_tc (transformers' class routes so whatever they say)."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(key, want) != want:
+            raise refuse(f"{key} {raw[key]!r} (DeepseekV3ForCausalLM routes as {want})")
+    v = {key: raw.get(key, default) for key, default in _DEEPSEEK_V3.items()}
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    keys = {"kv_lora_rank": int(v["kv_lora_rank"]), "q_lora_rank": int(v["q_lora_rank"] or 0),
+            "qk_nope_head_dim": int(v["qk_nope_head_dim"]), "qk_rope_head_dim": int(v["qk_rope_head_dim"]),
+            "v_head_dim": int(v["v_head_dim"]), "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
+    if int(v["first_k_dense_replace"]) >= num_layers:  # every layer dense
+        return keys
+    return {**keys, "num_experts": int(v["n_routed_experts"]), "moe_top_k": int(v["num_experts_per_tok"]),
+            "moe_ffn_hidden_size": int(v["moe_intermediate_size"]), "moe_shared_experts": int(v["n_shared_experts"]),
+            "moe_first_dense_layers": int(v["first_k_dense_replace"]), "moe_router_score": "sigmoid",
+            "moe_renormalize": bool(v["norm_topk_prob"]), "moe_router_groups": int(v["n_group"] or 1),
+            "moe_router_group_topk": int(v["topk_group"] or 1), "moe_routed_scaling": float(v["routed_scaling_factor"]),
+            "moe_aux_loss_coeff": 0.0}
+
+
 def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
     """Our model section for an HF config dict of a class in ``HF_ARCHS`` (``FAMILIES``, MoE); unsupported variants are
     refused (Qwen2-MoE's q/k/v biases and shared-expert gate are checked to be zero with the weights)."""
@@ -348,12 +389,15 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
 
     def refuse(what: str) -> DataError:
         return DataError(f"{source}: {what} is not supported by megatron_sp's {arch} model")
+    if raw.get("quantization_config"):
+        raise refuse(f"a quantized checkpoint ({raw['quantization_config'].get('quant_method', '?')}; dequantize it to "
+                     "bf16 or fp32 and drop quantization_config first)")
 
     common = {**family_keys(raw, names[0], refuse), "arch": arch, "num_layers": int(raw["num_hidden_layers"]),
               "hidden_size": hidden, "num_heads": heads,
               "ffn_hidden_size": int(raw["intermediate_size"]), "seq_length": int(raw["max_position_embeddings"]),
               "attention_dropout": float(raw.get("attention_dropout", 0.0)),
-              "tie_embeddings": bool(raw.get("tie_word_embeddings", arch == "llama")),
+              "tie_embeddings": bool(raw.get("tie_word_embeddings", arch == "llama" and names[0] != DEEPSEEK_V3)),
               "init_std": float(raw.get("initializer_range", 0.02)), "vocab_size": int(raw["vocab_size"])}
     if arch == "neox":
         if not raw.get("use_parallel_residual", True):
@@ -381,6 +425,8 @@ def model_config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         raise refuse(f"a sliding window on some layers only (layer_types {kinds})")
     if names[0] in (QWEN2_MOE, QWEN3_MOE):
         moe = qwen2_moe_keys(raw, common["num_layers"], refuse, names[0] == QWEN3_MOE)
+    if names[0] == DEEPSEEK_V3:
+        moe = deepseek_keys(raw, common["num_layers"], refuse)
     if names[0] == MIXTRAL:  # llama with a MoE MLP in every layer
         moe = {"num_experts": int(raw["num_local_experts"]), "moe_top_k": int(raw.get("num_experts_per_tok", 2)),
                "moe_ffn_hidden_size": common["ffn_hidden_size"], "moe_renormalize": True,
@@ -449,10 +495,19 @@ def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: lis
     for item in overrides:
         apply_override(cfg, item)
     hf_weights = read_hf_weights(src)
+    deepseek = raw["architectures"][0] == DEEPSEEK_V3
+    beyond = [n for n in hf_weights if (layer := re.match(r"model\.layers\.(\d+)\.", n)) and
+              int(layer.group(1)) >= cfg.model.num_layers] if deepseek else []
+    if beyond:  # DeepSeek-V3's layer 61
+        log.info("ignored the %d tensors of the multi-token prediction layers (model.layers.%d and on): ours "
+                 "(model.mtp_layers) are trained from scratch", len(beyond), cfg.model.num_layers)
+    interleave = bool(raw.get("rope_interleave", True))
     try:
-        ours = from_hf_state_dict(hf_weights, cfg.model)
+        ours = from_hf_state_dict({n: t for n, t in hf_weights.items() if n not in beyond}, cfg.model,
+                                  rope_interleave=interleave)
     except (KeyError, ValueError) as exc:
         raise DataError(f"'{src}': {exc.args[0] if exc.args else exc}") from None
+    bias = {n.split(".")[1]: ours.pop(n).double().tolist() for n in [n for n in ours if n.endswith(".expert_bias")]}
     weights = {n: t.detach().to(torch.float32).contiguous().clone() for n, t in ours.items()}
     check_weights(weights, cfg.model, str(src))
     with staging(out, sum(t.nbytes for t in weights.values())) as tmp:
@@ -466,7 +521,9 @@ def from_hf(src: Path, out: Path, tp: int | None, pp: int | None, overrides: lis
         log.info("%s", layout_line(cfg, tp, pp, overrides, "the defaults (a Hugging Face model has no layout)"))
         meta = {"format_version": checkpointing.FORMAT_VERSION, "step": 0, "consumed_samples": 0,
                 "world_size": cfg.parallel.world_size, "config": to_dict(cfg), "converted_from": str(src.resolve()),
-                "hf_class": raw["architectures"][0]}  # exported back as it (a Llama-shaped Mistral stays a Mistral)
+                "hf_class": raw["architectures"][0],  # exported back as it (a Llama-shaped Mistral stays a Mistral)
+                **({"moe_expert_bias": bias} if bias else {}),  # DeepSeek-V3's e_score_correction_bias, as training keeps it
+                **({"hf_rope_interleave": interleave} if deepseek else {})}
         ckpt = write_ours(tmp, meta, weights)
     log.info("wrote %s/%s (%s, %d tensors, step 0, no optimizer state, tokenizer.type=%s); set data.paths%s to train "
              "from it", out, ckpt.name, cfg.model.arch, len(weights), cfg.tokenizer.type,

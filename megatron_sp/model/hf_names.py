@@ -1,10 +1,12 @@
 """Name and layout mapping between our GPTModel state dict and Hugging Face ``GPTNeoXForCausalLM`` (neox) /
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Olmo2ForCausalLM`` (llama;
-``FAMILIES``) / ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM`` (a MoE llama), with the Hub
-checkpoints' names (``embed_out.weight`` for GPT-NeoX's output layer, transformers >= 5 loads it as
-``lm_head.weight``; one tensor per expert, which transformers >= 5 stacks on load and splits again on save) and the
+``FAMILIES``) / ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM`` (a MoE llama) /
+``DeepseekV3ForCausalLM`` (latent attention, dense or MoE), with the Hub checkpoints' names (``embed_out.weight`` for
+GPT-NeoX's output layer, transformers >= 5 loads it as ``lm_head.weight``; one tensor per expert, which transformers
+>= 5 stacks on load and splits again on save; its stacked ``experts.gate_up_proj``/``down_proj`` are read too) and the
 padded vocabulary. neox is a pure renaming; llama splits our fused QKV rows into ``q_proj``/``k_proj``/``v_proj``.
-A tied output layer is not written.
+A tied output layer is not written. DeepSeek-V3's router bias ``e_score_correction_bias`` is our buffer
+``mlp.router.expert_bias``; its interleaved rotary pairs (``rope_interleave``) are our rotary halves, rows permuted.
 """
 from __future__ import annotations
 
@@ -38,6 +40,10 @@ _LLAMA_LAYER = {
     "mlp.down": "mlp.down_proj",
     "attention.q_norm": "self_attn.q_norm",
     "attention.k_norm": "self_attn.k_norm",
+    "attention.mla.q_down": "self_attn.q_a_proj", "attention.mla.q_latent_norm": "self_attn.q_a_layernorm",
+    "attention.mla.q_up": "self_attn.q_b_proj", "attention.mla.q_proj": "self_attn.q_proj",
+    "attention.mla.kv_down": "self_attn.kv_a_proj_with_mqa", "attention.mla.kv_latent_norm": "self_attn.kv_a_layernorm",
+    "attention.mla.kv_up": "self_attn.kv_b_proj",
 }
 _NORM_NAMES = {"pre": {},  # model.norm_placement → the HF names of our two layer norms (OLMo-2: after the sublayers)
                "post_sublayer": {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"}}
@@ -48,6 +54,7 @@ _GLOBAL = {
 }
 _LAYER_PREFIX = {"neox": "gpt_neox.layers", "llama": "model.layers"}
 MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ FAMILIES = {
 }
 _MOE_ATTENTION = {QWEN3_MOE: "Qwen3ForCausalLM"}  # a MoE class whose attention is a dense family's (its keys)
 HF_ARCHS = {**{name: f.keys["arch"] for name, f in FAMILIES.items()}, MIXTRAL: "llama", QWEN2_MOE: "llama",
-            QWEN3_MOE: "llama"}
+            QWEN3_MOE: "llama", DEEPSEEK_V3: "llama"}
 ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",  # HF rope_parameters → ours
              "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_positions",
              "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "attention_factor": "rope_attention_factor"}
@@ -86,9 +93,6 @@ _ROPE_USES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "hi
 def hf_dense_class(cfg: ModelConfig, prefer: str | None = None) -> str:
     """The dense transformers class whose ``Family.keys`` ``cfg`` has, ``prefer`` (an imported model's class: Mistral
     is Llama-shaped) first when it has them; a ConfigError naming the keys when none."""
-    if cfg.kv_lora_rank:
-        raise ConfigError("model.kv_lora_rank: latent attention (DeepSeek's MLA) has no transformers export yet "
-                          "(DeepseekV3ForCausalLM is not among the families)")
     for name in sorted(FAMILIES, key=lambda n: n != prefer):
         family = FAMILIES[name]
         if all(getattr(cfg, key) == value for key, value in family.keys.items()) and \
@@ -130,7 +134,7 @@ def family_keys(raw: dict[str, Any], hf_class: str, refuse: Any) -> dict[str, An
     makes the error of a variant ours lacks."""
     family = FAMILIES.get(_MOE_ATTENTION.get(hf_class, hf_class))
     keys = {k: v for k, v in family.keys.items() if k != "arch"} if family else {}
-    if raw.get("head_dim") is not None and hf_class != "GPTNeoXForCausalLM":
+    if raw.get("head_dim") is not None and hf_class not in ("GPTNeoXForCausalLM", DEEPSEEK_V3):  # DeepSeek's: rope dims
         keys["head_dim"] = int(raw["head_dim"])
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -150,10 +154,14 @@ def family_keys(raw: dict[str, Any], hf_class: str, refuse: Any) -> dict[str, An
 # per HF MoE class: its sparse block's module, and our stacked expert matrices [E, out, in] ↔ {block}.experts.{e}.NAME
 _MOE_BLOCK = {MIXTRAL: ("block_sparse_moe", {"gate": "w1", "down": "w2", "up": "w3"}),
               QWEN2_MOE: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-              QWEN3_MOE: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
-_HF_MOE_RE = re.compile(r"(?:block_sparse_moe|mlp)\.(?:(gate)|experts\.(\d+)\.(\w+)|shared_expert\.(\w+)_proj|(shared_expert_gate))")
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
-_HF_LAYER_RE = re.compile(r"^(?:gpt_neox|model)\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+              QWEN3_MOE: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+              DEEPSEEK_V3: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
+_SHARED = {QWEN2_MOE: "shared_expert", DEEPSEEK_V3: "shared_experts"}  # the shared MLP's module (Qwen2-MoE: gated)
+_HF_MOE_RE = re.compile(r"(?:block_sparse_moe|mlp)\.(?:(gate)|experts\.(\d+)\.(\w+)|shared_experts?\.(\w+)_proj|"
+                        r"(shared_expert_gate))")
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias|expert_bias)$")
+_HF_LAYER_RE = re.compile(r"^(?:gpt_neox|model)\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)$")
+_STACKED_RE = re.compile(r"^(.+\.experts)\.(gate_up_proj|down_proj)$")  # transformers >= 5's in-memory experts
 
 
 def _resolve_arch(cfg: ModelConfig, arch: str | None) -> str:
@@ -191,10 +199,29 @@ def check_mixtral(cfg: ModelConfig) -> None:
         raise ConfigError(f"this MoE model is not exactly a Mixtral: MixtralForCausalLM needs {', '.join(bad)}")
 
 
+def check_deepseek(cfg: ModelConfig) -> None:
+    """ConfigError unless the latent-attention ``cfg`` exports exactly as ``DeepseekV3ForCausalLM``: pre-norms, no
+    window and, for a MoE, sigmoid scores with every layer MoE from ``moe_first_dense_layers`` on."""
+    needs = [("model.norm_placement=pre", cfg.norm_placement != "pre"), ("no model.sliding_window", bool(cfg.sliding_window)),
+             ("model.moe_router_score=sigmoid", cfg.num_experts > 0 and cfg.moe_router_score != "sigmoid"),
+             ("model.moe_layer_freq=1", cfg.num_experts > 0 and cfg.moe_layer_freq != 1)]
+    if bad := [what for what, broken in needs if broken]:
+        raise ConfigError(f"this latent-attention model has no exact transformers class: DeepseekV3ForCausalLM needs "
+                          f"{', '.join(bad)}")
+
+
+def _layer_class(cfg: ModelConfig) -> str:
+    """The transformers class whose layer names ``cfg`` maps to beyond a dense family's ('' for those)."""
+    if cfg.kv_lora_rank:
+        check_deepseek(cfg)
+        return DEEPSEEK_V3
+    return hf_moe_class(cfg) if cfg.num_experts else ""
+
+
 def hf_moe_class(cfg: ModelConfig) -> str:
     """The transformers class a MoE ``cfg`` exports to exactly: Mixtral when it can, else Qwen2-MoE (shared experts,
     dense layers, top-1); a ConfigError naming what each lacks when neither can."""
-    unmet = {hf_class: _unmet(cfg, hf_class) for hf_class in _MOE_BLOCK}
+    unmet = {hf_class: _unmet(cfg, hf_class) for hf_class in (MIXTRAL, QWEN2_MOE, QWEN3_MOE)}
     if exact := [hf_class for hf_class, bad in unmet.items() if not bad]:
         return exact[0]
     raise ConfigError("this MoE model has no exact transformers class: "
@@ -209,9 +236,34 @@ def hf_aux_loss_coef(coeff: float, cfg: ModelConfig, to_hf: bool = True) -> floa
     return coeff * ratio if to_hf else coeff / ratio
 
 
-def hf_config_dict(cfg: ModelConfig, arch: str | None = None, prefer: str | None = None) -> dict[str, Any]:
+def _deepseek_config(cfg: ModelConfig, common: dict[str, Any], rope_interleave: bool) -> dict[str, Any]:
+    """``DeepseekV3Config`` keywords: a dense model has ``first_k_dense_replace`` = its layers; no MTP modules (ours
+    are training-only); yarn's ``attention_factor`` 1 written as DeepSeek does, ``mscale`` = ``mscale_all_dim``."""
+    check_deepseek(cfg)
+    rope = dict(common.get("rope_scaling") or {})
+    if cfg.rope_mscale_all_dim:
+        rope["mscale_all_dim"] = cfg.rope_mscale_all_dim
+        if rope.get("attention_factor") == 1.0:
+            del rope["attention_factor"]
+            rope["mscale"] = cfg.rope_mscale_all_dim
+    moe = cfg.num_experts > 0
+    return {**common, **({"rope_scaling": rope} if rope else {}), "architectures": [DEEPSEEK_V3],
+            "model_type": "deepseek_v3", "num_key_value_heads": cfg.num_heads, "hidden_act": "silu",
+            "rms_norm_eps": cfg.norm_eps, "attention_bias": False, "kv_lora_rank": cfg.kv_lora_rank,
+            "q_lora_rank": cfg.q_lora_rank or None, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+            "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "rope_interleave": rope_interleave,
+            "first_k_dense_replace": cfg.moe_first_dense_layers if moe else cfg.num_layers,
+            "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k,
+            "n_shared_experts": cfg.moe_shared_experts, "moe_intermediate_size": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+            "n_group": cfg.moe_router_groups, "topk_group": cfg.moe_router_group_topk,
+            "routed_scaling_factor": cfg.moe_routed_scaling, "norm_topk_prob": renormalised(cfg),
+            "num_nextn_predict_layers": 0}
+
+
+def hf_config_dict(cfg: ModelConfig, arch: str | None = None, prefer: str | None = None,
+                   rope_interleave: bool = True) -> dict[str, Any]:
     """Keyword arguments (and ``config.json`` content) of the matching HF config class (``hf_dense_class`` with
-    ``prefer``, ``hf_moe_class`` for MoE).
+    ``prefer``, ``hf_moe_class`` for MoE, DeepSeek-V3 for latent attention with ``rope_interleave``).
     Qwen2-MoE: ``decoder_sparse_step`` 1 with every dense layer in ``mlp_only_layers``; q/k/v biases on (written as
     zeros: transformers < 5 and other Qwen2-MoE readers always build them)."""
     arch = _resolve_arch(cfg, arch)
@@ -226,6 +278,8 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None, prefer: str | None
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
     }
+    if cfg.kv_lora_rank:
+        return _deepseek_config(cfg, common, rope_interleave)
     dense = hf_dense_class(cfg, prefer) if not cfg.num_experts else "LlamaForCausalLM"
     family = FAMILIES[dense]
     if arch == "neox":
@@ -280,16 +334,34 @@ def _split_llama_qkv(t: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, t
             grouped[:, r + 1].reshape(g * d, *rest))
 
 
+def _rope_rows(t: torch.Tensor, cfg: ModelConfig, module: str, to_hf: bool) -> torch.Tensor:
+    """DeepSeek's interleaved rotary pairs (``rope_interleave``: ``(x0, x1), (x2, x3), ...``) ↔ our rotary halves:
+    the last ``qk_rope_head_dim`` rows of each head's query rows (``module`` q_up / q_proj) or of the shared key
+    (kv_down) permuted, even ones first (exact: the same products, in the same order)."""
+    r = cfg.qk_rope_head_dim
+    rows = (cfg.kv_lora_rank if module.endswith("kv_down") else cfg.qk_nope_head_dim) + r
+    perm = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
+    grouped = t.reshape(-1, rows, *t.shape[1:])
+    rope = grouped[:, rows - r:][:, perm.argsort() if to_hf else perm]
+    return torch.cat([grouped[:, :rows - r], rope], dim=1).reshape(t.shape)
+
+
+_ROPE_ROWS = ("attention.mla.q_up", "attention.mla.q_proj", "attention.mla.kv_down")
+
+
 def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                     arch: str | None = None) -> dict[str, torch.Tensor]:
+                     arch: str | None = None, rope_interleave: bool = True) -> dict[str, torch.Tensor]:
     """Our full-model state dict → HF names and layouts (views or fresh copies); ``arch`` must equal ``cfg.arch``.
     A tied ``output_layer.weight`` (the last stage's copy of the embedding) is dropped. Qwen2-MoE scales its shared
     expert by ``sigmoid(x · shared_expert_gate)``: written as a zero gate (sigmoid(0) = 0.5 exactly) and ``2·down``,
-    bit for bit our ungated shared experts (a width-0 shared expert without them); its q/k/v biases as zeros."""
+    bit for bit our ungated shared experts (a width-0 shared expert without them); its q/k/v biases as zeros.
+    ``mlp.router.expert_bias`` (a ``state_dict``'s buffer) is DeepSeek-V3's ``e_score_correction_bias``; elsewhere
+    it must be zero (ValueError). Latent attention's rotary rows are interleaved as ``rope_interleave`` says."""
     arch = _resolve_arch(cfg, arch)
     top = _GLOBAL[arch]
-    hf_class = hf_moe_class(cfg) if cfg.num_experts else ""
+    hf_class = _layer_class(cfg)
     block, expert_names = _MOE_BLOCK.get(hf_class, ("", {}))
+    shared = _SHARED.get(hf_class)
     out: dict[str, torch.Tensor] = {}
     for name, tensor, index, module, leaf in _layer_items(our_sd, _LAYER_RE, top, cfg, out, "no HF name for"):
         prefix = f"{_LAYER_PREFIX[arch]}.{index}"
@@ -299,34 +371,57 @@ def to_hf_state_dict(our_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
                 if hf_class == QWEN2_MOE and not cfg.qkv_bias:
                     out[f"{prefix}.self_attn.{proj}_proj.bias"] = part.new_zeros(part.shape[0])
             continue
+        if module == "mlp.router" and leaf == "expert_bias":
+            if hf_class == DEEPSEEK_V3:
+                out[f"{prefix}.mlp.gate.e_score_correction_bias"] = tensor
+            elif tensor.any():
+                raise ValueError(f"{name} is not zero: {hf_class} has no routing bias")
+            continue
         if module == "mlp.router":
             out[f"{prefix}.{block}.gate.{leaf}"] = tensor
             if hf_class == QWEN2_MOE:
                 out[f"{prefix}.mlp.shared_expert_gate.{leaf}"] = tensor.new_zeros(1, cfg.hidden_size)
-                h = cfg.hidden_size
-                for proj, shape in (("gate", (0, h)), ("up", (0, h)), ("down", (h, 0))) if not cfg.moe_shared_experts else ():
-                    out[f"{prefix}.mlp.shared_expert.{proj}_proj.{leaf}"] = tensor.new_zeros(shape)
+            h = cfg.hidden_size
+            for proj, shape in (("gate", (0, h)), ("up", (0, h)), ("down", (h, 0))) if shared and not cfg.moe_shared_experts else ():
+                out[f"{prefix}.mlp.{shared}.{proj}_proj.{leaf}"] = tensor.new_zeros(shape)
             continue
         if module.startswith("mlp.experts.") and module[12:] in expert_names:  # [E, out, in]: one matrix per expert
             for e, matrix in enumerate(tensor.unbind(0)):
                 out[f"{prefix}.{block}.experts.{e}.{expert_names[module[12:]]}.{leaf}"] = matrix
             continue
-        if module.startswith("mlp.shared.") and hf_class == QWEN2_MOE:
-            out[f"{prefix}.mlp.shared_expert.{module[11:]}_proj.{leaf}"] = tensor * 2 if module == "mlp.shared.down" else tensor
+        if module.startswith("mlp.shared.") and shared:
+            gated = module == "mlp.shared.down" and hf_class == QWEN2_MOE
+            out[f"{prefix}.mlp.{shared}.{module[11:]}_proj.{leaf}"] = tensor * 2 if gated else tensor
             continue
         table = _NEOX_LAYER if arch == "neox" else {**_LLAMA_LAYER, **_NORM_NAMES[cfg.norm_placement]}
         if module not in table:
             raise KeyError(f"no HF name for {name!r}")
-        out[f"{prefix}.{table[module]}.{leaf}"] = tensor
+        rope = module in _ROPE_ROWS and rope_interleave
+        out[f"{prefix}.{table[module]}.{leaf}"] = _rope_rows(tensor, cfg, module, to_hf=True) if rope else tensor
     return out
 
 
+def _unstacked(hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``hf_sd`` with transformers >= 5's stacked experts (``experts.gate_up_proj [E, 2f, h]``, ``experts.down_proj
+    [E, h, f]``) as the Hub's one matrix per expert (``experts.{e}.gate_proj.weight``, ...)."""
+    for name, tensor in hf_sd.items():
+        match = _STACKED_RE.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, kind = match.groups()
+        for e, matrix in enumerate(tensor):
+            parts = zip(("gate_proj", "up_proj"), matrix.chunk(2)) if kind == "gate_up_proj" else [("down_proj", matrix)]
+            yield from ((f"{prefix}.{e}.{proj}.weight", m) for proj, m in parts)
+
+
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                       arch: str | None = None) -> dict[str, torch.Tensor]:
+                       arch: str | None = None, rope_interleave: bool = True) -> dict[str, torch.Tensor]:
     """HF names and layouts → our full-model state dict (the inverse of ``to_hf_state_dict``). Accepts
     ``lm_head.weight`` or ``embed_out.weight`` for GPT-NeoX; drops the output layer when ``cfg.tie_embeddings``.
     llama: q/k/v biases and Qwen2-MoE's ``shared_expert_gate`` must be zero (ValueError naming the tensor), its
-    shared expert's ``down_proj`` is halved (the inverse of the export), a width-0 shared expert dropped."""
+    shared expert's ``down_proj`` is halved (the inverse of the export), a width-0 shared expert dropped. Stacked
+    experts are read too (``_unstacked``); DeepSeek-V3's ``e_score_correction_bias`` becomes ``mlp.router.expert_bias``."""
     arch = _resolve_arch(cfg, arch)
     top_inverse = {hf: ours for ours, hf in _GLOBAL[arch].items()}
     if arch == "neox":
@@ -337,10 +432,10 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
     pending_qkv: dict[str, dict[str, torch.Tensor]] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}  # our stacked name → expert index → matrix
     expert_of = {hf: ours for _, names in _MOE_BLOCK.values() for ours, hf in names.items()}
-    for name, tensor, index, module, leaf in _layer_items(hf_sd, _HF_LAYER_RE, top_inverse, cfg, out,
+    for name, tensor, index, module, leaf in _layer_items(dict(_unstacked(hf_sd)), _HF_LAYER_RE, top_inverse, cfg, out,
                                                          "unexpected HF parameter"):
         moe = _HF_MOE_RE.fullmatch(module) if arch == "llama" else None
-        qkv = module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        qkv = module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") and not cfg.kv_lora_rank
         if moe and moe.group(5) or arch == "llama" and leaf == "bias" and module.startswith("self_attn.") \
                 and not (qkv and cfg.qkv_bias):
             if tensor.any():  # ours has no place for it
@@ -353,17 +448,20 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
             pending_qkv.setdefault(f"layers.{index}.attention.qkv.{leaf}", {})[module[-6]] = tensor
             continue
         if moe and moe.group(1):
-            out[f"layers.{index}.mlp.router.{leaf}"] = tensor
+            out[f"layers.{index}.mlp.router.{'expert_bias' if leaf == 'e_score_correction_bias' else leaf}"] = tensor
             continue
         if moe and moe.group(3) in expert_of:
             experts.setdefault(f"layers.{index}.mlp.experts.{expert_of[moe.group(3)]}.{leaf}", {})[int(moe.group(2))] = tensor
             continue
         if moe and moe.group(4) in ("gate", "up", "down"):
-            out[f"layers.{index}.mlp.shared.{moe.group(4)}.{leaf}"] = tensor / 2 if moe.group(4) == "down" else tensor
+            gated = moe.group(4) == "down" and "shared_experts." not in module  # Qwen2-MoE's, not DeepSeek's
+            out[f"layers.{index}.mlp.shared.{moe.group(4)}.{leaf}"] = tensor / 2 if gated else tensor
             continue
         if module not in layer_inverse:
             raise KeyError(f"unexpected HF parameter {name!r}")
-        out[f"layers.{index}.{layer_inverse[module]}.{leaf}"] = tensor
+        ours = layer_inverse[module]
+        rope = ours in _ROPE_ROWS and rope_interleave
+        out[f"layers.{index}.{ours}.{leaf}"] = _rope_rows(tensor, cfg, ours, to_hf=False) if rope else tensor
     g, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, head_dim(cfg)
     for name, parts in pending_qkv.items():
         if set(parts) != {"q", "k", "v"}:

@@ -20,7 +20,8 @@ from megatron_sp.model.inference import generate_batch
 from megatron_sp.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "olmo2", "qwen3_moe"]  # Qwen3-MoE: a dense layer, then MoE
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "olmo2", "qwen3_moe",  # Qwen3-MoE: a dense layer, then MoE
+            "deepseek_v3"]  # latent attention, a dense layer, then MoE with groups, shared expert, routing bias
 LAYOUTS = [(2, 1, False), (2, 1, True), (1, 2, False)]  # (tp, pp, sequence_parallel)
 NEW = 10
 

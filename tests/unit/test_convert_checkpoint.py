@@ -28,7 +28,9 @@ ARCH = {"neox": ["model.arch=neox", "model.ffn_hidden_size=256"],
 ARCH["qwen2_moe"] = [*ARCH["mixtral"], "model.moe_shared_experts=1", "model.moe_first_dense_layers=1"]  # not a Mixtral
 ARCH["sigmoid"] = [*ARCH["mixtral"], "model.moe_router_score=sigmoid"]  # a MoE llama no transformers class holds exactly
 ARCH["mla"] = ["model.arch=llama", "model.ffn_hidden_size=96", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-               "model.qk_rope_head_dim=8", "model.v_head_dim=8"]  # DeepSeek's latent attention: no export yet
+               "model.qk_rope_head_dim=8", "model.v_head_dim=8"]  # DeepSeek's latent attention
+ARCH["mla_post"] = [*ARCH["mla"], "model.norm_placement=post_sublayer"]  # a latent model DeepseekV3 cannot hold
+ARCH["mla_mtp"] = [*ARCH["mla"], "model.mtp_layers=1"]
 ARCH["grouped"] = [*ARCH["mixtral"], "model.moe_router_groups=2"]
 
 
@@ -154,7 +156,23 @@ def test_moe_without_an_exact_transformers_class_is_refused(tmp_path: Path, caps
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("arch,says", [("mla", "model.kv_lora_rank: latent attention"),
+def test_latent_model_exports_as_deepseek_v3_without_its_mtp_modules(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A dense latent-attention model trained with a multi-token prediction module exports as DeepseekV3ForCausalLM:
+    the MTP module is dropped in one line (training-only), transformers' logits are ours."""
+    ckpt, model = save_ours(tmp_path, "mla_mtp")
+    with caplog.at_level("INFO"):
+        assert run("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf") == 0
+    assert any("training-only" in r.getMessage() for r in caplog.records)
+    assert not any("mtp" in k for k in safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(ids)[..., :VOCAB], hf(ids).logits
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+
+
+@pytest.mark.parametrize("arch,says", [("mla_post", "DeepseekV3ForCausalLM needs model.norm_placement=pre"),
                                        ("grouped", "MixtralForCausalLM needs model.moe_router_groups=1")])
 def test_deepseek_features_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, arch: str,
                                                    says: str) -> None:

@@ -1,7 +1,9 @@
 """Cross-framework parity per open-model family: a tiny random model built from transformers' own config class
 (Llama-3 rope llama3 / linear / yarn, Qwen2 q/k/v biases, Qwen3 QK-norm and head_dim ≠ hidden/heads, Mistral with a
 sliding window of 5 (below the batch's 24 tokens and the 16 of generation), OLMo-2 post-sublayer norms and QK-norm
-over the projection, Qwen3-MoE with its aux loss), saved as an HF
+over the projection, Qwen3-MoE with its aux loss, DeepSeek-V3: latent attention with a query latent and interleaved
+yarn rope, a dense layer then a MoE one with 2 expert groups, a shared expert, routed scaling and a routing bias),
+saved as an HF
 directory, imported with tools/convert_checkpoint.py; on one batch our 1-rank loss equals transformers' loss, every
 parameter's gradient equals transformers' gradient of the same weight (max|Δ|/max|ref| ≤ 1e-5, fp32), greedy tokens
 equal transformers'; export of the import gives back the same tensors bit for bit and a config transformers loads."""
@@ -17,6 +19,7 @@ import torch
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel, generate_batch
 from megatron_sp.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from megatron_sp.model.moe import load_expert_bias
 from tools import convert_checkpoint as convert
 
 transformers = pytest.importorskip("transformers")
@@ -43,20 +46,29 @@ FAMILIES = {  # name: (config class, its keywords beyond TINY)
                                      "router_aux_loss_coef": 0.05}),
     "qwen3_moe_norm": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
                                           "moe_intermediate_size": 16, "router_aux_loss_coef": 0.0}),
+    "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16,
+                                         "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+                                         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                                         "n_shared_experts": 1, "moe_intermediate_size": 16, "first_k_dense_replace": 1,
+                                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                          "original_max_position_embeddings": 16, "mscale_all_dim": 1.0}}),
 }
 TOL = 1e-5  # max|Δ| / max|ref|, fp32
 
 
-def hf_model(family: str) -> torch.nn.Module:
-    """The family's tiny transformers model, its norms and biases moved off their ones/zeros init."""
+def hf_model(family: str, **override: object) -> torch.nn.Module:
+    """The family's tiny transformers model, its norms, biases and routing bias moved off their ones/zeros init."""
     config_class, extra = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**TINY, **extra}, attn_implementation="eager")
+    config = getattr(transformers, config_class)(**{**TINY, **extra, **override}, attn_implementation="eager")
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(0.2 * torch.randn(p.shape))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: routes differently
+                b.copy_(0.1 * torch.randn(b.shape))
     return model
 
 
@@ -64,8 +76,9 @@ def imported(hf: torch.nn.Module, tmp_path: Path) -> tuple[Path, ModelConfig, GP
     """``hf`` saved and imported with ``convert_checkpoint.from_hf``: (checkpoint, its model config, our model)."""
     hf.save_pretrained(tmp_path / "hf")
     ckpt = convert.from_hf(tmp_path / "hf", tmp_path / "ours", None, None, [])
-    _, _, cfg, weights = convert.read_ours(ckpt, None)
+    _, meta, cfg, weights = convert.read_ours(ckpt, None)
     model = GPTModel(cfg.model, seed=0)
+    load_expert_bias(model, meta.get("moe_expert_bias"))
     rows = weights["embedding.weight"].shape[0]
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -130,7 +143,7 @@ def test_loss_grads_and_greedy_equal_transformers(family: str, tmp_path: Path) -
     assert [c.new_ids for c in done] == theirs.tolist()
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "olmo2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "olmo2", "qwen3_moe", "deepseek_v3"])
 def test_export_of_import_is_bit_identical_and_loads(family: str, tmp_path: Path) -> None:
     hf = hf_model(family)
     ckpt, cfg, _ = imported(hf, tmp_path)
@@ -143,10 +156,49 @@ def test_export_of_import_is_bit_identical_and_loads(family: str, tmp_path: Path
     loaded = transformers.AutoConfig.from_pretrained(out)
     assert type(loaded) is type(hf.config)
     for key in ("head_dim", "num_key_value_heads", "tie_word_embeddings", "rms_norm_eps", "norm_topk_prob",
-                "mlp_only_layers", "num_experts", "router_aux_loss_coef"):  # (Qwen2: no head_dim)
+                "mlp_only_layers", "num_experts", "router_aux_loss_coef", "q_lora_rank", "kv_lora_rank", "v_head_dim",
+                "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace",
+                "moe_intermediate_size", "rope_interleave"):  # (Qwen2: no head_dim)
         assert getattr(loaded, key, 8) == getattr(hf.config, key, 8), key
-    assert loaded.rope_parameters == hf.config.rope_parameters
+    yarn = {"beta_fast": 32.0, "beta_slow": 1.0} if hf.config.rope_parameters["rope_type"] == "yarn" else {}
+    assert loaded.rope_parameters == {**yarn, **hf.config.rope_parameters}  # (yarn's defaults written out)
     assert json.loads((out / "config.json").read_text())["architectures"] == hf.config.architectures
+
+
+def test_deepseek_v3_hub_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSeek-V3 read with its experts stacked (as transformers >= 5 holds them) and its MTP layer
+    (``model.layers.{num_hidden_layers}.*``, ignored), rope not interleaved, queries without a latent: the export is
+    transformers' own save bit for bit, with the same config; our MTP tensors are not exported; what the class does
+    not hold is refused in one line."""
+    hf = hf_model("deepseek_v3", rope_interleave=False, q_lora_rank=None)
+    hf.save_pretrained(tmp_path / "hub")  # one matrix per expert
+    stacked = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in stacked
+    stacked["model.layers.2.eh_proj.weight"] = torch.ones(32, 64)  # DeepSeek-V3's MTP layer 61
+    (tmp_path / "hf").mkdir()
+    safetensors_torch.save_file(stacked, str(tmp_path / "hf" / "model.safetensors"))
+    (tmp_path / "hf" / "config.json").write_text((tmp_path / "hub" / "config.json").read_text())
+    caplog.set_level("INFO", logger="megatron_sp")
+    ckpt = convert.from_hf(tmp_path / "hf", tmp_path / "ours", None, None, [])
+    assert "ignored the 1 tensors of the multi-token prediction layers (model.layers.2 and on)" in caplog.text
+    read_ours = convert.read_ours
+
+    def with_mtp(*args: object) -> tuple:  # a checkpoint holding our MTP module too
+        path, meta, cfg, weights = read_ours(*args)
+        return path, meta, cfg, {**weights, "mtp.0.enorm.weight": weights["final_norm.weight"]}
+    monkeypatch.setattr(convert, "read_ours", with_mtp)
+    out = convert.to_hf(ckpt, tmp_path / "back", None)
+    assert "dropped the 1 multi-token prediction tensors (mtp.*): MTP modules are training-only" in caplog.text
+    original = safetensors_torch.load_file(str(tmp_path / "hub" / "model.safetensors"))
+    back = safetensors_torch.load_file(str(out / "model.safetensors"))
+    assert set(back) == set(original) and all(torch.equal(back[n], t) for n, t in original.items())
+    loaded = transformers.AutoConfig.from_pretrained(out)
+    assert (loaded.rope_interleave, loaded.q_lora_rank, loaded.num_nextn_predict_layers) == (False, None, 0)
+    raw = json.loads((tmp_path / "hub" / "config.json").read_text())
+    for bad, what in (({"attention_bias": True}, "attention_bias"), ({"scoring_func": "softmax"}, "scoring_func"),
+                      ({"quantization_config": {"quant_method": "fp8"}}, "a quantized checkpoint \\(fp8")):
+        with pytest.raises(convert.DataError, match=what):
+            convert.model_config_from_hf({**raw, **bad}, "config.json")
 
 
 def test_family_keys_refused_and_resolved() -> None:

@@ -1,7 +1,8 @@
 """Multi-head latent attention (``model.kv_lora_rank``) against transformers' DeepseekV3 (dense layers, rope not
-interleaved) with the same weights, fp64: loss and every parameter's gradient; greedy decoding with the KV cache equals
-greedy decoding without it, and transformers' greedy tokens. Layouts: tests/distributed/test_model_features_tp.py
-and the parity matrix."""
+interleaved) with the same weights (named by ``hf_names``, the converter's mapping), fp64: loss and every parameter's
+gradient; greedy decoding with the KV cache equals greedy decoding without it, and transformers' greedy tokens.
+Layouts: tests/distributed/test_model_features_tp.py and the parity matrix; interleaved rope, MoE and the converter:
+tests/unit/test_hf_families.py."""
 from __future__ import annotations
 
 import pytest
@@ -9,28 +10,12 @@ import torch
 
 from megatron_sp.config.schema import ModelConfig
 from megatron_sp.model import GPTModel
+from megatron_sp.model.hf_names import hf_config_dict, to_hf_state_dict
 from megatron_sp.model.inference import Sampling, generate_batch
 
 transformers = pytest.importorskip("transformers")
 
 S, B, V = 16, 2, 64
-NAMES = {"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
-         "output_layer.weight": "lm_head.weight"}
-LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attention.out": "self_attn.o_proj",
-         "attention.mla.q_down": "self_attn.q_a_proj", "attention.mla.q_latent_norm": "self_attn.q_a_layernorm",
-         "attention.mla.q_up": "self_attn.q_b_proj", "attention.mla.q_proj": "self_attn.q_proj",
-         "attention.mla.kv_down": "self_attn.kv_a_proj_with_mqa", "attention.mla.kv_latent_norm": "self_attn.kv_a_layernorm",
-         "attention.mla.kv_up": "self_attn.kv_b_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
-         "mlp.down": "mlp.down_proj"}
-
-
-def hf_name(ours: str) -> str:
-    if ours in NAMES:
-        return NAMES[ours]
-    _, index, rest = ours.split(".", 2)
-    module, param = rest.rsplit(".", 1)
-    return f"model.layers.{index}.{LAYER[module]}.{param}"
-
 
 YARN = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_positions": 8,
         "rope_attention_factor": 1.0, "rope_mscale_all_dim": 1.0}  # DeepSeek-V3's yarn: mscale = mscale_all_dim
@@ -38,7 +23,7 @@ HF_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings
            "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}
 
 
-def _models(q_lora: int, yarn: bool = False) -> tuple[GPTModel, torch.nn.Module]:
+def _models(q_lora: int, yarn: bool = False) -> tuple[GPTModel, torch.nn.Module, ModelConfig]:
     cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=12,
                       ffn_hidden_size=48, rotary_pct=1.0, seq_length=S, vocab_size=V, padded_vocab_size=V,
                       kv_lora_rank=16, q_lora_rank=q_lora, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
@@ -57,14 +42,15 @@ def _models(q_lora: int, yarn: bool = False) -> tuple[GPTModel, torch.nn.Module]
         for name, p in ours.named_parameters():
             if "norm" in name:  # off 1, so that a misplaced norm shows
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-            state[hf_name(name)].copy_(p)
-    return ours, hf
+        for name, t in to_hf_state_dict(dict(ours.named_parameters()), cfg, rope_interleave=False).items():
+            state[name].copy_(t)
+    return ours, hf, cfg
 
 
 @pytest.mark.parametrize("q_lora,yarn", [(24, False), (0, False), (24, True)])
 def test_loss_and_grads_equal_transformers(q_lora: int, yarn: bool) -> None:
     """With and without a query latent; and DeepSeek-V3's yarn (its softmax scale × mscale(factor)²)."""
-    ours, hf = _models(q_lora, yarn)
+    ours, hf, cfg = _models(q_lora, yarn)
     tokens = torch.randint(0, V, (B, S + 1), generator=torch.Generator().manual_seed(5))
     loss = ours(tokens[:, :-1], labels=tokens[:, 1:]).mean()
     loss.backward()
@@ -72,15 +58,21 @@ def test_loss_and_grads_equal_transformers(q_lora: int, yarn: bool) -> None:
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
     want.backward()
     assert abs(loss.item() - want.item()) <= 1e-6 * want.item()  # transformers' rotary tables are fp32
-    grads = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        ref = grads[hf_name(name)].grad
-        assert ((p.grad - ref).abs().max() / ref.abs().max()).item() <= 1e-5, name
+    grads = to_hf_state_dict({n: p.grad for n, p in ours.named_parameters()}, cfg, rope_interleave=False)
+    for name, p in hf.named_parameters():
+        assert ((grads[name] - p.grad).abs().max() / p.grad.abs().max()).item() <= 1e-5, name
 
 
 def test_greedy_with_the_cache_equals_transformers() -> None:
-    ours, hf = _models(24)
+    ours, hf, cfg = _models(24)
     ours.eval()
+    kwargs = hf_config_dict(cfg)  # the export: a dense model's first_k_dense_replace = its layers, rope interleaved
+    hf_class, model_type = kwargs.pop("architectures")[0], kwargs.pop("model_type")
+    exported = getattr(transformers, hf_class)(transformers.AutoConfig.for_model(model_type, **kwargs)).double().eval()
+    exported.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(torch.tensor([[5, 9, 2, 33]])).logits, hf(torch.tensor([[5, 9, 2, 33]])).logits,
+                                   rtol=1e-12, atol=1e-12)
     prompts = [[5, 9, 2, 33], [7, 1]]
     cached = generate_batch(ours, prompts, 8, None, Sampling(greedy=True))
     uncached = generate_batch(ours, prompts, 8, None, Sampling(greedy=True), use_cache=False)
@@ -128,7 +120,7 @@ def test_the_cache_holds_the_latent_and_the_rotary_key() -> None:
     """Per token and layer the KV cache keeps ``kv_lora_rank`` + ``qk_rope_head_dim`` values (16 + 4 here, against
     2 · heads · (nope + rope) = 96 expanded), and the logits of a token decoded through it equal the full forward's."""
     from megatron_sp.model.inference import KVCache
-    ours, _ = _models(24)
+    ours, _, _ = _models(24)
     ours.eval()
     tokens = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(6))
     cache = KVCache(16)
