@@ -156,6 +156,7 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
           f"padded by {pad_rows} rows ({B(first.state.vocab_tables * pad_rows * D.h // D.tp * D.e)}), + "
           f"{first.state.padded_elements - first.state.param_elements:,} bucket padding; in flight by the schedule "
           f"table, Megatron's count {plan.megatron_in_flight(D, 0):g})")
+    print(f"  {kv_cache_line(lp, [r.pp_rank for r in shown])}")
     if memory is not None:
         worst = lp.worst
         verdict = "fits" if worst.total <= memory else "does NOT fit"
@@ -187,6 +188,19 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
     extras = {k: v for c in first.chunks for k, v in {**c.extra, **c.shared}.items()}
     if extras:
         print("  outside the layers: " + ", ".join(f"{k} {B(v)}" for k, v in extras.items()))
+
+
+def kv_cache_line(lp: plan.LayoutPlan, stages: list[int]) -> str:
+    """The decode KV cache per token of one sequence (``planner.kv_cache_bytes_per_token``): all layers, and per
+    pipeline stage of ``stages`` when pp > 1."""
+    m, D = lp.cfg.model, lp.dims
+    what = f"MLA: kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim}" if m.kv_lora_rank else \
+        f"k and v: 2 · {m.num_kv_heads} kv heads · head_dim {D.head_dim}"
+    layers = {r: sum(len(c) for c in plan.stage_layers(lp.cfg, r)) for r in stages}
+    per_stage = "; " + ", ".join(f"stage {r} {B(plan.kv_cache_bytes_per_token(m, D.e, n))}" for r, n in layers.items())
+    return (f"decode KV cache (generation, not in the total): {B(plan.kv_cache_bytes_per_token(m, D.e))} per token per "
+            f"sequence = {m.num_layers} layers × {plan.kv_cache_bytes_per_token(m, 1, 1)} values ({what}) × {D.e} B"
+            f"{per_stage if D.pp > 1 else ''}")
 
 
 def config_mark(layout: tuple[int, int, int, int], own: tuple[int, int, int, int]) -> str:
@@ -263,7 +277,7 @@ def print_layouts(cands: list[plan.Candidate], top: int, memory: int, own: tuple
 def plan_json(lp: plan.LayoutPlan) -> dict[str, Any]:
     moe = {"ep": lp.dims.ep, "expert_tp": lp.dims.etp} if lp.dims.experts else {}
     return {"layout": dict(zip(("tp", "pp", "cp", "dp"), lp.layout, strict=True)) | moe,
-            "peak_bytes": lp.peak_bytes,
+            "peak_bytes": lp.peak_bytes, "kv_cache_bytes_per_token": plan.kv_cache_bytes_per_token(lp.cfg.model, lp.dims.e),
             "stages": [{"pp_rank": r.pp_rank, "params": r.state.params, "grads": r.state.grads, "optim": r.state.optim,
                         "activations_per_micro_batch": r.per_micro_batch, "in_flight": r.schedule.in_flight,
                         "activations_peak": r.activations, "buffers": r.buffers, "total": r.total, "comm": r.comm}

@@ -3,8 +3,9 @@
 Per token: keys and values come from one compressed latent ``c = RMSNorm(x W_dkv)`` of ``kv_lora_rank`` values
 (``kv_up``: per head ``qk_nope_head_dim`` key dims and ``v_head_dim`` value dims) plus one rotary key of
 ``qk_rope_head_dim`` dims shared by every head; queries from a full projection (``q_lora_rank`` 0) or from their own
-latent (``q_down``, ``q_latent_norm``, ``q_up``). A head's query and key are ``[rope | nope]`` (rotary on the first
-dims, as ``apply_rotary`` does; the weights keep transformers' ``[nope | rope]`` row order per head).
+latent (``q_down``, ``q_latent_norm``, ``q_up``). A head's query and key are ``[nope | rope]`` (transformers' order), cut
+from the projections by ``split``: its backward is one concatenation, a slice's fills a zeroed full-width gradient (the
+sublayer's forward + backward 6 % (fp32) and 15 % (bf16) slower on CPU, tools/bench/mla.py).
 
 Layout: the down projections and latent norms are replicated and act on this rank's tokens, so under SP the
 all-gather before the head-split up projections moves the latent (``kv_lora_rank`` + ``qk_rope_head_dim`` values a
@@ -84,7 +85,7 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → q ``[s, b, n/t, rope + nope]`` (rotary on the rope dims),
+        """x ``[s/t, b, h]`` (SP) or ``[s, b, h]`` → q ``[s, b, n/t, nope + rope]`` (rotary on the rope dims),
         the normed latent ``[s/t | s, b, kv_lora_rank]`` and the rotated shared key ``[s, b, rope]``: what a KV cache
         keeps of each token (``expand`` makes the heads' keys and values of them)."""
         group, n, qk = self.parallel.tp_group, self.heads, self.nope + self.rope
@@ -94,18 +95,17 @@ class LatentAttention(nn.Module):
         k_rope = gather_from_sp(k_rope, group) if sp else copy_to_tp(k_rope, group)  # [s, b, rope]
         s, b = q.shape[0], q.shape[1]
         cos, sin = cos.to(q.dtype)[:, :, None, :], sin.to(q.dtype)[:, :, None, :]  # [s, b|1, 1, rope]
-        q = q.view(s, b, n, qk)
-        q = apply_rotary(torch.cat([q[..., self.nope:], q[..., :self.nope]], dim=-1), cos, sin)
+        q_nope, q_rope = q.view(s, b, n, qk).split([self.nope, self.rope], dim=-1)
+        q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         return q, self.kv_latent_norm(latent), apply_rotary(k_rope[:, :, None, :], cos, sin)[:, :, 0]
 
     def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The heads' keys ``[s, b, n/t, rope + nope]`` and values (zero-padded from ``v_head_dim`` to the same
+        """The heads' keys ``[s, b, n/t, nope + rope]`` and values (zero-padded from ``v_head_dim`` to the same
         width) of the normed latents and rotated shared keys of ``forward`` (or of a cache: every token so far)."""
         kv = self.kv_up(latent)  # [s, b, n/t·(nope + v)]; under SP the latent is gathered here
         s, b, n, qk = kv.shape[0], kv.shape[1], self.heads, self.nope + self.rope
-        kv = kv.view(s, b, n, self.nope + self.v_dim)
-        k = torch.cat([k_rope[:, :, None, :].expand(s, b, n, self.rope), kv[..., :self.nope]], dim=-1)
-        v = F.pad(kv[..., self.nope:], (0, qk - self.v_dim)) if self.v_dim < qk else kv[..., self.nope:]
-        return k, v
+        k_nope, v = kv.view(s, b, n, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, :, None, :].expand(s, b, n, self.rope)], dim=-1)
+        return k, F.pad(v, (0, qk - self.v_dim)) if self.v_dim < qk else v

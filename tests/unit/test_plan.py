@@ -79,6 +79,10 @@ def test_formulas_against_hand_numbers() -> None:
     assert flash == {k: v for k, v in expected.items() if k != "attention probs"} | {"log-sum-exp": 4 * 2 * 4 * 32}
     # Table 2 as printed: sbh(34 + 5as/h), 16-bit bytes ×2 for fp32 = 4096·(34 + 5·4·32/64)·2
     assert plan.table2_layer_bytes(D) == 4096 * 44 * 2
+    # decode KV cache per token of a sequence, 2 layers, bf16: GQA k and v of 2 kv heads · d 16; MLA latent 32 + rotary key 8
+    mla = ("model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16")
+    assert [plan.kv_cache_bytes_per_token(make_config("model.arch=llama", *o).model, 2) for o in (["model.num_kv_heads=2"], mla)] \
+        == [2 * 2 * 2 * 16 * 2, 2 * (32 + 8) * 2]
 
 
 def test_cross_entropy_transients_eager_and_compiled() -> None:
@@ -496,7 +500,7 @@ def test_cli_prints_the_breakdown_and_a_json_line(tmp_path: Path, capsys: pytest
                           "train.global_batch_size=8", "--json"]) == 0
     out = capsys.readouterr().out
     assert len(_json_lines(out)) == 1
-    assert "memory per rank" in out and "activations at peak" in out and "Table 2" in out
+    assert "memory per rank" in out and "activations at peak" in out and "Table 2" in out and "decode KV cache" in out
     report = json.loads(out.strip().splitlines()[-1])
     assert report["memory_bytes"] == 2**30 and report["vocab"] == 258
     assert report["config_layout"]["layout"] == {"tp": 2, "pp": 1, "cp": 1, "dp": 1}

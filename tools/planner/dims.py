@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_sp.config.schema import Config
+from megatron_sp.config.schema import Config, ModelConfig
 from megatron_sp.model.moe import expert_ffn, is_moe_layer
 from megatron_sp.model.transformer import head_dim, rotary_dim
 from megatron_sp.pipeline.partition import stage_chunks
@@ -128,6 +128,14 @@ def dims_of(cfg: Config) -> PlanDims:
                     capacity=moe and m.moe_capacity_factor is not None, ep=p.ep, edp=max(1, expert_fold(cfg) // p.ep),
                     etp=p.expert_tp if moe else 1,
                     mla=(m.kv_lora_rank, m.q_lora_rank, m.qk_rope_head_dim, m.v_head_dim) if m.kv_lora_rank else (0, 0, 0, 0))
+
+
+def kv_cache_bytes_per_token(m: ModelConfig, element_bytes: int, layers: int | None = None) -> int:
+    """Bytes the decode KV cache (``model.inference.KVCache``) keeps per token of one sequence over ``layers`` layers
+    (default all), unsharded: MLA the normed latent and the shared rotary key, ``kv_lora_rank + qk_rope_head_dim``
+    values a layer; MHA/GQA a key and a value per kv head, ``2 · num_kv_heads · head_dim``."""
+    per_layer = m.kv_lora_rank + m.qk_rope_head_dim if m.kv_lora_rank else 2 * m.num_kv_heads * head_dim(m)
+    return per_layer * element_bytes * (m.num_layers if layers is None else layers)
 
 
 def stage_layers(cfg: Config, pp_rank: int) -> list[range]:
