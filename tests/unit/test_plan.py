@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import math
@@ -28,7 +27,6 @@ from megatron_sp import config
 from megatron_sp.errors import ConfigError
 from megatron_sp.model.gpt import GPTModel, parameter_parts
 from megatron_sp.mpu import ParallelContext
-from megatron_sp.mpu.random import get_tracker, init_rng
 from megatron_sp.optim import DistributedOptimizer, named_trainable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -324,31 +322,11 @@ def test_moe_activations_match_saved_tensors(overrides: tuple[str, ...]) -> None
     chunk = plan.chunk_activations(cfg, 0, 0)
     assert chunk.moe_layers == 2 and chunk.layers == cfg.model.num_layers  # layers 0, 1 or 0, 2
     predicted = chunk.per_micro_batch + sum(chunk.shared.values())
-    measured = _measure_micro_batch(cfg)
+    measured = plan.micro_batch_saved_bytes(cfg)
     assert abs(measured / predicted - 1) <= 0.01, (measured, predicted)  # the grouped GEMM's offsets are left out
 
 
 # ------------------------------------------------------------------------------------------ activations
-
-
-def _measure_micro_batch(cfg) -> int:
-    """Bytes autograd saves for one micro-batch through the whole model, as training runs it."""
-    tracker = get_tracker()
-    init_rng(tracker, 1, 0, 0)
-    model = GPTModel(cfg.model, 1, parallel=ParallelContext(recompute=cfg.model.recompute, tracker=tracker)).train()
-    opt = DistributedOptimizer(named_trainable(model), cfg.train, None, precision=cfg.train.precision)
-    g, s, b = cfg.train.global_batch_size, cfg.model.seq_length, cfg.train.micro_batch_size
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.model.vocab_size, (g, s + 1), generator=gen)
-    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-             "position_ids": torch.arange(s).expand(g, s).contiguous(), "loss_mask": torch.ones(g, s)}
-    mb = {k: v[:b] for k, v in batch.items()}  # slices of the rank's batch, as train_step makes them
-    saved = plan.SavedBytes(plan.parameter_exclusions(opt, model))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
-    with saved.record(), autocast:
-        losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"])
-        (losses.float() * mb["loss_mask"]).sum()
-    return saved.nbytes
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
@@ -358,7 +336,7 @@ def test_activations_match_saved_tensors(arch: str, recompute: str) -> None:
     cfg = make_config(f"model.arch={arch}", f"model.recompute={recompute}", "train.global_batch_size=4", *extra)
     chunk = plan.chunk_activations(cfg, 0, 0)
     predicted = chunk.per_micro_batch + sum(chunk.shared.values())
-    measured = _measure_micro_batch(cfg)
+    measured = plan.micro_batch_saved_bytes(cfg)
     assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)
 
 
@@ -370,7 +348,7 @@ def test_latent_attention_activations_match_saved_tensors(extra: tuple[str, ...]
                       "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16", *extra)
     chunk = plan.chunk_activations(cfg, 0, 0)
     predicted = chunk.per_micro_batch + sum(chunk.shared.values())
-    assert abs(_measure_micro_batch(cfg) / predicted - 1) <= 0.08
+    assert abs(plan.micro_batch_saved_bytes(cfg) / predicted - 1) <= 0.08
 
 
 # ------------------------------------------------------------------------------------------ layouts

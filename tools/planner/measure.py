@@ -12,9 +12,12 @@ import torch
 
 from megatron_sp import config as config_mod
 from megatron_sp import training
-from megatron_sp.data.batching import rank_batch
-from megatron_sp.mpu import comm
+from megatron_sp.data.batching import mtp_targets, rank_batch
+from megatron_sp.model.gpt import GPTModel
+from megatron_sp.mpu import ParallelContext, comm
 from megatron_sp.mpu.memory import default_gather_buffer
+from megatron_sp.mpu.random import get_tracker, init_rng
+from megatron_sp.optim import DistributedOptimizer, named_trainable
 from megatron_sp.pipeline import executor
 from megatron_sp.testing import run_distributed
 
@@ -92,6 +95,27 @@ def parameter_exclusions(optimizer: Any, model: Any) -> set[int]:
     return set(_param_storages(optimizer, model))
 
 
+def micro_batch_saved_bytes(cfg: Any) -> int:
+    """Bytes autograd saves for one micro-batch of random tokens through the whole model of ``cfg`` (1 rank), as
+    training runs it: a slice of the rank's batch (multi-token prediction's targets with it), under its autocast."""
+    tracker = get_tracker()
+    init_rng(tracker, 1, 0, 0)
+    model = GPTModel(cfg.model, 1, parallel=ParallelContext(recompute=cfg.model.recompute, tracker=tracker)).train()
+    opt = DistributedOptimizer(named_trainable(model), cfg.train, None, precision=cfg.train.precision)
+    g, s, b = cfg.train.global_batch_size, cfg.model.seq_length, cfg.train.micro_batch_size
+    tokens = torch.randint(0, cfg.model.vocab_size, (g, s + 1), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": torch.arange(s).expand(g, s).contiguous(), "loss_mask": torch.ones(g, s)}
+    batch |= mtp_targets(batch, cfg.model.mtp_layers) if cfg.model.mtp_layers else {}
+    mb = {k: v[:b] for k, v in batch.items()}  # slices of the rank's batch, as train_step makes them
+    saved = SavedBytes(parameter_exclusions(opt, model))
+    with saved.record(), training.autocast(cfg, torch.device("cpu")):
+        losses = model(mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"],
+                       mtp=(mb["mtp_tokens"], mb["mtp_labels"]) if cfg.model.mtp_layers else None)
+        (losses.float() * mb["loss_mask"]).sum()
+    return saved.nbytes
+
+
 def probe_chunk(rt: Any, micro_batch: dict[str, Any], chunk: int, denom: float) -> int:
     """Saved bytes of one micro-batch's forward through model chunk ``chunk`` of this rank's stage, as the
     executor runs it (a random input of the activation's shape past the first stage; the loss on the last)."""
@@ -106,7 +130,9 @@ def probe_chunk(rt: Any, micro_batch: dict[str, Any], chunk: int, denom: float) 
     with saved.record(), training.autocast(rt.cfg, rt.device):
         out = stage(micro_batch["tokens"] if virtual == 0 else None, position_ids=micro_batch.get("position_ids"),
                     labels=micro_batch["labels"] if last else None, hidden_states=x, chunk=chunk,
-                    token_index=micro_batch.get("token_index"), document_ids=micro_batch.get("document_ids"))
+                    token_index=micro_batch.get("token_index"), document_ids=micro_batch.get("document_ids"),
+                    mtp=(micro_batch["mtp_tokens"], micro_batch["mtp_labels"]) if last and "mtp_tokens" in micro_batch
+                    else None)
         if last:
             out = (out.float() * micro_batch["loss_mask"]).sum() / denom
     del out
