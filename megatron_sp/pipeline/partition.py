@@ -62,15 +62,21 @@ def _explicit_counts(partition: str, n: int, stages: int, pp: int, v: int) -> li
 
 
 def _balanced_counts(cfg_model: ModelConfig, stages: int) -> list[int]:
-    """Layer counts minimising the largest stage's parameter count (ties: the most even layer counts)."""
+    """Layer counts minimising the largest stage's parameter count (ties: the most even layer counts); a MoE layer
+    counts all its experts, the last stage its multi-token prediction modules."""
     from ..model.gpt import parameter_parts  # imports torch: only for the balanced split
+    from ..model.moe import is_moe_layer
 
     parts = parameter_parts(cfg_model)
-    n, per_layer = cfg_model.num_layers, parts["layer"]
-    head = parts["final_norm"] + parts["output_layer"] + parts["mtp"]  # (multi-token prediction: the last stage's)
+    n = cfg_model.num_layers
+    prefix = [0]  # prefix[i]: the parameters of layers 0 .. i-1
+    for i in range(n):
+        prefix.append(prefix[-1] + parts["moe_layer" if is_moe_layer(cfg_model, i) else "layer"])
+    head = parts["final_norm"] + parts["output_layer"] + parts["mtp"]
 
-    def cost(stage: int, count: int) -> int:
-        return count * per_layer + (parts["embedding"] if stage == 0 else 0) + (head if stage == stages - 1 else 0)
+    def cost(stage: int, start: int, count: int) -> int:
+        return prefix[start + count] - prefix[start] + (parts["embedding"] if stage == 0 else 0) + \
+            (head if stage == stages - 1 else 0)
 
     # best[s][k]: (largest stage cost, Σ count²) for the first s stages holding k layers, and the split.
     best: list[dict[int, tuple[tuple[int, int], list[int]]]] = [{0: ((0, 0), [])}]
@@ -78,7 +84,7 @@ def _balanced_counts(cfg_model: ModelConfig, stages: int) -> list[int]:
         row: dict[int, tuple[tuple[int, int], list[int]]] = {}
         for k, ((worst, squares), counts) in best[s].items():
             for c in range(1, n - k - (stages - s - 1) + 1):
-                key = (max(worst, cost(s, c)), squares + c * c)
+                key = (max(worst, cost(s, k, c)), squares + c * c)
                 if k + c not in row or key < row[k + c][0]:
                     row[k + c] = (key, [*counts, c])
         best.append(row)

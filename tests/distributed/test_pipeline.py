@@ -273,14 +273,16 @@ def test_layer_split_and_validation() -> None:
 
 
 def test_balanced_partition_evens_parameters() -> None:
-    """balanced: the embedding counts on the first stage, the output layer on the last."""
+    """balanced: the embedding counts on the first stage, the output layer (and multi-token prediction) on the last, a
+    MoE layer with all its experts."""
     from megatron_sp.model.gpt import parameter_parts
+    from megatron_sp.model.moe import is_moe_layer
 
     def stage_params(cfg: ModelConfig, split: list[range]) -> list[int]:
         parts = parameter_parts(cfg)
-        out = [len(r) * parts["layer"] for r in split]
+        out = [sum(parts["moe_layer" if is_moe_layer(cfg, i) else "layer"] for i in r) for r in split]
         out[0] += parts["embedding"]
-        out[-1] += parts["final_norm"] + parts["output_layer"]
+        out[-1] += parts["final_norm"] + parts["output_layer"] + parts["mtp"]
         return out
 
     big_vocab = ModelConfig(**{**vars(_cfg("neox", 8)), "vocab_size": 6000, "padded_vocab_size": 6016})
@@ -296,6 +298,11 @@ def test_balanced_partition_evens_parameters() -> None:
     best = min(max(stage_params(big_vocab, [range(a), range(b), range(c), range(8 - a - b - c)]))
                for a, b, c in itertools.product(range(1, 6), repeat=3) if a + b + c < 8)
     assert max(stage_params(big_vocab, split)) == best
+    moe_mtp = ModelConfig(**{**vars(big_vocab), "num_experts": 4, "moe_first_dense_layers": 3, "mtp_layers": 1})
+    split = layer_split(moe_mtp, 3, partition="balanced")
+    assert [len(r) for r in split] == [1, 6, 1]  # the vocabulary tables weigh ~9 MoE layers here
+    assert max(stage_params(moe_mtp, split)) == min(max(stage_params(moe_mtp, [range(a), range(a, a + b), range(a + b, 8)]))
+                                                    for a in range(1, 7) for b in range(1, 8 - a))
 
 
 def _stuck_last_stage(rank: int, world: int) -> tuple[str, float]:
