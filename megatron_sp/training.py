@@ -234,7 +234,7 @@ def train_step(rt: Runtime) -> dict[str, Any]:
     depth = cfg.model.mtp_layers  # multi-token prediction: each module's valid targets count on their own
     counts = _global_sum([float(batch["loss_mask"].sum()),
                           *(float((batch["mtp_labels"][..., k] != IGNORE).sum()) for k in range(depth))], rt)
-    global_tokens, mtp_targets = counts[0], counts[1:]
+    global_tokens, mtp_counts = counts[0], counts[1:]
     denom = max(global_tokens, 1.0)
 
     def loss_fn(token_losses: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -254,7 +254,7 @@ def train_step(rt: Runtime) -> dict[str, Any]:
     if cfg.model.num_experts:  # each micro-batch's MoE aux losses weigh mbs / gbs of the objective (docs/moe.md)
         moe.set_aux_loss_scale(rt.model, grad_scale * cfg.train.micro_batch_size / cfg.train.global_batch_size)  # type: ignore[operator]
     if depth:
-        mtp.set_loss_scales(rt.model, cfg.model, mtp_targets, grad_scale)
+        mtp.set_loss_scales(rt.model, cfg.model, mtp_counts, grad_scale)
     loss_sum = forward_backward(rt.model, _micro_batches(batch, cfg), st, loss_fn, cfg.parallel.pp_schedule,
                                 lambda on: setattr(opt, "sync_grads", on),
                                 grad_scale=grad_scale,
@@ -270,7 +270,7 @@ def train_step(rt: Runtime) -> dict[str, Any]:
         opt.scale_grads(rt.scaler.inv_scale)
     loss_sum = comm.all_reduce(loss_sum, st.pp_group)  # the loss lives on the last stage
     global_loss = _global_sum([loss_sum.item()], rt)[0]
-    mtp_losses = mtp.step_losses(rt.model, cfg.model, mtp_targets, st) if depth else None
+    mtp_losses = mtp.step_losses(rt.model, cfg.model, mtp_counts, st) if depth else None
     if cfg.logging.dump_grads_step == rt.step + 1:
         dump_grads(rt)
     lr = lr_at(rt.step, cfg.train)
