@@ -149,7 +149,8 @@ class ParallelConfig:
                                  "r, r+pp, r+2pp, ...")
     pp_partition: str = doc("uniform", "Layers per pipeline stage: uniform | balanced (even parameter counts) | a "
                                        "layer count per virtual stage, e.g. \"3,5\" (docs/pipeline.md).")
-    zero: int = doc(0, "ZeRO stage: 0 (off) or 1 (optimizer state sharded over DP).")
+    zero: int = doc(0, "ZeRO stage: 0 (off), 1 (optimizer state sharded over DP) or 2 (also the fp32 gradients, "
+                       "reduce-scattered every micro-batch; docs/optimizer.md).")
     ep: int = doc(1, "MoE expert parallelism: each rank holds num_experts/ep experts; the ep ranks fold from the cp·dp "
                      "ranks of a stage (tp·cp·dp under sequence_parallel; consecutive), the rest are expert-data-parallel "
                      "replicas (docs/moe.md).")

@@ -19,7 +19,7 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class DistributedOptimizer(GradReducer):
-    """``GradReducer`` plus AdamW on flat buffers (ZeRO-1 also shards the moments); ``cfg``: AdamW betas, eps, weight
+    """``GradReducer`` plus AdamW on flat buffers (ZeRO-1/2 also shard the moments); ``cfg``: AdamW betas, eps, weight
     decay, default ``clip_grad``. Per step: ``zero_grad()``; per micro-batch ``sync_grads = is_last`` (or
     ``no_sync()``) and backward; ``step(lr, clip)``."""
 
@@ -34,10 +34,10 @@ class DistributedOptimizer(GradReducer):
         self.exp_avg_sq = torch.zeros(n_local, dtype=torch.float32, device=self.device)
         # AdamW's two weight-decay groups as runs of owned elements, and the runs the norm reads
         self._adam = {decays: self._views(self._runs(lambda i, d=decays: i.decay == d)) for decays in (True, False)}
-        self._norm = NormBatches([self.grad_buffer[a:b] for a, b in self._runs(lambda i: i.in_norm and not i.expert)],
+        self._norm = NormBatches([self._grad(a, b) for a, b in self._runs(lambda i: i.in_norm and not i.expert)],
                                  self.device)
         self._expert_norm = None if self._ep == 1 else (  # ep > 1: every rank of the stage takes part
-            NormBatches([self.grad_buffer[a:b] for a, b in self._runs(lambda i: i.in_norm and i.expert)], self.device),
+            NormBatches([self._grad(a, b) for a, b in self._runs(lambda i: i.in_norm and i.expert)], self.device),
             any(b.sharded for b in self._buckets if b.expert))
 
     def _views(self, runs: list[tuple[int, int]]) -> AdamGroup:
@@ -45,7 +45,7 @@ class DistributedOptimizer(GradReducer):
         group: AdamGroup = ([], [], [], [])
         for a, b in runs:
             lo, hi = self._to_local(a, b)
-            for views, view in zip(group, (self._master_view(a, b), self.grad_buffer[a:b], self.exp_avg[lo:hi],
+            for views, view in zip(group, (self._master_view(a, b), self._grad(a, b), self.exp_avg[lo:hi],
                                            self.exp_avg_sq[lo:hi])):
                 views.append(view)
         return group
@@ -74,7 +74,8 @@ class DistributedOptimizer(GradReducer):
         """{name: full reduced fp32 main grad, this TP rank's parameter shape} (collective over dp_cp under ZeRO).
         Call before ``step``, which clips in place."""
         self.finish_grad_sync()
-        full = self._gather_global(self._local_of(self.grad_buffer)) if self._sharded else self.grad_buffer
+        local = self.grad_buffer if self._zero2 else self._local_of(self.grad_buffer)
+        full = self._gather_global(local) if self._sharded else self.grad_buffer
         return {i.name: full[i.start:i.end].view_as(i.param).clone() for i in self._params}
 
     def checkpoint_parts(self) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:

@@ -1,4 +1,4 @@
-"""Gradient reduction and ZeRO-1 sharding on flat buffers: the ``GradReducer`` base of ``DistributedOptimizer``.
+"""Gradient reduction and ZeRO-1/2 sharding on flat buffers: the ``GradReducer`` base of ``DistributedOptimizer``.
 Buffer layout and the invariants of the asynchronous handles: docs/optimizer.md.
 """
 from __future__ import annotations
@@ -18,12 +18,13 @@ from ..mpu import ParallelState, comm
 from ..mpu.comm import Pending
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ZERO2_INFLIGHT = 2  # ZeRO-2: launched bucket reductions (with their staging buffers) left in flight after a launch
 
 
 def check_optimizer_options(zero: int, precision: str) -> None:
-    """``parallel.zero`` (0 or 1) and ``train.precision`` (a key of ``PRECISIONS``), or a config error."""
-    if zero not in (0, 1):
-        raise ConfigError(f"parallel.zero: {zero} must be 0 or 1")
+    """``parallel.zero`` (0, 1 or 2) and ``train.precision`` (a key of ``PRECISIONS``), or a config error."""
+    if zero not in (0, 1, 2):
+        raise ConfigError(f"parallel.zero: {zero} must be 0, 1 or 2")
     choice("train.precision", precision, tuple(PRECISIONS))
 
 
@@ -67,19 +68,21 @@ class _Bucket:
     group: Any = None
     size: int = 1  # the group's size and this rank's place in it
     rank: int = 0
-    sharded: bool = False  # ZeRO-1 over ``group``: this rank owns chunk ``rank`` of ``size``
+    sharded: bool = False  # ZeRO-1/2 over ``group``: this rank owns chunk ``rank`` of ``size``
     shard_start: int = 0  # global offset of this rank's owned chunk
     shard_numel: int = 0
     local_start: int = 0  # offset of that chunk in this rank's local shard tensors
-    ready: set[int] = field(default_factory=set)
+    ready: set[int] = field(default_factory=set)  # ZeRO-2: the parameters with a gradient in ``staged``
+    staged: torch.Tensor | None = None  # ZeRO-2: the bucket's gradients not yet launched (fp32, ``numel``)
     reduce: Pending | None = None
     launched: bool = False
 
 
 class GradReducer:
     """Flat fp32 main grads reduced over dp_cp in overlapping buckets of about ``bucket_bytes``, optional ZeRO-1
-    (``zero=1``) shards of the masters. ``named_params``: every trainable (name, parameter), names keying
-    checkpoints; ``state`` None: one process; ``precision`` bf16/fp16: 16-bit params, fp32 masters kept here."""
+    (``zero=1``) shards of the masters, ZeRO-2 (``zero=2``) also of the grads. ``named_params``: every trainable
+    (name, parameter), names keying checkpoints; ``state`` None: one process; ``precision`` bf16/fp16: 16-bit params,
+    fp32 masters kept here."""
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], state: ParallelState | None,
                  zero: int = 0, precision: str = "fp32", bucket_bytes: int = 25 * 2**20) -> None:
@@ -109,7 +112,9 @@ class GradReducer:
             self._bucket_groups[True] = (edp, comm.group_size(edp), comm.group_rank(edp))
         # some bucket is reduced: over dp_cp, or (experts folded over tp under SP) over an edp group while dp_cp is 1
         self._reduces = max(size for _, size, _ in self._bucket_groups.values()) > 1
-        self._sharded = zero == 1 and self._reduces  # some bucket is sharded
+        self._sharded = zero >= 1 and self._reduces  # some bucket is sharded
+        self._zero2 = zero == 2 and self._reduces  # grad_buffer is this rank's shard; buckets staged per micro-batch
+        self._inflight: list[tuple[_Bucket, Pending]] = []  # ZeRO-2's launched reductions, oldest first
         self._synced = False
         self._next_launch = 0
         self._align_cache: dict[tuple[int, tuple[int, ...]], bool] = {}
@@ -141,7 +146,7 @@ class GradReducer:
             if current is None:
                 group, size, rank = self._bucket_groups[expert]
                 current = _Bucket(index=len(self._buckets), start=offset, numel=0, expert=expert, group=group,
-                                  size=size, rank=rank, sharded=self.zero == 1 and size > 1)
+                                  size=size, rank=rank, sharded=self.zero >= 1 and size > 1)
             info = _Param(index=len(self._params), name=name, param=p, start=offset, numel=p.numel(),
                           bucket=current.index, decay=p.ndim >= 2,
                           in_norm=(bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0 or getattr(p, "ep_tp", False))
@@ -176,7 +181,7 @@ class GradReducer:
 
     def _build_buffers(self) -> None:
         dev, n, n_local = self.device, self.numel, self.shard_numel
-        self.grad_buffer = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.grad_buffer = torch.zeros(n_local if self._zero2 else n, dtype=torch.float32, device=dev)
         self.param_buffer = torch.zeros(n, dtype=self.param_dtype, device=dev)
         self._master_local: torch.Tensor | None = None
         if self.precision != "fp32":
@@ -191,10 +196,11 @@ class GradReducer:
                 view = self.param_buffer[info.start:info.end].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-                p.main_grad = self.grad_buffer[info.start:info.end].view_as(p)
+                if not (self._zero2 and self._buckets[info.bucket].sharded):  # (ZeRO-2: staged, see _on_grad)
+                    p.main_grad = self._grad(info.start, info.end).view_as(p)
                 p.grad = None
 
-        self._grad_pieces = [self.grad_buffer[b.shard_start:b.shard_start + b.shard_numel] for b in self._buckets]  # owned
+        self._grad_pieces = [self._grad(b.shard_start, b.shard_start + b.shard_numel) for b in self._buckets]  # owned
         self._sp_params = [i.param for i in self._params if getattr(i.param, "sequence_parallel", False)]
 
     def _runs(self, keep: Callable[[_Param], bool]) -> list[tuple[int, int]]:
@@ -217,6 +223,13 @@ class GradReducer:
         lo = b.local_start + start - b.shard_start
         return lo, lo + end - start
 
+    def _grad(self, start: int, end: int) -> torch.Tensor:
+        """The main grads of an owned global interval (ZeRO-2: in the local shard ``grad_buffer``)."""
+        if not self._zero2:
+            return self.grad_buffer[start:end]
+        lo, hi = self._to_local(start, end)
+        return self.grad_buffer[lo:hi]
+
     def _master_view(self, start: int, end: int) -> torch.Tensor:
         """The fp32 master weights of an owned global interval."""
         if self._master_local is None:
@@ -225,7 +238,8 @@ class GradReducer:
         return self._master_local[lo:hi]
 
     def _on_grad(self, index: int) -> None:
-        """Accumulate into main_grad; on the last micro-batch mark ready and launch finished buckets."""
+        """Accumulate into main_grad; on the last micro-batch mark ready and launch finished buckets. ZeRO-2: into the
+        bucket's staging buffer, launched as soon as each of its parameters has a gradient there (every micro-batch)."""
         info = self._params[index]
         p = info.param
         if p.grad is None:
@@ -234,6 +248,9 @@ class GradReducer:
             raise RuntimeError(f"gradient of '{info.name}' arrived after finish_grad_sync(); call zero_grad() "
                                "before the next step's backward")
         bucket = self._buckets[info.bucket]
+        if self._zero2 and bucket.sharded:
+            self._stage(bucket, info)
+            return
         if bucket.launched:
             raise RuntimeError(f"gradient of '{info.name}' arrived after its bucket's reduction started: set "
                                "sync_grads = False (or use no_sync()) on all but the step's last micro-batch")
@@ -243,14 +260,39 @@ class GradReducer:
         else:
             p.main_grad.add_(p.grad)
         p.grad = None
-        if not self.sync_grads or not self._reduces:
+        if not self.sync_grads or not self._reduces or self._zero2:
             return
         bucket.ready.add(index)
         while self._next_launch < len(self._buckets) and \
                 len(self._buckets[self._next_launch].ready) == len(self._buckets[self._next_launch].params):
             self._launch(self._buckets[self._next_launch])
 
+    def _stage(self, bucket: _Bucket, info: _Param) -> None:
+        if bucket.staged is None:
+            bucket.staged = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+        view = bucket.staged[info.start - bucket.start:info.end - bucket.start].view_as(info.param)
+        if info.index in bucket.ready:
+            view.add_(info.param.grad)
+        else:  # (as ``fresh`` below: no fp32 temporary of a bf16 gradient)
+            view.copy_(info.param.grad)
+        info.param.grad = None
+        bucket.ready.add(info.index)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _drain(self, keep: int) -> None:
+        """ZeRO-2: wait for the oldest launched reductions until at most ``keep`` remain; add each into the shard."""
+        while len(self._inflight) > keep:
+            bucket, pending = self._inflight.pop(0)
+            self._grad_pieces[bucket.index].add_(pending.wait())
+
     def _launch(self, bucket: _Bucket) -> None:
+        if self._zero2 and bucket.sharded:  # the staging buffer goes with the reduction; the next one starts empty
+            self._inflight.append((bucket, comm.reduce_scatter_async(bucket.staged, bucket.group)))
+            bucket.staged = None
+            bucket.ready.clear()
+            self._drain(ZERO2_INFLIGHT)
+            return
         region = self.grad_buffer[bucket.start:bucket.start + bucket.numel]
         # ZeRO-1: each rank keeps its reduced chunk; otherwise every rank needs the whole reduced bucket.
         bucket.reduce = (comm.reduce_scatter_async(region, bucket.group) if bucket.sharded
@@ -273,7 +315,12 @@ class GradReducer:
         Idempotent within a step (``zero_grad`` re-arms it). Collective over dp_cp (and tp)."""
         if self._synced:
             return
-        if self._reduces:
+        if self._zero2:
+            for bucket in self._buckets:
+                if bucket.ready:  # a partly filled staging buffer (the last micro-batch's, or a parameter without one)
+                    self._launch(bucket)
+            self._drain(0)
+        elif self._reduces:
             for bucket in self._buckets[self._next_launch:]:
                 self._launch(bucket)
             for bucket, piece in zip(self._buckets, self._grad_pieces):
@@ -298,14 +345,18 @@ class GradReducer:
                 self._all_reduce_slices([(i.start, i.end) for i in infos], group)
             elif self._owned_alike(infos, group):
                 self._all_reduce_slices([(i.own_start, i.own_end) for i in infos], group)
-            else:
-                for i in infos:  # zero what this rank does not own, so the dp_cp sum assembles the full grads
-                    lo, hi = (i.own_start, i.own_end) if i.own_end > i.own_start else (i.end, i.end)
-                    self.grad_buffer[i.start:lo].zero_()
-                    self.grad_buffer[hi:i.end].zero_()
-                spans = [(i.start, i.end) for i in infos]
-                self._all_reduce_slices(spans, self._dp_group)
-                self._all_reduce_slices(spans, group)
+            else:  # the full grads assembled over dp_cp from the owned parts (zeros elsewhere), summed, owned kept
+                full = torch.zeros(sum(i.numel for i in infos), dtype=torch.float32, device=self.device)
+                owned, offset = [], 0
+                for i in infos:
+                    owned.append((full[offset + i.own_start - i.start:offset + i.own_end - i.start],
+                                  self._grad(i.own_start, i.own_end)))
+                    offset += i.numel
+                for piece, grad in owned:
+                    piece.copy_(grad)
+                comm.all_reduce(comm.all_reduce(full, self._dp_group), group)
+                for piece, grad in owned:
+                    grad.copy_(piece)
 
     def _info_of(self, p: nn.Parameter) -> _Param:
         info = self._by_id.get(id(p))
@@ -314,11 +365,11 @@ class GradReducer:
         return info
 
     def _all_reduce_slices(self, spans: list[tuple[int, int]], group: Any) -> None:
-        flat = torch.cat([self.grad_buffer[a:b] for a, b in spans])
+        flat = torch.cat([self._grad(a, b) for a, b in spans])
         comm.all_reduce(flat, group)
         offset = 0
         for a, b in spans:
-            self.grad_buffer[a:b].copy_(flat[offset:offset + b - a])
+            self._grad(a, b).copy_(flat[offset:offset + b - a])
             offset += b - a
 
     def _owned_alike(self, infos: list[_Param], group: Any) -> bool:
@@ -347,7 +398,11 @@ class GradReducer:
         for info in self._params:
             info.param.grad = None
             info.fresh = True
+        for _, pending in self._inflight:  # (ZeRO-2) a step abandoned mid-reduction: drain it
+            pending.wait()
+        self._inflight.clear()
         for bucket in self._buckets:
+            bucket.staged = None
             if bucket.reduce is not None:  # a step abandoned mid-reduction: drain it before reuse
                 bucket.reduce.wait()
                 bucket.reduce = None

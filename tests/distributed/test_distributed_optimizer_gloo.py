@@ -4,10 +4,11 @@ Every rank builds the same small MLP from a seed, takes its contiguous slice of 
 (12 rows) and normalises its loss by the global row count, as the trainer does with tokens. The
 oracle is computed in each rank's process: the same MLP on the whole batch with autograd grads,
 ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW``. Checked per world size (2 and 4),
-for ZeRO 0 and 1, 1 and 3 micro-batches, several small buckets (69 elements: not divisible by the
+for ZeRO 0, 1 and 2, 1 and 3 micro-batches, several small buckets (69 elements: not divisible by the
 world size, so buckets are padded) and one bucket: reduced main grads, no communication on
-non-final micro-batches, grad norm and parameters over 3 steps, an early bucket launch
-(overlap), bf16 ZeRO-0 = ZeRO-1, and a checkpoint written at dp2 + ZeRO-1 resumed at dp4 and dp1.
+non-final micro-batches (ZeRO-2: every bucket reduce-scattered in every micro-batch, into a grad buffer of
+the shard's size, no staging buffer left after the sync), grad norm and parameters over 3 steps, an early bucket launch
+(overlap), bf16 ZeRO-0 = ZeRO-1 = ZeRO-2, and a checkpoint written at dp2 + ZeRO-1 resumed at dp4 (ZeRO-2) and dp1.
 A tp2·dp2 launch checks the TP side: sequence-parallel grads summed over TP (owned elements alike
 on both TP ranks, or not), and the grad norm counting TP-replicated parameters once. Both launches
 also check that on ~1M-element buffers the grad norm (ZeRO 0 and 1) is the fp64 norm of the full
@@ -137,7 +138,7 @@ def _big_norm_checks(state: Any, tp_sharded: set[str], tag: str) -> dict[str, tu
     coeff = clip / (want + 1e-6)
     mine = {n: state.tp_rank if n in tp_sharded else 0 for n in BIG}
     checks = {}
-    for zero in (0, 1):
+    for zero in (0, 1, 2):
         named = [(n, nn.Parameter(torch.zeros(BIG[n]))) for n in BIG]
         for n, p in named:
             p.tensor_model_parallel = n in tp_sharded
@@ -157,17 +158,18 @@ def _dp_checks(rank: int, world: int, ckpt: dict[str, Any] | None = None) -> dic
     ref = _reference()
     checks: dict[str, tuple[float, float]] = {}
     facts: dict[str, Any] = {}
-    for zero in (0, 1):
+    for zero in (0, 1, 2):
         for n_micro in (1, 3):
             for bucket_bytes in (SMALL, 25 * 2**20):
                 tag = f"zero{zero}.micro{n_micro}.bucket{bucket_bytes}"
                 model = _MLP()
                 opt = DistributedOptimizer(list(model.named_parameters()), _cfg(), state, zero=zero,
                                            bucket_bytes=bucket_bytes)
-                facts[f"{tag}.layout"] = (opt.numel, len(opt._buckets), opt.shard_numel)
+                facts[f"{tag}.layout"] = (opt.numel, len(opt._buckets), opt.shard_numel, opt.grad_buffer.numel())
                 for step in range(STEPS):
                     facts[f"{tag}.step{step}.calls"] = _backward(opt, model, step, rank, world, n_micro)
                     opt.finish_grad_sync()
+                    facts[f"{tag}.step{step}.staged"] = sum(b.staged is not None for b in opt._buckets) + len(opt._inflight)
                     if step == 0:
                         checks[f"{tag}.grads"] = (_worst(opt.main_grads_by_name(), ref["grads"]), RTOL)
                     norm, stepped = opt.step(LRS[step], clip=CLIP)
@@ -196,7 +198,7 @@ def _dp_checks(rank: int, world: int, ckpt: dict[str, Any] | None = None) -> dic
 
     # bf16: ZeRO-1 (cast, then all-gather the bf16 values) equals ZeRO-0 (all-reduce, every rank steps)
     bf16 = {}
-    for zero in (0, 1):
+    for zero in (0, 1, 2):
         model = _MLP()
         opt = DistributedOptimizer(list(model.named_parameters()), _cfg(), state, zero=zero, precision="bf16",
                                    bucket_bytes=SMALL)
@@ -210,12 +212,15 @@ def _dp_checks(rank: int, world: int, ckpt: dict[str, Any] | None = None) -> dic
             opt.step(LRS[step], clip=CLIP)
         bf16[zero] = {n: p.detach().clone() for n, p in model.named_parameters()}
         facts[f"bf16.zero{zero}.dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
-    checks["bf16.zero1_vs_zero0"] = (max((bf16[0][n].float() - bf16[1][n].float()).abs().max().item() for n in bf16[0]), 0.0)
+    for zero in (1, 2):
+        checks[f"bf16.zero{zero}_vs_zero0"] = (max((bf16[0][n].float() - bf16[zero][n].float()).abs().max().item()
+                                                   for n in bf16[0]), 0.0)
     facts["bf16.moved"] = _worst({n: v.float() for n, v in bf16[1].items()}, _params(_MLP()))
 
-    # checkpoint: written here at dp2 + ZeRO-1 after 2 steps (then step 3 is the reference), or loaded
+    # checkpoint: written here at dp2 + ZeRO-1 after 2 steps (then step 3 is the reference), or loaded (at ZeRO-2)
     model = _MLP()
-    opt = DistributedOptimizer(list(model.named_parameters()), _cfg(), state, zero=1, bucket_bytes=SMALL)
+    opt = DistributedOptimizer(list(model.named_parameters()), _cfg(), state, zero=1 if ckpt is None else 2,
+                               bucket_bytes=SMALL)
     if ckpt is None:
         for step in range(2):
             _train_step(opt, model, step, rank, world)
@@ -244,17 +249,21 @@ def _assert_checks(results: list[dict[str, Any]]) -> None:
 def _assert_dp_facts(results: list[dict[str, Any]], world: int) -> None:
     for res in results:
         f = res["facts"]
-        for zero in (0, 1):
+        for zero in (0, 1, 2):
             for n_micro in (1, 3):
                 small = f"zero{zero}.micro{n_micro}.bucket{SMALL}"
-                numel, n_buckets, shard = f[f"{small}.layout"]
+                numel, n_buckets, shard, grads = f[f"{small}.layout"]
                 assert n_buckets == 3 and numel % world == 0 and numel > 69  # 69 = unpadded, odd
                 assert shard == (numel // world if zero else numel)
+                assert grads == (shard if zero == 2 else numel)  # ZeRO-2 keeps the fp32 grads of its shard only
                 for step in range(STEPS):
                     calls = f[f"{small}.step{step}.calls"]
-                    assert calls[:-1] == [0] * (n_micro - 1), calls  # no comm on non-final micro-batches
-                    assert calls[-1] == 3, calls  # every bucket launched from inside the last backward
-                    assert f[f"{small}.step{step}.stepped"]
+                    if zero == 2:  # every bucket reduce-scattered from inside every micro-batch's backward
+                        assert calls == [3] * n_micro, calls
+                    else:
+                        assert calls[:-1] == [0] * (n_micro - 1), calls  # no comm on non-final micro-batches
+                        assert calls[-1] == 3, calls  # every bucket launched from inside the last backward
+                    assert f[f"{small}.step{step}.stepped"] and f[f"{small}.step{step}.staged"] == 0
         events = f["overlap.events"]
         launches = [i for i, e in enumerate(events) if e.startswith("launch")]
         grads = [i for i, e in enumerate(events) if e.startswith("grad")]
@@ -264,7 +273,7 @@ def _assert_dp_facts(results: list[dict[str, Any]], world: int) -> None:
         # "scale" (the last bucket, 3 elements + padding) gets its grad first but goes out last: in bucket order
         fc1, scale = 42 + (-42 % world), 3 + (-3 % world)
         assert events[0] == "grad:scale" and [events[i] for i in launches] == ["launch:24", f"launch:{fc1}", f"launch:{scale}"]
-        for zero in (0, 1):
+        for zero in (0, 1, 2):
             assert f[f"bf16.zero{zero}.dtypes"] == ["torch.bfloat16"]
         assert f["bf16.moved"] > 1e-3  # the bf16 parameters did take the updates
 
@@ -339,7 +348,7 @@ def _tp_checks(rank: int, world: int) -> dict[str, Any]:
         if misaligned:
             squares += sum(_grad("extra", (3,), 1, d) for d in range(2)).square().sum()
         want_norm = squares.sqrt().item()
-        for zero in (0, 1):
+        for zero in (0, 1, 2):
             tag = f"{'misaligned' if misaligned else 'aligned'}.zero{zero}"
             named = _tp_params(tp, misaligned)
             opt = DistributedOptimizer(named, _cfg(), state, zero=zero)
@@ -360,6 +369,7 @@ def test_tp2_dp2_sequence_parallel_grads_and_norm() -> None:
     _assert_checks(results)
     for res in results:
         f = res["facts"]
-        assert f["aligned.zero1.alike"] == [True]  # same layout on both TP ranks: owned elements only
-        assert f["misaligned.zero1.alike"] == [False]  # different layouts: the full-gradient fallback
+        for zero in (1, 2):
+            assert f[f"aligned.zero{zero}.alike"] == [True]  # same layout on both TP ranks: owned elements only
+            assert f[f"misaligned.zero{zero}.alike"] == [False]  # different layouts: the full-gradient fallback
         assert f["aligned.zero0.alike"] == f["misaligned.zero0.alike"] == []  # no ZeRO: nothing to check

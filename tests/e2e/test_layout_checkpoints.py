@@ -127,3 +127,18 @@ def test_latent_attention_checkpoint_moves_between_layouts(tmp_path, byte_data):
     for s in got:
         for key in ("loss", "mtp_loss_1"):
             assert abs(got[s][key] - ref[s][key]) <= 5e-6 * ref[s][key], (s, key)
+
+
+def test_zero2_checkpoint_resumes_at_zero1(tmp_path, byte_data):
+    """dp2 + ZeRO-2 saves the same per-shard optimizer state as ZeRO-1 (no gradients): resumed at dp2 + ZeRO-1 its
+    steps stay on the uninterrupted ZeRO-2 run's trajectory (reduction order only)."""
+    dp2 = ["parallel.dp=2"]
+    full, other = tmp_path / "full", tmp_path / "zero1"
+    train(full, byte_data, "train.iters=5", f"checkpoint.save={full}/ckpt", "checkpoint.interval=3", *dp2,
+          "parallel.zero=2")
+    train(other, byte_data, "train.iters=5", f"checkpoint.load={full}/ckpt/iter_0000003", *dp2, "parallel.zero=1")
+    ref, got = metrics(full), metrics(other)
+    assert sorted(got) == [4, 5]
+    for s in got:
+        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], s
+        assert abs(got[s]["grad_norm"] - ref[s]["grad_norm"]) <= 1e-6 * ref[s]["grad_norm"], s

@@ -57,6 +57,14 @@ LAYOUTS = {
     "dp2_zero1": ([], ["parallel.dp=2", "parallel.zero=1"]),
     "dp3_zero1_odd": (["train.global_batch_size=12"], ["parallel.dp=3", "parallel.zero=1"]),  # padded buffer
     "dp2_tp2_sp_zero1": ([], ["parallel.dp=2", "parallel.tp=2", *SP, "parallel.zero=1"]),
+    # ZeRO-2 (grads reduce-scattered per micro-batch into the shard): alone, TP+SP, PP (tied; zero-bubble's deferred
+    # weight grads), CP, and expert buckets over edp in the MoE block below
+    "dp2_zero2": ([], ["parallel.dp=2", "parallel.zero=2"]),
+    "dp2_tp2_sp_zero2": ([], ["parallel.dp=2", "parallel.tp=2", *SP, "parallel.zero=2"]),
+    "llama_tied_pp2_dp2_zero2": (TIED, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=2"]),
+    "pp2_zero_bubble_dp2_zero2": ([], ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.dp=2",
+                                       "parallel.zero=2"]),
+    "cp2_ring_dp2_zero2": ([], ["parallel.cp=2", "parallel.dp=2", "parallel.zero=2"]),
     # tensor + sequence parallelism
     "tp2": ([], ["parallel.tp=2"]),
     "tp4_sp": ([], ["parallel.tp=4", *SP]),
@@ -100,6 +108,7 @@ LAYOUTS = {
     # its own until the suite's time asked for it)
     "moe_ep2_tp2": (MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"]),
     "moe_ep2_dp4_zero1": (MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"]),
+    "moe_ep2_dp4_zero2": (MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=2"]),
     # under SP the TP ranks route their own tokens: ep folds over tp too (capacity decided on the gathered sequence);
     # CP: the balancing losses count the whole sequence (dropless: capacity needs positions); interleaved stages
     "moe_ep2_tp2_sp": (MOE, ["parallel.tp=2", *SP, "parallel.ep=2"]),

@@ -61,6 +61,9 @@ def test_formulas_against_hand_numbers() -> None:
     bf16 = plan.state_bytes(make_config("train.precision=bf16", "parallel.dp=2", "parallel.zero=1",
                                         "train.global_batch_size=4"))
     assert (bf16.params, bf16.grads, bf16.optim) == (2 * n, 4 * n, 12 * n // 2)  # 6 + 12/d bytes per parameter
+    zero2 = plan.state_bytes(make_config("train.precision=bf16", "parallel.dp=2", "parallel.zero=2",
+                                         "train.global_batch_size=4"))
+    assert (zero2.params, zero2.grads, zero2.optim) == (2 * n, 4 * n // 2, 12 * n // 2)  # 2 + 16/d bytes per parameter
 
     # one layer, fp32 (e = 4), x = s·b·h = 32·2·64 = 4096 elements
     x = 4096

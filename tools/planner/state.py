@@ -132,7 +132,8 @@ def _runs(named: list[tuple[str, nn.Parameter]], ep: int) -> list[tuple[bool, li
 
 def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StateBytes:
     """The sizes of ``DistributedOptimizer``'s ``param_buffer``, ``grad_buffer``, ``exp_avg``/``exp_avg_sq``
-    and fp32 masters on data-parallel rank 0 of stage ``pp_rank``: the real optimizer over the meta stage.
+    and fp32 masters on data-parallel rank 0 of stage ``pp_rank``: the real optimizer over the meta stage (ZeRO-2: its
+    ``grad_buffer`` is the fp32 shard; the per-micro-batch staging buffers of its buckets are not counted here).
 
     Under expert parallelism (ep > 1) the optimizer puts the expert parameters in buckets of their own, padded,
     reduced and ZeRO-sharded over edp instead of dp·cp; here each run of expert (or other) parameters gets its own
