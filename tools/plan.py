@@ -134,7 +134,7 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
     width = 14
     header = "".join(f"{f'stage {r.pp_rank}':>{width}}" for r in shown)
     master = " + fp32 master" if D.precision != "fp32" else ""
-    shard = f", ZeRO-1 /{D.dp_cp}" if D.zero and D.dp_cp > 1 else ""
+    shard = f", ZeRO-{D.zero} /{D.dp_cp}" if D.zero and D.dp_cp > 1 else ""
     shard += f", experts /{D.edp}" if shard and D.ep > 1 else ""
     rows: list[tuple[str, list[str]]] = [
         (f"parameters ({D.precision})", [B(r.state.params) for r in shown]),

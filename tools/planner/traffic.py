@@ -138,8 +138,8 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
     st = state_bytes(cfg, pp_rank, bucket_bytes)
     for dim, numel, n in (("dp", st.padded_elements - st.expert_elements, D.dp_cp), ("edp", st.expert_elements, D.edp)):
         if n > 1:  # expert buckets (ep > 1) are reduced and ZeRO-sharded over edp, the rest over dp·cp
-            if D.zero:
-                _add(book, dim, "reduce_scatter", (n - 1) / n * numel * GRAD_BYTES)
+            if D.zero:  # ZeRO-2 reduce-scatters every micro-batch's gradients, ZeRO-1 the step's once
+                _add(book, dim, "reduce_scatter", (m if D.zero == 2 else 1) * (n - 1) / n * numel * GRAD_BYTES)
                 _add(book, dim, "all_gather", (n - 1) / n * numel * e)
             else:
                 _add(book, dim, "all_reduce", 2 * (n - 1) / n * numel * GRAD_BYTES)
