@@ -37,6 +37,12 @@ def make_byte_dataset(directory: Path) -> str:
     return str(directory / "byte_text_document")
 
 
+def train_argv(run_dir: Path, data: str, *overrides: str) -> list[str]:
+    """train.py's arguments for ``train``: BASE, the data, logging.dir run_dir/log, then ``overrides``."""
+    return [*BASE, f"data.paths=[{data}]", f"logging.dir={run_dir}/log", f"data.cache_dir={Path(data).parent}/cache",
+            *overrides]
+
+
 def train(run_dir: Path, data: str, *overrides: str, expect_ok: bool = True, cli: bool = False,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run train.py with BASE + overrides; its logging.dir is run_dir/log. By default its ``main`` runs on the
@@ -44,8 +50,7 @@ def train(run_dir: Path, data: str, *overrides: str, expect_ok: bool = True, cli
     pre-flight; stdout holds every rank's output). ``cli``, ``env`` (added to the environment) or an expected failure
     runs the command line itself in a subprocess: the launcher, the pre-flight, exit codes and output as a user
     sees them."""
-    args = [*BASE, f"data.paths=[{data}]", f"logging.dir={run_dir}/log", f"data.cache_dir={Path(data).parent}/cache",
-            *overrides]
+    args = train_argv(run_dir, data, *overrides)
     if cli or env or not expect_ok:
         p = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
                            timeout=900, env={**os.environ, **env} if env else None)

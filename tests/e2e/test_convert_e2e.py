@@ -1,9 +1,13 @@
-"""tools/convert_checkpoint.py on checkpoints written by train.py at tp2 and pp2, and HF weights resumed by train.py."""
+"""tools/convert_checkpoint.py on checkpoints written by train.py at tp2 and pp2, and HF weights resumed by train.py.
+
+The tools run in this process (convert_checkpoint makes no process group) or, tools/generate.py, on one harness rank
+(``run_distributed``: the torchrun environment). Their command lines run in tests/e2e/test_readme_commands.py (the
+README's convert, generate and evaluate commands) and tests/unit/test_generate.py."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,16 +16,26 @@ from megatron_sp import checkpointing
 from megatron_sp.config.loader import _apply_section
 from megatron_sp.config.schema import Config
 from megatron_sp.model import GPTModel
+from megatron_sp.testing import run_distributed
+from tools import convert_checkpoint
 
-from .runs import ROOT, train
+from .runs import train
 
 transformers = pytest.importorskip("transformers")
 
 
 def convert(*args: object) -> None:
-    p = subprocess.run([sys.executable, "tools/convert_checkpoint.py", *map(str, args)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+    assert convert_checkpoint.main([str(a) for a in args]) == 0
+
+
+def _generate_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str]:
+    """tools/generate.py's ``main(argv)`` on this rank: (exit code, stdout)."""
+    from tools import generate
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = generate.main(argv)
+    return code, out.getvalue()
 
 
 def ours_from(ckpt_root) -> GPTModel:
@@ -49,11 +63,11 @@ def test_export_after_parallel_training(tmp_path, byte_data, layout):
         theirs = hf(input_ids=tokens).logits
     assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
     # greedy decoding: tools/generate.py on our checkpoint and transformers on the export agree token for token
-    p = subprocess.run([sys.executable, "tools/generate.py", "--load", str(tmp_path / "ckpt"), "--prompt", "def main(",
-                        "--max-new-tokens", "12", "--greedy", "--json"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    ((code, stdout),) = run_distributed(_generate_rank, 1, init=False, argv=[
+        "--load", str(tmp_path / "ckpt"), "--prompt", "def main(", "--max-new-tokens", "12", "--greedy", "--json",
+        "train.preflight=false"])
+    assert code == 0
+    out = json.loads(stdout.strip().splitlines()[-1])
     with torch.no_grad():
         hf_ids = hf.generate(torch.tensor([out["prompt_ids"]]), max_new_tokens=12, do_sample=False)[0].tolist()
     hf_new = hf_ids[len(out["prompt_ids"]):]

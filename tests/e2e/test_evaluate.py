@@ -2,10 +2,14 @@
 
 One 1-rank training run (2 steps, validated at step 2: the split's second window of 2 global batches, then saved)
 serves every test. The layouts run on in-process ranks (``run_distributed``: several layouts per launch); the command
-line runs once plainly at 1 rank, once starting its own 2 ranks and once under torchrun.
+line runs once plainly at 1 rank and once under torchrun; its ``main`` runs on 2 harness ranks as torchrun starts it.
+Run plainly with 2 ranks it starts them itself: the README's ``tools/evaluate.py ... parallel.tp=2``
+(tests/e2e/test_readme_commands.py).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -101,13 +105,24 @@ def test_validation_loss_equals_train_py_and_every_layout(trained, reference) ->
                                   for n, r in got.items()})
 
 
-def test_command_line_starts_its_ranks_and_runs_under_torchrun(trained, reference) -> None:
-    """Run plainly with a 2-rank layout it starts its ranks (one line per dataset); under torchrun dp fills the world."""
+def _main_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str]:
+    """tools/evaluate.py's ``main(argv)`` on this rank, as torchrun starts it: (exit code, stdout)."""
+    from tools.evaluate import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def test_text_output_on_two_ranks_and_the_command_line_under_torchrun(trained, reference) -> None:
+    """On 2 ranks (tp2) one line per dataset, printed by rank 0; under torchrun dp fills the world."""
     ckpt, val_loss, small = trained
-    p = _cli("--load", str(ckpt), "--data", small, "--data", small, "parallel.tp=2")
-    assert p.returncode == 0, p.stderr
-    lines = p.stdout.splitlines()
-    assert len(lines) == 2 and lines[0] == lines[1], p.stdout
+    ranks = run_distributed(_main_rank, 2, init=False, argv=["--load", str(ckpt), "--data", small, "--data", small,
+                                                             "parallel.tp=2", "train.preflight=false"])
+    assert [code for code, _ in ranks] == [0, 0] and ranks[1][1] == ""
+    lines = ranks[0][1].splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1], ranks[0][1]
     name, rest = lines[0].split(": ", 1)
     tokens, loss, ppl = rest.split(" | ")
     assert name == small and tokens == f"{40 * 64} tokens" and loss.startswith("loss ") and ppl.startswith("perplexity ")

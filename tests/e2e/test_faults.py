@@ -1,11 +1,15 @@
-"""Faults end to end: preemption by SIGTERM and Ctrl-C, auto-resume after torchrun restarts, a dead and a hung rank."""
+"""Faults end to end: preemption by SIGTERM and Ctrl-C, auto-resume after torchrun restarts, a dead and a hung rank.
+
+The command lines of a test run at the same time: each start-up (~6 s of torch imports) overlaps the others."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_sp import checkpointing
@@ -27,12 +31,21 @@ def _start(run_dir: Path, data: str, *overrides: str, torchrun: list[str] | None
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def _wait_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 120) -> None:
-    path = run_dir / "log" / "metrics.jsonl"
+def _when_logged(*plans: tuple[subprocess.Popen, Path, int, Callable[[], object]], timeout: float = 120) -> None:
+    """For each (process, run_dir, n, action): ``action()`` as soon as that run has logged ``n`` steps. The runs of a
+    test start together (their start-ups overlap) and each acts on its own step count."""
+    pending = list(plans)
     deadline = time.monotonic() + timeout
-    while not (path.exists() and len(path.read_text().splitlines()) >= n):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"{n} steps not logged in {timeout} s"
+    while pending:
+        for plan in list(pending):
+            proc, run_dir, n, action = plan
+            path = run_dir / "log" / "metrics.jsonl"
+            if path.exists() and len(path.read_text().splitlines()) >= n:
+                action()
+                pending.remove(plan)
+            else:
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"steps not logged in {timeout} s: {[str(p[1]) for p in pending]}"
         time.sleep(0.05)
 
 
@@ -58,35 +71,35 @@ def _same_trajectory(got: dict, ref: dict, steps: range) -> None:
 
 
 def test_sigterm_saves_then_auto_resume_and_torchrun_restarts_continue(tmp_path, byte_data):
-    reference = tmp_path / "reference"
+    # Two command lines at once: SIGTERM to train.py (the local launcher passes it on) after step 3; and torchrun
+    # --max-restarts 1 whose rank 1 is killed after a checkpoint (step 5), so that the restarted ranks auto-resume.
+    pre, res = tmp_path / "preempted", tmp_path / "restarted"
+    preempted = _start(pre, byte_data, "train.iters=400", f"checkpoint.save={pre}/ckpt", *DP2_DROPOUT)
+    restarted = _start(res, byte_data, f"train.iters={STEPS}", f"checkpoint.save={res}/ckpt", "checkpoint.interval=2",
+                       "checkpoint.auto_resume=true", *DP2_DROPOUT,
+                       torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval",
+                                 "0.1"])
+    _when_logged((preempted, pre, 3, lambda: preempted.send_signal(signal.SIGTERM)),
+                 (restarted, res, 5, lambda: os.kill(_rank_pid(res, 1), signal.SIGKILL)))
+    reference = tmp_path / "reference"  # the uninterrupted run, while they save, stop and restart
     train(reference, byte_data, f"train.iters={STEPS}", *DP2_DROPOUT)
     ref = metrics(reference)
 
-    # SIGTERM to train.py (the local launcher passes it on): every rank saves the same step, exit 0
-    pre = tmp_path / "preempted"
-    proc = _start(pre, byte_data, "train.iters=400", f"checkpoint.save={pre}/ckpt", *DP2_DROPOUT)
-    _wait_steps(proc, pre, 3)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
+    # SIGTERM: every rank saves the same step, exit 0
+    out, err = preempted.communicate(timeout=120)
+    assert preempted.returncode == 0, err[-3000:]
     ckpt = checkpointing.resolve(pre / "ckpt")
     k = checkpointing.read_meta(ckpt)["step"]
     assert 3 <= k < STEPS - 2 and "SIGTERM: saving a checkpoint" in out
-    # auto_resume picks checkpoint.save's latest and continues on the uninterrupted trajectory
+    # auto_resume picks checkpoint.save's latest and continues on the uninterrupted trajectory (while torchrun restarts)
     train(pre, byte_data, f"train.iters={STEPS}", f"checkpoint.save={pre}/ckpt", "checkpoint.auto_resume=true", *DP2_DROPOUT)
     _same_trajectory(metrics(pre), ref, range(1, STEPS + 1))
     meta = checkpointing.read_meta(checkpointing.resolve(pre / "ckpt"))  # the resumed run continues the lineage
     assert [start for _, start in meta["lineage"]] == [0, k] and meta["lineage"][-1][0] == meta["run_id"]
 
-    # torchrun --max-restarts 1: rank 1 is killed after a checkpoint, the restarted ranks auto-resume
-    res = tmp_path / "restarted"
-    proc = _start(res, byte_data, f"train.iters={STEPS}", f"checkpoint.save={res}/ckpt", "checkpoint.interval=2",
-                  "checkpoint.auto_resume=true", *DP2_DROPOUT,
-                  torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"])
-    _wait_steps(proc, res, 5)
-    os.kill(_rank_pid(res, 1), signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    # torchrun restarted the ranks, which auto-resumed
+    out, err = restarted.communicate(timeout=300)
+    assert restarted.returncode == 0, err[-3000:]
     assert "checkpoint.auto_resume: resuming from" in out
     _same_trajectory(metrics(res), ref, range(1, STEPS + 1))
 
@@ -97,9 +110,7 @@ def test_ctrl_c_saves_the_agreed_step_then_exits_130(tmp_path, byte_data):
     runs = {1: tmp_path / "one", 2: tmp_path / "two"}
     procs = {n: _start(d, byte_data, "train.iters=400", f"checkpoint.save={d}/ckpt", *(DP2 if n == 2 else []))
              for n, d in runs.items()}
-    for n, proc in procs.items():
-        _wait_steps(proc, runs[n], 3)
-        proc.send_signal(signal.SIGINT)
+    _when_logged(*((proc, runs[n], 3, functools.partial(proc.send_signal, signal.SIGINT)) for n, proc in procs.items()))
     for n, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 130, err[-3000:]
@@ -115,34 +126,31 @@ def test_ctrl_c_saves_the_agreed_step_then_exits_130(tmp_path, byte_data):
 
 
 def test_dead_and_hung_ranks_end_the_run_with_one_line_naming_them(tmp_path, byte_data):
-    # SIGKILL: the launcher sees the death and stops the others at once
-    dead = tmp_path / "dead"
-    proc = _start(dead, byte_data, "train.iters=400", "parallel.timeout_s=5", *DP2)
-    _wait_steps(proc, dead, 2)
-    os.kill(_rank_pid(dead, 1), signal.SIGKILL)
+    """Two runs at once: rank 1 of one is killed (SIGKILL), rank 1 of the other stopped (SIGSTOP: hung)."""
+    dead, hung = tmp_path / "dead", tmp_path / "hung"
+    procs = {d: _start(d, byte_data, "train.iters=400", "parallel.timeout_s=5", *DP2) for d in (dead, hung)}
+    _when_logged(*((proc, d, 2, lambda: None) for d, proc in procs.items()))
+    pids = {d: _rank_pid(d, 1) for d in procs}
     t = time.monotonic()
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and time.monotonic() - t < 5
-    last = err.strip().splitlines()[-1]  # with the planner's estimate when train.preflight is on
-    assert last.startswith("error: rank 1 of 2 was killed by signal SIGKILL, probably out of memory (") \
-        and last.endswith("); the other ranks were stopped"), last
-    assert "Traceback" not in err
-
-    # SIGSTOP (hung): rank 0's collective times out after parallel.timeout_s and names rank 1
-    hung = tmp_path / "hung"
-    proc = _start(hung, byte_data, "train.iters=400", "parallel.timeout_s=5", *DP2)
-    _wait_steps(proc, hung, 2)
-    pid = _rank_pid(hung, 1)
-    os.kill(pid, signal.SIGSTOP)
-    t = time.monotonic()
+    os.kill(pids[hung], signal.SIGSTOP)
+    os.kill(pids[dead], signal.SIGKILL)
     try:
+        # SIGKILL: the launcher sees the death and stops the others at once
+        _, err = procs[dead].communicate(timeout=60)
+        assert procs[dead].returncode != 0 and time.monotonic() - t < 5
+        last = err.strip().splitlines()[-1]  # with the planner's estimate when train.preflight is on
+        assert last.startswith("error: rank 1 of 2 was killed by signal SIGKILL, probably out of memory (") \
+            and last.endswith("); the other ranks were stopped"), last
+        assert "Traceback" not in err
+
+        # SIGSTOP (hung): rank 0's collective times out after parallel.timeout_s and names rank 1
         line = ""
         while "stopped answering" not in line:
-            line = proc.stderr.readline()
+            line = procs[hung].stderr.readline()
             assert line, "stderr closed without naming the hung rank"
         assert time.monotonic() - t < 5 + 5 + 5  # timeout + listening for survivors + slack
         assert line.startswith("error: [rank 0] a collective failed: rank 1 stopped answering (dead or hung)")
     finally:
-        os.kill(pid, signal.SIGKILL)  # the launcher would wait 30 s before killing a stopped process
-        proc.communicate(timeout=60)
-    assert proc.returncode != 0
+        os.kill(pids[hung], signal.SIGKILL)  # the launcher would wait 30 s before killing a stopped process
+        procs[hung].communicate(timeout=60)
+    assert procs[hung].returncode != 0

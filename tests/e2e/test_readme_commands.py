@@ -50,11 +50,18 @@ RULES = [  # first match wins
     Rule(r"^python tools/bench/", "a benchmark (minutes); each has its own smoke test in tests/unit", None),
     Rule(r"train\.compile=true", "compiling takes 20-130 s on CPU; tests/e2e/test_compile.py trains compiled", None),
     Rule(r"^python train\.py --help-config$", "prints the keys"),
-    Rule(r"^python train\.py --conf configs/demo\.yml logging\.name=(pp2|zero_bubble|interleaved|cp2|system_malloc) ",
+    Rule(r"^python train\.py --conf configs/demo\.yml logging\.name=(dp1|pp2|zero_bubble|interleaved|cp2|system_malloc) ",
          "a layout or memory variant of the demo run: its keys are checked here (config.load); each layout trains in "
-         "tests/e2e/test_layout_parity.py; cache_host_memory=false only skips device.cache_host_memory "
+         "tests/e2e/test_layout_parity.py; a 1-rank train.py command line trains in tests/e2e/test_faults.py (Ctrl-C); "
+         "cache_host_memory=false only skips device.cache_host_memory "
          "(tests/unit/test_host_memory.py)", config_only=True),
+    Rule(r"^torchrun --standalone --nproc-per-node 2 train\.py --conf configs/demo\.yml$",
+         "the demo under torchrun: the fault-tolerance section's torchrun command (the same run, with --max-restarts) "
+         "runs below", config_only=True),
     Rule(r"^(python (train|deepy)\.py|torchrun) .*--conf ", "a training run: shortened", QUICK),
+    Rule(r"^python tools/plan\.py --conf configs/demo\.yml --devices 2$",
+         "the demo's own layout planned: the planner's command line runs in the commands beside it (the 410M config; "
+         "--verify on the demo's); the breakdown of a config's own layout: tests/unit/test_plan.py", config_only=True),
     Rule(r"^python tools/plan\.py ", "the planner (meta device; --verify runs 2 steps)"),
     Rule(r"^python tools/fuzz_parity\.py ", "the parity fuzzer (--draw-only: tests/unit/test_fuzz_space.py; a seeded "
                                            "sample: tests/e2e/test_fuzz_parity.py)", None),

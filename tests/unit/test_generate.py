@@ -235,24 +235,51 @@ def test_cli_json_greedy_matches_library(checkpoint_dir: Path) -> None:
     assert result["text"] == tokenizer.decode(expected) and len(expected) > 0
 
 
+def _tool_rank(rank: int, world_size: int, argv: list[str], stdin: bytes) -> tuple[int, str, str]:
+    """One rank of ``tool_ranks``: tools/generate.py's ``main(argv)`` (stdin holding ``stdin``); (exit code, stdout,
+    stderr)."""
+    import contextlib
+    import io
+
+    sys.stdin = io.TextIOWrapper(io.BytesIO(stdin))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = load_tool("generate").main(argv)  # type: ignore[attr-defined]
+    return code, out.getvalue(), err.getvalue()
+
+
+def tool_ranks(world: int, *args: str, stdin: str = "") -> list[dict]:
+    """tools/generate.py ``args`` run as torchrun starts it on each of ``world`` ranks (``run_distributed`` sets the
+    torchrun environment; no launching process, so no pre-flight): rank 0's JSON lines. Run plainly, the command line
+    starts these ranks itself: the README's ``tools/generate.py ... parallel.tp=2`` (tests/e2e/test_readme_commands.py)."""
+    from megatron_sp.testing import run_distributed
+
+    ranks = run_distributed(_tool_rank, world, init=False, argv=[*args, "train.preflight=false"],
+                            stdin=stdin.encode())
+    assert [code for code, _, _ in ranks] == [0] * world, [err for _, _, err in ranks]
+    assert all(out == "" for _, out, _ in ranks[1:])  # rank 0 prints every replica's completions
+    return [json.loads(line) for line in ranks[0][1].splitlines()]
+
+
 def test_cli_prompt_file_layouts_interactive_and_no_cache(checkpoint_dir: Path, tmp_path: Path) -> None:
     """A prompt file (text, and JSONL) decoded at tp2 × pp2, and by two data-parallel replicas sharing the prompts,
-    gives the 1-rank tokens, greedy and sampled; --interactive and --no-cache give the same samples."""
+    gives the 1-rank tokens, greedy and sampled; --interactive and --no-cache give the same samples. On harness ranks
+    (``tool_ranks``); the command line itself runs in the tests above and below."""
     texts = ["abc", "", "def main(x):", "xyz"]
     (tmp_path / "p.txt").write_text("abc\n\n\ndef main(x):\nxyz\n")  # blank lines are skipped ...
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))  # ... JSONL keeps ""
     sample = ["--json", "--max-new-tokens", "6", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "11"]
-    one = json_lines(run_tool("--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.jsonl"), *sample))
+    one = tool_ranks(1, "--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.jsonl"), *sample)
     assert [r["prompt"] for r in one] == texts and [r["index"] for r in one] == [0, 1, 2, 3]
     assert one[1]["prompt_ids"] == [256]  # an empty prompt starts a document
-    assert json_lines(run_tool("--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.jsonl"), *sample,
-                               "parallel.dp=2")) == one
-    interactive = json_lines(run_tool("--load", str(checkpoint_dir / "iter_0000002"), "--interactive", *sample,
-                                      "--no-cache", stdin="\n".join(texts) + "\n"))
+    assert tool_ranks(2, "--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.jsonl"), *sample,
+                      "parallel.dp=2") == one
+    interactive = tool_ranks(1, "--load", str(checkpoint_dir / "iter_0000002"), "--interactive", *sample, "--no-cache",
+                             stdin="\n".join(texts) + "\n")
     assert interactive == one  # each prompt draws from its own generator: alone or in a batch, cached or not
     greedy = ["--json", "--max-new-tokens", "8", "--greedy"]
-    want = json_lines(run_tool("--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.txt"), *greedy,
-                               "parallel.tp=2", "parallel.pp=2", "--batch-size", "1"))
+    want = tool_ranks(4, "--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "p.txt"), *greedy,
+                      "parallel.tp=2", "parallel.pp=2", "--batch-size", "1")
     assert [r["prompt"] for r in want] == ["abc", "def main(x):", "xyz"]
     for r in want:
         ids = r["prompt_ids"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,12 +21,21 @@ RUN_KEYS = {"attention", "compiled", "wall_s", "tokens_per_s", "tflops", "mfu", 
             "planned_peak_bytes", "preflight_bytes", "memory_vs_plan", "loss_first", "loss_last", "flash_attn_ran"}
 
 
-def test_gpu_check_dry(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry", "--peak-tflops", "0.05", "--json",
-                          str(tmp_path / "check.json"), "--work", str(tmp_path / "work")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    rep = json.loads(out.stdout.strip().splitlines()[-1])  # the JSON line is last
+def load_gpu_check() -> Any:
+    """tools/gpu_check.py as a module (its import puts the checkout and tools/bench first on sys.path, as run)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    return gpu_check
+
+
+def test_gpu_check_dry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In this process (its train.py runs are processes of their own; it makes no process group here)."""
+    code = load_gpu_check().main(["--dry", "--peak-tflops", "0.05", "--json", str(tmp_path / "check.json"), "--work",
+                                  str(tmp_path / "work")])
+    out = capsys.readouterr()
+    assert code == 0, out.out[-2000:] + out.err[-2000:]
+    rep = json.loads(out.out.strip().splitlines()[-1])  # the JSON line is last
     assert rep == json.loads((tmp_path / "check.json").read_text())
     assert TOP_KEYS <= set(rep), TOP_KEYS - set(rep)
     assert rep["bench"] == "gpu_check" and rep["dry"] and rep["device_type"] == "cpu" and rep["device"].startswith("CPU")
@@ -58,14 +67,12 @@ def test_gpu_check_dry(tmp_path: Path) -> None:
     for r in gen["rows"]:
         assert r["tokens_equal"] and r["prefill_tokens_per_s"] > 0
         assert r["decode_tokens_per_s"] is None or r["decode_tokens_per_s"] > 0  # (timing noise at this size)
-    assert "\nparts: train ran; parity ran; generate ran\n" in out.stdout
+    assert "\nparts: train ran; parity ran; generate ran\n" in out.out
 
 
 def test_gpu_check_budget_and_peaks(capsys: pytest.CaptureFixture[str]) -> None:
     """A spent budget skips every part with its reason (exit 0); the datasheet peaks by device name."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import gpu_check
-
+    gpu_check = load_gpu_check()
     assert gpu_check.main(["--dry", "--budget-s", "0"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert all(not s["ran"] and s["reason"].startswith("budget") for s in rep["parts"].values()), rep["parts"]
