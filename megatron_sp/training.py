@@ -24,7 +24,8 @@ from torch import nn
 from . import checkpointing, config as config_mod, device as device_mod, faults, metrics as metrics_mod
 from .config import Config
 from .data import build_datasets, build_tokenizer, check_inputs, ensure_demo_data
-from .data.batching import IGNORE, next_train_batch, rank_batch
+from .data.batching import next_train_batch, rank_batch
+from .data.packed import IGNORE_INDEX
 from .files import atomic_file
 from .errors import ConfigError, TrainingError
 from .mpu import ParallelContext, ParallelDims, ParallelState, comm, init_default_group, initialize
@@ -233,7 +234,7 @@ def train_step(rt: Runtime) -> dict[str, Any]:
     batch = next_train_batch(rt)
     depth = cfg.model.mtp_layers  # multi-token prediction: each module's valid targets count on their own
     counts = _global_sum([float(batch["loss_mask"].sum()),
-                          *(float((batch["mtp_labels"][..., k] != IGNORE).sum()) for k in range(depth))], rt)
+                          *(float((batch["mtp_labels"][..., k] != IGNORE_INDEX).sum()) for k in range(depth))], rt)
     global_tokens, mtp_counts = counts[0], counts[1:]
     denom = max(global_tokens, 1.0)
 

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_sp.config.schema import Config
+from megatron_sp.data.packed import IGNORE_INDEX
 
 
 class Run(Protocol):
@@ -55,23 +56,19 @@ def _collate_fn(rt: Run) -> Callable[[list[Any]], dict[str, torch.Tensor]]:
     return rank_collate(rt.tokenizer.eod, d.eod_mask_loss, d.reset_position_ids, d.reset_attention_mask)
 
 
-IGNORE = -100
-"""A target without loss (``vocab_parallel_cross_entropy`` gives it 0)."""
-
-
 def mtp_targets(batch: dict[str, torch.Tensor], depth: int) -> dict[str, torch.Tensor]:
     """Multi-token prediction's ``mtp_tokens`` and ``mtp_labels`` (``[b, s, depth]`` int64) of a whole-sequence batch:
     column k - 1 holds token i + k (module k's input at position i; 0 past the end) and label i + k (its target),
-    ``IGNORE`` where that label has no loss, lies past the end, or in another document than position i."""
+    ``IGNORE_INDEX`` (-100, no loss) where that label has no loss, lies past the end, or in another document than position i."""
     tokens, labels = batch["tokens"], batch["labels"]
     s, docs = tokens.shape[1], batch.get("document_ids")
-    inputs, targets = torch.zeros(*tokens.shape, depth, dtype=torch.int64), torch.full((*tokens.shape, depth), IGNORE)
+    inputs, targets = torch.zeros(*tokens.shape, depth, dtype=torch.int64), torch.full((*tokens.shape, depth), IGNORE_INDEX)
     for k in range(1, min(depth, s - 1) + 1):
         valid = batch["loss_mask"][:, k:] > 0
         if docs is not None:
             valid &= docs[:, k:] == docs[:, :-k]
         inputs[:, :-k, k - 1] = tokens[:, k:]
-        targets[:, :-k, k - 1] = torch.where(valid, labels[:, k:], IGNORE)
+        targets[:, :-k, k - 1] = torch.where(valid, labels[:, k:], IGNORE_INDEX)
     return {"mtp_tokens": inputs, "mtp_labels": targets}
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_sp.config.schema import ModelConfig
-from megatron_sp.data.batching import IGNORE, mtp_targets
+from megatron_sp.data.batching import mtp_targets
+from megatron_sp.data.packed import IGNORE_INDEX
 from megatron_sp.model import GPTModel
 from megatron_sp.model import mtp as mtp_mod
 
@@ -22,7 +23,7 @@ def test_targets_shift_on_the_whole_sequence_and_stop_at_masks_documents_and_the
     docs = torch.tensor([[0, 0, 0, 0, 1, 1]])
     out = mtp_targets({"tokens": tokens, "labels": labels, "loss_mask": mask, "document_ids": docs}, 2)
     assert out["mtp_tokens"][0].T.tolist() == [[11, 12, 13, 14, 15, 0], [12, 13, 14, 15, 0, 0]]
-    x = IGNORE  # module 1 at i targets label i+1; module 2 label i+2 (masked label 3; documents 0 | 1; the end)
+    x = IGNORE_INDEX  # module 1 at i targets label i+1; module 2 label i+2 (masked label 3; documents 0 | 1; the end)
     assert out["mtp_labels"][0].T.tolist() == [[12, 13, x, x, 16, x], [13, x, x, x, x, x]]
     no_docs = mtp_targets({"tokens": tokens, "labels": labels, "loss_mask": mask}, 2)["mtp_labels"][0].T.tolist()
     assert no_docs == [[12, 13, x, 15, 16, x], [13, x, 15, 16, x, x]]
@@ -52,7 +53,7 @@ def test_objective_and_gradients_match_a_plain_restatement(tie: bool) -> None:
     mask = (torch.rand(B, S, generator=gen) > 0.2).double()
     batch = {"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": mask}
     extra = mtp_targets(batch, D)
-    counts = [float((extra["mtp_labels"][..., k] != IGNORE).sum()) for k in range(D)]
+    counts = [float((extra["mtp_labels"][..., k] != IGNORE_INDEX).sum()) for k in range(D)]
     captured = {}
     hook = model.layers["1"].register_forward_hook(lambda m, args, out: captured.update(args=args))
     mtp_mod.set_loss_scales(model, model.cfg, counts, grad_scale=1.0)
@@ -82,7 +83,7 @@ def test_objective_and_gradients_match_a_plain_restatement(tie: bool) -> None:
         h = module.layer(u @ module.eh_proj.weight.T, cos, sin)
         logits = _rms(h, module.final_norm.weight, eps) @ out_w.T  # [s, b, V]
         target = extra["mtp_labels"][..., k]
-        ce = F.cross_entropy(logits.transpose(0, 1).reshape(-1, V), target.reshape(-1), ignore_index=IGNORE,
+        ce = F.cross_entropy(logits.transpose(0, 1).reshape(-1, V), target.reshape(-1), ignore_index=IGNORE_INDEX,
                              reduction="sum")
         ref_sums.append(ce)
         objective = objective + LAMBDA / D * ce / counts[k]
