@@ -35,6 +35,7 @@ from .optim import DistributedOptimizer, lr_at, named_trainable
 from .parity import full_main_grads
 from .pipeline.executor import ScheduleStats, agree_costs, forward_backward, forward_only
 from .model import count_parameters, flops_per_token
+from .model.gpt import param_unit
 from .model.inference import generate_batch
 from .model import moe, mtp
 from .model.transformer import compile_cache_dir
@@ -203,8 +204,10 @@ def build_model(cfg: Config, state: ParallelState, dev: torch.device,
                                    z_loss=cfg.train.z_loss).to(dev)
     if compiled:
         model.compile_regions()
-    return model, DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
-                                       precision=cfg.train.precision)
+    optimizer = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
+                                     precision=cfg.train.precision, unit_of=param_unit, prefetch=p.zero3_prefetch)
+    model.param_units = optimizer.units  # (ZeRO-3; else None)
+    return model, optimizer
 
 
 def _rank0_first(rank: int, fn: Callable[[], Any]) -> Any:

@@ -330,10 +330,12 @@ def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: P
     weights only (fresh optimizer)."""
     meta = read_meta(ckpt)
     reader = Reader(ckpt)
-    load_model_state(model, ckpt, state, reader)
+    with optimizer.full_params():  # (ZeRO-3: the parameters are shards between uses)
+        load_model_state(model, ckpt, state, reader)
     if reader.names("optim/") or not meta.get("converted_from"):
         _load_optimizer(model, optimizer, reader, meta, state)
     else:
         log.info("%s has no optimizer state (converted weights only): starting with a fresh optimizer", ckpt)
+        optimizer.sync_master_from_params()  # 16-bit parameters: the fp32 masters from the loaded weights
     restore_rng(reader, meta, state, dev, seed, tracker, layout)
     return meta

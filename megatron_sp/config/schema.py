@@ -149,8 +149,11 @@ class ParallelConfig:
                                  "r, r+pp, r+2pp, ...")
     pp_partition: str = doc("uniform", "Layers per pipeline stage: uniform | balanced (even parameter counts) | a "
                                        "layer count per virtual stage, e.g. \"3,5\" (docs/pipeline.md).")
-    zero: int = doc(0, "ZeRO stage: 0 (off), 1 (optimizer state sharded over DP) or 2 (also the fp32 gradients, "
-                       "reduce-scattered every micro-batch; docs/optimizer.md).")
+    zero: int = doc(0, "ZeRO stage: 0 (off), 1 (optimizer state sharded over DP), 2 (also the fp32 gradients, "
+                       "reduce-scattered every micro-batch) or 3 (also the parameters, all-gathered per layer before its "
+                       "forward and its backward; docs/optimizer.md).")
+    zero3_prefetch: int = doc(1, "ZeRO-3: layers whose parameters are all-gathered ahead of their use (forward and "
+                                 "backward), overlapping the current layer's compute; 0: gathered when reached.")
     ep: int = doc(1, "MoE expert parallelism: each rank holds num_experts/ep experts; the ep ranks fold from the cp·dp "
                      "ranks of a stage (tp·cp·dp under sequence_parallel; consecutive), the rest are expert-data-parallel "
                      "replicas (docs/moe.md).")

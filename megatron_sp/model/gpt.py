@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -26,6 +27,7 @@ from megatron_sp.model.mla import mla_parameters
 from megatron_sp.model.moe import AuxLossGrad, expert_ffn, is_moe_layer
 from megatron_sp.model.mtp import MTPModule
 from megatron_sp.model.rope import RopeScaling
+from megatron_sp.optim.zero3 import Entry, ParamUnits, UnitRunner
 from megatron_sp.model.transformer import (EAGER, LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
                                            compiled, head_dim, hidden_dropout, make_norm, norm_args, rotary_dim, scaled_init_std)
 
@@ -44,6 +46,15 @@ NORM_MODULES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_la
                 "hnorm")
 
 INIT_KINDS = ("normal", "scaled_normal", "zeros", "ones")
+
+
+def param_unit(name: str) -> str:
+    """The ZeRO-3 unit of a parameter (gathered together): ``embedding``, ``layers.<i>``, ``head`` (final norm and output
+    layer), ``mtp.<k>`` or ``mtp_embedding``."""
+    parts = name.split(".")
+    if parts[0] in ("layers", "mtp"):
+        return f"{parts[0]}.{parts[1]}"
+    return "head" if parts[0] in ("final_norm", "output_layer") else parts[0]
 
 
 def init_kind(name: str) -> str:
@@ -165,6 +176,7 @@ class GPTModel(nn.Module):
                               if self.mtp is not None and not pre_process else None)
         self.mtp_loss_scales: list[float] = [0.0] * cfg.mtp_layers  # mtp.set_loss_scales
         self.mtp_sums: torch.Tensor | None = None  # [D] fp32: the micro-batches' summed MTP losses since then
+        self.param_units: ParamUnits | None = None  # ZeRO-3: the optimizer's gatherer (forward runs ``unit_plan``)
 
         for name, param in self.named_parameters():
             shared = (cfg.tie_embeddings and name in (EMBEDDING_NAME, "output_layer.weight")) or name == MTP_EMBEDDING
@@ -228,10 +240,13 @@ class GPTModel(nn.Module):
             raise ValueError(f"chunk {chunk} outside 0..{len(self.layer_chunks) - 1}")
         if kv_cache is not None and (token_index is None or comm.group_size(self.cp_group) == 1):
             self.check_kv_cache_usable(document_ids)  # (a CP prefill: each rank its shard, the cache filled whole)
+        head = self.post_process and chunk == len(self.layer_chunks) - 1
+        run_mtp = head and self.mtp is not None and self.training and torch.is_grad_enabled() and labels is not None
+        run = UnitRunner(self.param_units, self.unit_plan(chunk, head, run_mtp) if self.param_units else [])
         if self.embedding is not None and chunk == 0:
             if tokens is None:
                 raise ValueError("the first stage needs tokens")
-            x = self.embedding(tokens.t())  # [s/t, b, h] under SP, else [s, b, h]
+            x = run(("embedding",), partial(self.embedding, tokens.t()))  # [s/t, b, h] under SP, else [s, b, h]
             x = hidden_dropout(x, self.hidden_dropout, self.training, self.parallel)
         else:
             if hidden_states is None:
@@ -264,15 +279,17 @@ class GPTModel(nn.Module):
         for index in self.layer_chunks[chunk]:
             layer = self.layers[str(index)]
             if kv_cache is not None:
-                x = layer(x, cos, sin, meta, kv_cache.layer(index))  # [s, b, h] (CP prefill: [s/cp, b, h])
+                call = partial(layer, x, cos, sin, meta, kv_cache.layer(index))  # [s, b, h] (CP prefill: [s/cp, b, h])
             elif full_recompute:
-                x = checkpoint(layer, x, cos, sin, meta, tracker=par.tracker)  # keeps only the layer input
+                call = partial(checkpoint, layer, x, cos, sin, meta, tracker=par.tracker)  # keeps only the layer input
             else:
-                x = layer(x, cos, sin, meta)  # [s/t, b, h] under SP, else [s, b, h]
+                call = partial(layer, x, cos, sin, meta)  # [s/t, b, h] under SP, else [s, b, h]
+            x = run((f"layers.{index}",), call)
         if kv_cache is not None:
             kv_cache.advance(x.shape[0] * (meta.size if meta is not None else 1))
-        if not self.post_process or chunk != len(self.layer_chunks) - 1:
+        if not head:
             return x
+        head_units = self._head_units()
 
         if logit_rows is not None:  # position-wise from here: keep the rows whose logits are wanted
             if labels is not None:
@@ -280,28 +297,55 @@ class GPTModel(nn.Module):
             if par.sp:
                 x = gather_from_sp(x, par.tp_group)  # [s, b, h] (the output layer would gather it too)
             x = x[logit_rows, torch.arange(x.shape[1], device=x.device)].unsqueeze(0)  # [1, b, h]
-            logits = linear(copy_to_tp(self.regions.norm(x, *norm_args(self.final_norm)), par.tp_group),
-                            self.output_weight())  # [1, b, V/t]
+            logits = run(head_units, lambda: linear(copy_to_tp(self.regions.norm(x, *norm_args(self.final_norm)),
+                                                               par.tp_group), self.output_weight()))  # [1, b, V/t]
             return gather_from_tp(logits, par.tp_group).transpose(0, 1)  # [b, 1, V]
         if labels is None:
-            logits = self.output_layer(self.regions.norm(x, *norm_args(self.final_norm)), weight=self.output_weight())
+            logits = run(head_units, lambda: self.output_layer(self.regions.norm(x, *norm_args(self.final_norm)),
+                                                               weight=self.output_weight()))
             return gather_from_tp(logits, par.tp_group).transpose(0, 1)  # [b, s, V]
-        losses = self._head_loss(x, self.final_norm, labels)  # [b, s]
-        if self.mtp is not None and self.training and torch.is_grad_enabled():
+        losses = run(head_units, partial(self._head_loss, x, self.final_norm, labels))  # [b, s]
+        if run_mtp:
             if mtp is None:
                 raise ValueError("a model with model.mtp_layers trains with mtp=(mtp_tokens, mtp_labels) "
                                  "(data.batching.mtp_targets)")
             sums = []
-            for k, module in enumerate(self.mtp):
-                emb = self._mtp_embedding(mtp[0][..., k])
-                x = module(x, hidden_dropout(emb, self.hidden_dropout, self.training, par), cos, sin, meta,
-                           full_recompute)
-                sums.append(self._head_loss(x, module.final_norm, mtp[1][..., k]).sum())  # fp32 (fp64 model: fp64)
+            for k, module in enumerate(self.mtp):  # type: ignore[arg-type]
+                emb = run(self._mtp_embedding_units(), partial(self._mtp_embedding, mtp[0][..., k]))
+                emb = hidden_dropout(emb, self.hidden_dropout, self.training, par)
+                x, loss_sum = run((f"mtp.{k}", *head_units), partial(self._mtp_step, module, x, emb, cos, sin, meta,
+                                                                      full_recompute, mtp[1][..., k]))
+                sums.append(loss_sum)  # fp32 (fp64 model: fp64)
             sums_t = torch.stack(sums)  # [D]: this micro-batch's summed loss of each module
             self.mtp_sums = sums_t.detach() if self.mtp_sums is None else self.mtp_sums + sums_t.detach()
             weighted = (sums_t * sums_t.new_tensor(self.mtp_loss_scales)).sum()
             losses = AuxLossGrad.apply(losses, weighted, 1.0)
         return losses
+
+    def _mtp_step(self, module: MTPModule, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  meta: AttentionMeta | None, recompute: bool, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP module: (its state, its summed loss on ``labels``)."""
+        x = module(x, emb, cos, sin, meta, recompute)
+        return x, self._head_loss(x, module.final_norm, labels).sum()
+
+    def _head_units(self) -> Entry:
+        """The ZeRO-3 units the head reads: the embedding too when it is the output layer here."""
+        return ("head", "embedding") if self.cfg.tie_embeddings and self.embedding is not None else ("head",)
+
+    def _mtp_embedding_units(self) -> Entry:
+        if self.embedding is not None:
+            return ("embedding",)
+        return ("mtp_embedding", "head") if self.cfg.tie_embeddings else ("mtp_embedding",)
+
+    def unit_plan(self, chunk: int, head: bool, mtp: bool) -> list[Entry]:
+        """ZeRO-3: the entries (units gathered together) ``forward`` runs in order, for its prefetch."""
+        plan: list[Entry] = [("embedding",)] if self.embedding is not None and chunk == 0 else []
+        plan += [(f"layers.{i}",) for i in self.layer_chunks[chunk]]
+        if head:
+            plan.append(self._head_units())
+        for k in range(self.cfg.mtp_layers if mtp else 0):
+            plan += [self._mtp_embedding_units(), (f"mtp.{k}", *self._head_units())]
+        return plan
 
     def _head_loss(self, x: torch.Tensor, norm: nn.Module, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy ``[b, s]`` of ``labels [b, s]`` from the state ``x`` through ``norm`` and the

@@ -4,7 +4,7 @@ state by name (checkpoints, parity dumps); replaces torch DDP + torch AdamW. The
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -25,8 +25,8 @@ class DistributedOptimizer(GradReducer):
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], cfg: TrainConfig,
                  state: ParallelState | None, zero: int = 0, precision: str = "fp32",
-                 bucket_bytes: int = 25 * 2**20) -> None:
-        super().__init__(named_params, state, zero, precision, bucket_bytes)
+                 bucket_bytes: int = 25 * 2**20, unit_of: Callable[[str], str] | None = None, prefetch: int = 1) -> None:
+        super().__init__(named_params, state, zero, precision, bucket_bytes, unit_of, prefetch)
         self.cfg = cfg
         self.step_count = 0
         n_local = self.shard_numel
@@ -91,7 +91,7 @@ class DistributedOptimizer(GradReducer):
             if hi == lo:
                 continue
             a, z = self._to_local(lo, hi)
-            parts = {"param": self.param_buffer[lo:hi], "exp_avg": self.exp_avg[a:z], "exp_avg_sq": self.exp_avg_sq[a:z]}
+            parts = {"param": self._param(lo, hi), "exp_avg": self.exp_avg[a:z], "exp_avg_sq": self.exp_avg_sq[a:z]}
             if self._master_local is not None:
                 parts["master_param"] = self._master_local[a:z]
             out[info.name] = (lo - info.start, parts)
@@ -136,6 +136,6 @@ class DistributedOptimizer(GradReducer):
         if has_master and self._params:
             if self._master_local is not None:
                 self._master_local.copy_(self._local_of(full["master_param"]))
-            self.param_buffer.copy_(full["master_param"])
+            self.param_buffer.copy_(self._local_of(full["master_param"]) if self._zero3 else full["master_param"])
         else:
             self.sync_master_from_params()

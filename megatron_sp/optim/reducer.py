@@ -16,22 +16,26 @@ from ..config.schema import Config
 from ..errors import ConfigError
 from ..mpu import ParallelState, comm
 from ..mpu.comm import Pending
+from .zero3 import ParamUnits
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ZERO2_INFLIGHT = 2  # ZeRO-2: launched bucket reductions (with their staging buffers) left in flight after a launch
 
 
-def check_optimizer_options(zero: int, precision: str) -> None:
-    """``parallel.zero`` (0, 1 or 2) and ``train.precision`` (a key of ``PRECISIONS``), or a config error."""
-    if zero not in (0, 1, 2):
-        raise ConfigError(f"parallel.zero: {zero} must be 0, 1 or 2")
+def check_optimizer_options(zero: int, precision: str, prefetch: int = 1) -> None:
+    """``parallel.zero`` (0 to 3), ``parallel.zero3_prefetch`` (>= 0) and ``train.precision`` (a key of
+    ``PRECISIONS``), or a config error."""
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero: {zero} must be 0, 1, 2 or 3")
+    if prefetch < 0:
+        raise ConfigError(f"parallel.zero3_prefetch: {prefetch} must be >= 0 (0: no prefetch)")
     choice("train.precision", precision, tuple(PRECISIONS))
 
 
 @check
 def check_optimizer_config(cfg: Config) -> None:
     """The optimizer's config keys."""
-    check_optimizer_options(cfg.parallel.zero, cfg.train.precision)
+    check_optimizer_options(cfg.parallel.zero, cfg.train.precision, cfg.parallel.zero3_prefetch)
 
 
 @dataclass
@@ -65,6 +69,7 @@ class _Bucket:
     numel: int
     params: list[int] = field(default_factory=list)
     expert: bool = False  # holds expert parameters only: reduced over ``group`` = edp (else dp_cp)
+    unit: str = ""  # ZeRO-3: the unit (``unit_of`` of its parameters' names) gathered with it
     group: Any = None
     size: int = 1  # the group's size and this rank's place in it
     rank: int = 0
@@ -76,17 +81,20 @@ class _Bucket:
     staged: torch.Tensor | None = None  # ZeRO-2: the bucket's gradients not yet launched (fp32, ``numel``)
     reduce: Pending | None = None
     launched: bool = False
+    full: torch.Tensor | None = None  # ZeRO-3: the gathered parameters (param dtype, ``numel``; storage freed between uses)
 
 
 class GradReducer:
     """Flat fp32 main grads reduced over dp_cp in overlapping buckets of about ``bucket_bytes``, optional ZeRO-1
-    (``zero=1``) shards of the masters, ZeRO-2 (``zero=2``) also of the grads. ``named_params``: every trainable
+    (``zero=1``) shards of the masters, ZeRO-2 (``zero=2``) also of the grads, ZeRO-3 (``zero=3``) also of the
+    parameters, gathered per unit (``unit_of(name)``; ``units``, ``prefetch``). ``named_params``: every trainable
     (name, parameter), names keying checkpoints; ``state`` None: one process; ``precision`` bf16/fp16: 16-bit params,
     fp32 masters kept here."""
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], state: ParallelState | None,
-                 zero: int = 0, precision: str = "fp32", bucket_bytes: int = 25 * 2**20) -> None:
-        check_optimizer_options(zero, precision)
+                 zero: int = 0, precision: str = "fp32", bucket_bytes: int = 25 * 2**20,
+                 unit_of: Callable[[str], str] | None = None, prefetch: int = 1) -> None:
+        check_optimizer_options(zero, precision, prefetch)
         named = list(named_params)
         if len({id(p) for _, p in named}) != len(named) or not all(p.requires_grad for _, p in named):
             raise ValueError("GradReducer needs distinct trainable parameters (optim.named_trainable gives them)")
@@ -113,7 +121,9 @@ class GradReducer:
         # some bucket is reduced: over dp_cp, or (experts folded over tp under SP) over an edp group while dp_cp is 1
         self._reduces = max(size for _, size, _ in self._bucket_groups.values()) > 1
         self._sharded = zero >= 1 and self._reduces  # some bucket is sharded
-        self._zero2 = zero == 2 and self._reduces  # grad_buffer is this rank's shard; buckets staged per micro-batch
+        self._zero2 = zero >= 2 and self._reduces  # grad_buffer is this rank's shard; buckets staged per micro-batch
+        self._zero3 = zero == 3 and self._reduces  # param_buffer too; the parameters gathered per unit
+        self._unit_of = unit_of if unit_of is not None else (lambda name: name.rpartition(".")[0])
         self._inflight: list[tuple[_Bucket, Pending]] = []  # ZeRO-2's launched reductions, oldest first
         self._synced = False
         self._next_launch = 0
@@ -126,6 +136,15 @@ class GradReducer:
         self.numel = sum(b.numel for b in self._buckets)  # padded, divisible by dp_size
         self.shard_numel = sum(b.shard_numel for b in self._buckets)
         self._build_buffers()
+        self.units: ParamUnits | None = None  # ZeRO-3's gatherer (the model's ``param_units``)
+        if self._zero3:
+            by_unit: dict[str, list[_Bucket]] = {}
+            for b in self._buckets:
+                if b.sharded:
+                    by_unit.setdefault(b.unit, []).append(b)
+            self.units = ParamUnits(by_unit, lambda b: self.param_buffer[b.local_start:b.local_start + b.shard_numel],
+                                    prefetch)
+            self.units.free_all()
         self._hooks = [info.param.register_post_accumulate_grad_hook(lambda _, i=info.index: self._on_grad(i))
                        for info in self._params]
 
@@ -140,13 +159,14 @@ class GradReducer:
             if expert and getattr(p, "ep_size", 1) != self._ep:
                 raise ValueError(f"'{name}' is split over {getattr(p, 'ep_size', 1)} expert-parallel ranks, the layout "
                                  f"over {self._ep}: build the model with ParallelContext.from_state")
-            if current is not None and current.expert != expert:
+            unit = self._unit_of(name) if self.zero == 3 else ""
+            if current is not None and (current.expert != expert or current.unit != unit):
                 offset += self._close(current)
                 current = None
             if current is None:
                 group, size, rank = self._bucket_groups[expert]
-                current = _Bucket(index=len(self._buckets), start=offset, numel=0, expert=expert, group=group,
-                                  size=size, rank=rank, sharded=self.zero >= 1 and size > 1)
+                current = _Bucket(index=len(self._buckets), start=offset, numel=0, unit=unit, expert=expert,
+                                  group=group, size=size, rank=rank, sharded=self.zero >= 1 and size > 1)
             info = _Param(index=len(self._params), name=name, param=p, start=offset, numel=p.numel(),
                           bucket=current.index, decay=p.ndim >= 2,
                           in_norm=(bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0 or getattr(p, "ep_tp", False))
@@ -182,7 +202,7 @@ class GradReducer:
     def _build_buffers(self) -> None:
         dev, n, n_local = self.device, self.numel, self.shard_numel
         self.grad_buffer = torch.zeros(n_local if self._zero2 else n, dtype=torch.float32, device=dev)
-        self.param_buffer = torch.zeros(n, dtype=self.param_dtype, device=dev)
+        self.param_buffer = torch.zeros(n_local if self._zero3 else n, dtype=self.param_dtype, device=dev)
         self._master_local: torch.Tensor | None = None
         if self.precision != "fp32":
             self._master_local = torch.zeros(n_local, dtype=torch.float32, device=dev)
@@ -193,13 +213,23 @@ class GradReducer:
                     lo, hi = self._to_local(info.own_start, info.own_end)
                     own = p.detach().reshape(-1)[info.own_start - info.start:info.own_end - info.start]
                     self._master_local[lo:hi].copy_(own)
-                view = self.param_buffer[info.start:info.end].view_as(p)
+                b = self._buckets[info.bucket]
+                if self._zero3 and b.sharded:  # a view of the bucket's gathered storage; this rank's chunk kept below
+                    if b.full is None:
+                        b.full = torch.zeros(b.numel, dtype=self.param_dtype, device=dev)
+                    view = b.full[info.start - b.start:info.end - b.start].view_as(p)
+                else:
+                    view = self._param(info.start, info.end).view_as(p)
                 view.copy_(p.detach())
                 p.data = view
                 if not (self._zero2 and self._buckets[info.bucket].sharded):  # (ZeRO-2: staged, see _on_grad)
                     p.main_grad = self._grad(info.start, info.end).view_as(p)
                 p.grad = None
 
+            for b in self._buckets:
+                if b.full is not None:
+                    self._param(b.shard_start, b.shard_start + b.shard_numel).copy_(
+                        b.full[b.shard_start - b.start:b.shard_start - b.start + b.shard_numel])
         self._grad_pieces = [self._grad(b.shard_start, b.shard_start + b.shard_numel) for b in self._buckets]  # owned
         self._sp_params = [i.param for i in self._params if getattr(i.param, "sequence_parallel", False)]
 
@@ -230,10 +260,17 @@ class GradReducer:
         lo, hi = self._to_local(start, end)
         return self.grad_buffer[lo:hi]
 
+    def _param(self, start: int, end: int) -> torch.Tensor:
+        """The parameters of an owned global interval (ZeRO-3: in the local shard ``param_buffer``)."""
+        if not self._zero3:
+            return self.param_buffer[start:end]
+        lo, hi = self._to_local(start, end)
+        return self.param_buffer[lo:hi]
+
     def _master_view(self, start: int, end: int) -> torch.Tensor:
         """The fp32 master weights of an owned global interval."""
         if self._master_local is None:
-            return self.param_buffer[start:end]
+            return self._param(start, end)
         lo, hi = self._to_local(start, end)
         return self._master_local[lo:hi]
 
@@ -291,6 +328,8 @@ class GradReducer:
             self._inflight.append((bucket, comm.reduce_scatter_async(bucket.staged, bucket.group)))
             bucket.staged = None
             bucket.ready.clear()
+            if self.units is not None:  # every parameter of the bucket has its gradient: no backward reads it again
+                self.units.free_bucket(bucket)
             self._drain(ZERO2_INFLIGHT)
             return
         region = self.grad_buffer[bucket.start:bucket.start + bucket.numel]
@@ -320,6 +359,8 @@ class GradReducer:
                 if bucket.ready:  # a partly filled staging buffer (the last micro-batch's, or a parameter without one)
                     self._launch(bucket)
             self._drain(0)
+            if self.units is not None:
+                self.units.free_all()
         elif self._reduces:
             for bucket in self._buckets[self._next_launch:]:
                 self._launch(bucket)
@@ -412,13 +453,37 @@ class GradReducer:
         self._synced = False
 
     def publish_params(self) -> None:
-        """Make the model parameters equal the updated masters on every rank (ZeRO: all-gather)."""
+        """Make the model parameters equal the updated masters on every rank (ZeRO-1/2: all-gather; ZeRO-3: the
+        shard, gathered at the next use)."""
+        if self._zero3:
+            self.units.free_all()  # type: ignore[union-attr]
+            if self._master_local is not None:
+                self.param_buffer.copy_(self._master_local)
+            return
         if not self._sharded:
             if self._master_local is not None:  # (fp32 without ZeRO: the parameters are the masters)
                 self.param_buffer.copy_(self._master_local)
             return
         local = self._master_local if self._master_local is not None else self._local_of(self.param_buffer)
         self._gather_global(local.to(self.param_dtype), out=self.param_buffer)  # a copy: no input aliases the output
+
+    @contextlib.contextmanager
+    def full_params(self) -> Iterator[None]:
+        """ZeRO-3: the parameters whole on every rank for the duration (to load weights into them); afterwards this
+        rank's part of them is its shard again. Other stages: nothing to do. Collective over dp_cp (and edp)."""
+        if self.units is None:
+            yield
+            return
+        self.units.gather(list(self.units.buckets))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buckets in self.units.buckets.values():
+                    for b in buckets:
+                        own = b.full[b.shard_start - b.start:b.shard_start - b.start + b.shard_numel]  # type: ignore[index]
+                        self._param(b.shard_start, b.shard_start + b.shard_numel).copy_(own)
+            self.units.free_all()
 
     def _gather_global(self, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A full-buffer tensor (``out``) from this rank's shard tensor (collective over dp_cp under ZeRO)."""
@@ -445,7 +510,7 @@ class GradReducer:
     def sync_master_from_params(self) -> None:
         """Re-read the fp32 masters from the (bf16) parameters, e.g. after loading weights only."""
         if self._master_local is not None:
-            self._master_local.copy_(self._local_of(self.param_buffer.float()))
+            self._master_local.copy_(self.param_buffer if self._zero3 else self._local_of(self.param_buffer.float()))
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the parameters keep their buffer views)."""

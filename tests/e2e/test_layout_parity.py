@@ -65,6 +65,16 @@ LAYOUTS = {
     "pp2_zero_bubble_dp2_zero2": ([], ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.dp=2",
                                        "parallel.zero=2"]),
     "cp2_ring_dp2_zero2": ([], ["parallel.cp=2", "parallel.dp=2", "parallel.zero=2"]),
+    # ZeRO-3 (parameters sharded, gathered per layer with prefetch): alone at dp4 (bf16 masters in the optimizer's
+    # gloo test), TP+SP, PP (tied 1F1B, zero-bubble), CP with full recompute and packed documents; MoE and MTP below
+    "dp4_zero3": ([], ["parallel.dp=4", "parallel.zero=3"]),
+    "dp2_tp2_sp_zero3": ([], ["parallel.dp=2", "parallel.tp=2", *SP, "parallel.zero=3"]),
+    "llama_tied_pp2_dp2_zero3": (TIED, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"]),
+    "pp2_zero_bubble_dp2_zero3": ([], ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.dp=2",
+                                       "parallel.zero=3", "parallel.zero3_prefetch=2"]),
+    "packed_cp2_zigzag_dp2_zero3_recompute": (PACKED + ["model.recompute=full"],
+                                              ["parallel.cp=2", "parallel.cp_algo=zigzag", "parallel.dp=2",
+                                               "parallel.zero=3"]),
     # tensor + sequence parallelism
     "tp2": ([], ["parallel.tp=2"]),
     "tp4_sp": ([], ["parallel.tp=4", *SP]),
@@ -109,6 +119,9 @@ LAYOUTS = {
     "moe_ep2_tp2": (MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"]),
     "moe_ep2_dp4_zero1": (MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"]),
     "moe_ep2_dp4_zero2": (MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=2"]),
+    "moe_ep2_dp4_zero3": (MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3"]),
+    "moe_ep2_tp2_sp_dp2_zero2": (MOE, ["parallel.tp=2", *SP, "parallel.dp=2", "parallel.ep=2", "parallel.zero=2"]),
+    "moe_ep2_tp2_sp_dp2_zero3": (MOE, ["parallel.tp=2", *SP, "parallel.dp=2", "parallel.ep=2", "parallel.zero=3"]),
     # under SP the TP ranks route their own tokens: ep folds over tp too (capacity decided on the gathered sequence);
     # CP: the balancing losses count the whole sequence (dropless: capacity needs positions); interleaved stages
     "moe_ep2_tp2_sp": (MOE, ["parallel.tp=2", *SP, "parallel.ep=2"]),

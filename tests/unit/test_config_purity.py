@@ -67,7 +67,7 @@ def test_deepy_path_is_torch_free_and_finalize_runs_every_part(repo_root):
     ("data.split=9,x", "data.split"),
     ("data.paths=[1, a, b]", "data.paths"),
     ("train.precision=fp8", "train.precision: 'fp8' is not one of fp32, bf16, fp16"),
-    ("parallel.zero=3", "parallel.zero: 3 must be 0, 1 or 2"),
+    ("parallel.zero=4", "parallel.zero: 4 must be 0, 1, 2 or 3"),
 ])
 def test_each_part_checks_its_keys_once(override, needle):
     with pytest.raises(ConfigError) as exc:

@@ -137,7 +137,7 @@ CASES = [
     case("grad accumulation disagrees", "train.grad_accum_steps=3", "train.global_batch_size=2", needles="train.grad_accum_steps"),
     case("GQA on neox", "model.num_kv_heads=2", needles=("model.num_kv_heads", "llama")),
     case("ulysses degree without usp", "parallel.cp=2", "parallel.cp_ulysses=2", needles="parallel.cp_ulysses"),
-    case("zero stage 3", "parallel.zero=3", needles="parallel.zero"),
+    case("zero stage 4", "parallel.zero=4", needles="parallel.zero"),
     case("vocab size below the tokenizer's", "model.vocab_size=10", needles="model.vocab_size 10 is smaller"),
     case("wandb not installed", "logging.wandb=true", needles=("logging.wandb", "pip install"), hide="wandb"),
     case("tensorboard not installed", "logging.tensorboard=true", needles=("logging.tensorboard", "pip install"),
