@@ -1,6 +1,7 @@
 """Checkpoints across layouts end to end: same-layout resume is bitwise, other layouts continue."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .runs import metrics, train
@@ -129,16 +130,28 @@ def test_latent_attention_checkpoint_moves_between_layouts(tmp_path, byte_data):
             assert abs(got[s][key] - ref[s][key]) <= 5e-6 * ref[s][key], (s, key)
 
 
-def test_zero2_checkpoint_resumes_at_zero1(tmp_path, byte_data):
-    """dp2 + ZeRO-2 saves the same per-shard optimizer state as ZeRO-1 (no gradients): resumed at dp2 + ZeRO-1 its
-    steps stay on the uninterrupted ZeRO-2 run's trajectory (reduction order only)."""
-    dp2 = ["parallel.dp=2"]
-    full, other = tmp_path / "full", tmp_path / "zero1"
-    train(full, byte_data, "train.iters=5", f"checkpoint.save={full}/ckpt", "checkpoint.interval=3", *dp2,
-          "parallel.zero=2")
-    train(other, byte_data, "train.iters=5", f"checkpoint.load={full}/ckpt/iter_0000003", *dp2, "parallel.zero=1")
-    ref, got = metrics(full), metrics(other)
-    assert sorted(got) == [4, 5]
-    for s in got:
-        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], s
-        assert abs(got[s]["grad_norm"] - ref[s]["grad_norm"]) <= 1e-6 * ref[s]["grad_norm"], s
+def test_zero3_checkpoint_resumes_at_other_layouts_and_back(tmp_path, byte_data):
+    """dp2 + ZeRO-3 (asynchronous saves of the sharded parameters, a validation run between steps) saves what every
+    layout reads: resumed at dp2×tp2 + ZeRO-1 and at 1 rank its steps stay on the uninterrupted run's trajectory
+    (reduction order only), and a checkpoint of that ZeRO-1 run resumes at dp2 + ZeRO-3 on it too (ZeRO-2 saves the
+    same: its loads are in the optimizer's gloo test)."""
+    zero3 = ["parallel.dp=2", "parallel.zero=3"]
+    full, tp2, one, back = (tmp_path / n for n in ("full", "tp2_zero1", "one", "back"))
+    train(full, byte_data, "train.iters=5", f"checkpoint.save={full}/ckpt", "checkpoint.interval=3",
+          "checkpoint.async_save=true", "train.eval_interval=2", "train.eval_iters=1", *zero3)
+    resume = f"checkpoint.load={full}/ckpt/iter_0000003"
+    train(tp2, byte_data, "train.iters=5", resume, "parallel.dp=2", "parallel.tp=2", "parallel.zero=1",
+          f"checkpoint.save={tp2}/ckpt", "checkpoint.interval=4")
+    train(one, byte_data, "train.iters=5", resume, "train.eval_interval=2", "train.eval_iters=1")
+    train(back, byte_data, "train.iters=5", f"checkpoint.load={tp2}/ckpt/iter_0000004", *zero3)
+    ref = metrics(full)
+    for run, steps in ((tp2, [4, 5]), (one, [4, 5]), (back, [5])):
+        got = metrics(run)
+        assert sorted(got) == steps, run
+        for s in got:
+            assert abs(got[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], (run, s)
+            assert abs(got[s]["grad_norm"] - ref[s]["grad_norm"]) <= 1e-6 * ref[s]["grad_norm"], (run, s)
+    val = {run: {r["step"]: r["val_loss"] for r in map(json.loads, (run / "log" / "metrics.jsonl").read_text().splitlines())
+                 if "val_loss" in r} for run in (full, one)}
+    assert sorted(val[full]) == [2, 4, 5] and sorted(val[one]) == [4, 5]  # (ZeRO-3's eval forward gathers too)
+    assert all(abs(val[one][s] - val[full][s]) <= 5e-6 * val[full][s] for s in (4, 5)), val

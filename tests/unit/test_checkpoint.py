@@ -237,3 +237,22 @@ def test_rng_streams_are_restored_where_they_map_and_reseeded_otherwise(tmp_path
         lines = [r.getMessage() for r in caplog.records if "reseeded" in r.getMessage()]
         assert len(lines) == (where != layout), lines
         assert all(f"RNG streams {', '.join(n for n in now if n not in restored)} reseeded" in x for x in lines)
+
+
+def test_weights_only_load_refreshes_the_fp32_masters(tmp_path):
+    """A converted (weights-only) checkpoint loaded into a bf16 run: the fp32 masters follow the loaded weights, so a
+    step without gradient keeps them (the masters of the random init used to overwrite them at the first step)."""
+    cfg, model, _ = _setup(tmp_path)
+    weights = {n: p.detach()[:258] + 0.5 if n.endswith(("embedding.weight", "output_layer.weight")) else p.detach() + 0.5
+               for n, p in model.named_parameters()}  # (vocabulary tables stored without their padding rows)
+    ckpt = tmp_path / "converted"
+    checkpointing.write_weights(ckpt, {"step": 0, "consumed_samples": 0, "converted_from": "test"}, weights)
+    cfg16 = config.load(overrides=OVR + ["train.precision=bf16", "train.weight_decay=0"])
+    config.set_vocab(cfg16, 258)
+    model16 = GPTModel(cfg16.model, seed=2)
+    opt16 = DistributedOptimizer(named_trainable(model16), cfg16.train, None, precision="bf16")
+    checkpointing.load(ckpt, model16, opt16, None, torch.device("cpu"), seed=1)
+    opt16.zero_grad()
+    opt16.step(1e-3)  # no gradient: Adam's update is 0
+    for n, p in model16.named_parameters():
+        assert torch.equal(p[:len(weights[n])], weights[n].to(torch.bfloat16)), n
