@@ -470,9 +470,10 @@ def _loop(rt: Runtime) -> None:
     elif cfg.train.sample_prompt and st.cp_size > 1 and rt.model.parallel.sp:
         log.info("no sample: context parallelism prefills into the KV cache, which sequence parallelism does not use "
                  "(tools/generate.py decodes the checkpoint at parallel.sequence_parallel=false)")
-    elif cfg.train.sample_prompt and (st.dp_rank == 0 or cfg.parallel.ep > 1):
+    elif cfg.train.sample_prompt and (st.dp_rank == 0 or cfg.parallel.ep > 1 or rt.optimizer.units is not None):
         # one model replica (its TP × CP × PP ranks: the prompt is prefilled split over cp) decodes; under ep every
-        # rank does, in lockstep, the same prompt (each ep rank holds some experts: the all-to-all needs them all)
+        # rank does, in lockstep, the same prompt (each ep rank holds some experts: the all-to-all needs them all), and
+        # under ZeRO-3 (each gather needs every rank of dp·cp)
         ids = rt.tokenizer.encode(cfg.train.sample_prompt)[-cfg.model.seq_length:] or [rt.tokenizer.eod]
         rt.model.compile_regions(False)  # decoding shapes change every call: eager, not one compile per length
         (done,) = generate_batch(rt.model, [ids], cfg.train.sample_tokens, rt.tokenizer.eod, state=st)

@@ -133,7 +133,8 @@ LAYOUT: dict[str, Key] = {
     "parallel.cp_document_chunk": Key((128, 1), lambda c: c.get("parallel.cp_algo") in ("zigzag", "usp")
                                       and c.get("data.reset_attention_mask")),
     "parallel.dp": Key((1, 2, 3, 4)),
-    "parallel.zero": Key((0, 1, 2), _more("parallel.dp")),
+    "parallel.zero": Key((0, 1, 2, 3), _more("parallel.dp")),
+    "parallel.zero3_prefetch": Key((1, 0, 2), _is("parallel.zero", 3)),
     "parallel.ep": Key((1, 2, 4), _moe),
     "parallel.expert_tp": Key(lambda c: (1, c["parallel.tp"]),
                               lambda c: _moe(c) and c["parallel.tp"] > 1 and not c.get("parallel.sequence_parallel")),

@@ -111,11 +111,12 @@ def describe(cfg: Config, vocab_source: str) -> list[str]:
     kv = f", {m.num_kv_heads} kv heads" if m.num_kv_heads != m.num_heads else ""
     cp = f" ({p.cp_algo}{f', ulysses {p.cp_ulysses}' if p.cp_algo == 'usp' else ''})" if p.cp > 1 else ""
     sched = p.pp_schedule + (f", {p.virtual_stages} virtual stages" if p.virtual_stages > 1 else "")
+    zero3 = f" (prefetch {p.zero3_prefetch})" if p.zero == 3 else ""
     lines = [f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads{kv}, ffn "
              f"{m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size} padded to {m.padded_vocab_size} "
              f"({vocab_source})",
              f"layout: tp {p.tp}{' + SP' if D.sp else ''}, pp {p.pp} ({sched}), cp {p.cp}{cp}, dp {p.dp} = world "
-             f"{p.world_size}; {t.precision}, ZeRO-{p.zero}, recompute {m.recompute}, micro-batch {t.micro_batch_size}"
+             f"{p.world_size}; {t.precision}, ZeRO-{p.zero}{zero3}, recompute {m.recompute}, micro-batch {t.micro_batch_size}"
              f" × {t.grad_accum_steps} per rank per step (global batch {t.global_batch_size}); kernels: "
              f"{D.device}, attention {plan.attention_kernel(D)}"]
     if D.experts:
@@ -137,8 +138,8 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
     shard = f", ZeRO-{D.zero} /{D.dp_cp}" if D.zero and D.dp_cp > 1 else ""
     shard += f", experts /{D.edp}" if shard and D.ep > 1 else ""
     rows: list[tuple[str, list[str]]] = [
-        (f"parameters ({D.precision})", [B(r.state.params) for r in shown]),
-        ("gradients (fp32 main grads)", [B(r.state.grads) for r in shown]),
+        (f"parameters ({D.precision}{f' /{D.dp_cp}' if D.zero == 3 and D.dp_cp > 1 else ''})", [B(r.state.params) for r in shown]),
+        (f"gradients (fp32 main grads{f' /{D.dp_cp}' if D.zero >= 2 and D.dp_cp > 1 else ''})", [B(r.state.grads) for r in shown]),
         (f"optimizer (Adam m,v fp32{master}{shard})", [B(r.state.optim) for r in shown]),
         ("activations / micro-batch", [B(r.per_micro_batch) for r in shown]),
         ("  micro-batches in flight", [f"{r.schedule.in_flight_micro_batches:g}" for r in shown]),

@@ -21,11 +21,13 @@ LLAMA = ["model.arch=llama", "model.num_heads=4", "model.num_kv_heads=2", "model
 
 # (model overrides shared with the eager reference, the compiled run's layout). One run, to keep the
 # suite inside its budget (a cold inductor cache costs ~40 s per 2-rank run): pipeline stages with the
-# zero-bubble weight-gradient split, full recompute (RNG replay; the grad-mode graphs compiled in step 1).
+# zero-bubble weight-gradient split, full recompute (RNG replay; the grad-mode graphs compiled in step 1), ZeRO-3 (the
+# regions read parameters whose storage is given back and gathered again between calls).
 # TP/SP and CP change only the regions' shapes: no region holds a collective (docs/compile.md).
 LAYOUTS = {
-    "llama_pp2_zero_bubble_full_recompute": (LLAMA, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
-                                                     "model.recompute=full"]),
+    "llama_pp2_zero_bubble_full_recompute_dp2_zero3": (LLAMA, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                                                               "model.recompute=full", "parallel.dp=2",
+                                                               "parallel.zero=3"]),
 }
 
 

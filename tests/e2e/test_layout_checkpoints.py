@@ -131,14 +131,17 @@ def test_latent_attention_checkpoint_moves_between_layouts(tmp_path, byte_data):
 
 
 def test_zero3_checkpoint_resumes_at_other_layouts_and_back(tmp_path, byte_data):
-    """dp2 + ZeRO-3 (asynchronous saves of the sharded parameters, a validation run between steps) saves what every
+    """dp2 + ZeRO-3 (asynchronous saves of the sharded parameters, a validation run between steps, the greedy sample at
+    the end) saves what every
     layout reads: resumed at dp2×tp2 + ZeRO-1 and at 1 rank its steps stay on the uninterrupted run's trajectory
     (reduction order only), and a checkpoint of that ZeRO-1 run resumes at dp2 + ZeRO-3 on it too (ZeRO-2 saves the
     same: its loads are in the optimizer's gloo test)."""
     zero3 = ["parallel.dp=2", "parallel.zero=3"]
     full, tp2, one, back = (tmp_path / n for n in ("full", "tp2_zero1", "one", "back"))
-    train(full, byte_data, "train.iters=5", f"checkpoint.save={full}/ckpt", "checkpoint.interval=3",
-          "checkpoint.async_save=true", "train.eval_interval=2", "train.eval_iters=1", *zero3)
+    out = train(full, byte_data, "train.iters=5", f"checkpoint.save={full}/ckpt", "checkpoint.interval=3",
+                "checkpoint.async_save=true", "train.eval_interval=2", "train.eval_iters=1", "train.sample_prompt=def",
+                "train.sample_tokens=4", *zero3)
+    assert "sample (greedy):" in out.stdout + out.stderr  # every rank decodes: each gather needs the whole dp group
     resume = f"checkpoint.load={full}/ckpt/iter_0000003"
     train(tp2, byte_data, "train.iters=5", resume, "parallel.dp=2", "parallel.tp=2", "parallel.zero=1",
           f"checkpoint.save={tp2}/ckpt", "checkpoint.interval=4")

@@ -163,6 +163,11 @@ LAYOUTS = {
     "deepseek_mtp_moe_cp2_zigzag": (DEEPSEEK, ["parallel.cp=2", "parallel.cp_algo=zigzag"]),
     "deepseek_mtp_moe_packed_cp2_llama3": (DEEPSEEK + PACKED, ["parallel.cp=2", "parallel.cp_algo=llama3"]),
     "deepseek_mtp_moe_dp2_zero1_ep2": (DEEPSEEK, ["parallel.dp=2", "parallel.zero=1", "parallel.ep=2"]),
+    # ZeRO-3 with MTP: the last stage's embedding copy and the shared head gathered for each module
+    "deepseek_mtp_moe_pp2_dp2_zero3_ep2": (DEEPSEEK, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3",
+                                                      "parallel.ep=2"]),
+    "mtp_tied_pp2_interleaved_dp2_zero3": (TIED + L4 + ["model.mtp_layers=1"], ["parallel.pp=2", *INTERLEAVED,
+                                                                                "parallel.dp=2", "parallel.zero=3"]),
     "mtp_tied_pp2_interleaved_v2": (TIED + L4 + ["model.mtp_layers=1"], ["parallel.pp=2", *INTERLEAVED]),  # tied copy
 }
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_tokens", "moe_tokens_per_expert")

@@ -16,6 +16,7 @@ from .activations import ChunkActivations, SchedulePeak, buffer_terms, chunk_act
 from .dims import DEFAULT_BUCKET_BYTES, DEFAULT_PEAK_TFLOPS, PlanDims, dims_of, expert_fold, moe_layers_of, stage_layers
 from .state import StateBytes, state_bytes
 from .traffic import comm_per_step
+from .zero import zero_buffers
 
 
 @dataclass
@@ -109,8 +110,9 @@ def plan_layout(cfg: Config, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Layout
     for r in range(D.pp):
         chunks = [chunk_activations(cfg, r, c) for c in range(D.virtual_stages)]
         peak = schedule_peak(cfg, r, chunks)
+        buffers = buffer_terms(cfg, r, peak.in_flight) | zero_buffers(cfg, r, bucket_bytes)  # ZeRO-2/3 temporaries
         stages.append(RankPlan(pp_rank=r, state=state_bytes(cfg, r, bucket_bytes), chunks=chunks, schedule=peak,
-                               buffers=buffer_terms(cfg, r, peak.in_flight), comm=comm_per_step(cfg, r, bucket_bytes),
+                               buffers=buffers, comm=comm_per_step(cfg, r, bucket_bytes),
                                flops=stage_flops(cfg, r, executed=True)))
     return LayoutPlan(cfg=cfg, dims=D, stages=stages)
 
@@ -213,14 +215,15 @@ RECOMPUTE = ("none", "selective", "full")
 def knob_variants(cfg: Config) -> list[list[str]]:
     """The ZeRO, recompute and micro-batch settings ``search(knobs=True)`` tries for a layout of ``cfg``, cheapest in
     time first: recompute none → selective → full (each adds forward FLOPs), then the micro-batch as configured,
-    then 1 (bigger GEMMs run closer to the peak, which the estimate does not model), then ZeRO 0 → 1
-    (its parameter all-gather is exposed); ZeRO only where dp·cp > 1. ZeRO-2 is not searched yet (the documented
-    plans were ranked without it; it trades a reduce-scatter every micro-batch for 4Φ(1 - 1/d) of gradients)."""
+    then 1 (bigger GEMMs run closer to the peak, which the estimate does not model), then ZeRO 0 → 1 (its parameter
+    all-gather is exposed); only when none of those fits, the same order with ZeRO 2 → 3 (a reduce-scatter every
+    micro-batch; ZeRO-3 also gathers the parameters in every micro-batch's forward and backward). ZeRO only where
+    dp·cp > 1. The leanest, last, is planned first (``_candidate``)."""
     p, t = cfg.parallel, cfg.train
     sizes = sorted({t.micro_batch_size, 1}, reverse=True)
-    zeros = (0, 1) if p.dp * p.cp > 1 else (p.zero,)
+    stages = ((0, 1), (2, 3)) if p.dp * p.cp > 1 else ((p.zero,),)
     return [[f"model.recompute={r}", f"train.micro_batch_size={b}", f"parallel.zero={z}"]
-            for r in RECOMPUTE for b in sizes for z in zeros]
+            for zeros in stages for r in RECOMPUTE for b in sizes for z in zeros]
 
 
 def search(build: Callable[[list[str]], Config], base: Config, devices: int, memory_bytes: int,

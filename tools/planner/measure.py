@@ -37,7 +37,8 @@ class _Packed:
 
 
 class SavedBytes:
-    """Storages autograd saves inside ``record()``, parameters (``exclude``) left out: ``nbytes`` of the distinct
+    """Storages autograd saves inside ``record()``, parameters left out (``exclude``: their addresses, or their
+    identities as ``parameter_exclusions`` gives them): ``nbytes`` of the distinct
     storages saved, ``peak`` of those alive at once (a storage counts from its first save until autograd
     releases its last use; tensors other references keep alive, e.g. zero-bubble's deferred weight-gradient
     inputs, are not seen)."""
@@ -51,7 +52,7 @@ class SavedBytes:
     def _pack(self, t: torch.Tensor) -> Any:
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if ptr in self.exclude or not nbytes:
+        if ptr in self.exclude or storage._cdata in self.exclude or not nbytes:
             return t
         if not self.refs.get(ptr):
             self.storages[ptr] = nbytes
@@ -91,8 +92,9 @@ def measure_state(optimizer: Any, model: Any) -> dict[str, int]:
 
 
 def parameter_exclusions(optimizer: Any, model: Any) -> set[int]:
-    """Storage addresses of the parameters (not activations)."""
-    return set(_param_storages(optimizer, model))
+    """The parameters' storages (not activations), by identity: a ZeRO-3 unit's gathered storage gets another
+    address each time it is gathered again."""
+    return {t.untyped_storage()._cdata for t in [optimizer.param_buffer, *model.parameters()]}
 
 
 def micro_batch_saved_bytes(cfg: Any) -> int:
@@ -163,11 +165,19 @@ def verify_rank(rank: int, world_size: int, conf_files: list[str], overrides: li
         peaks.append(live.peak)
         in_flight.append(stats.peak_in_flight)
 
-    with executor.observe(around_schedule):
+    units = getattr(rt.optimizer, "units", None)  # ZeRO-3's gatherer: its buckets' gathered storages
+    gathered = [0]
+
+    def on_gather(event: comm.CommEvent) -> None:  # a gather's storage is allocated just before it is issued
+        if units is not None and event.op == "all_gather":
+            gathered[0] = max(gathered[0], sum(b.full.untyped_storage().nbytes()
+                                               for buckets in units.buckets.values() for b in buckets))
+
+    with executor.observe(around_schedule), comm.observe(on_gather):
         for _ in range(steps):
             with comm.count() as counter:
                 training.train_step(rt)
-    result |= {"peak": max(peaks), "in_flight": max(in_flight, default=0),
+    result |= {"peak": max(peaks), "in_flight": max(in_flight, default=0), "gathered": gathered[0],
                "gather_buffer": default_gather_buffer().nbytes,
                "comm": {op: v["bytes"] for op, v in counter.summary().items()}}  # the last step (sends included)
     loader = getattr(rt, "train_loader", None)
@@ -213,6 +223,9 @@ def run_verify(conf: list[str], overrides: list[str], steps: int, bucket_bytes: 
         gather = stage.buffers.get("SP gather buffer (mpu.memory)", 0)
         if gather or worst(lambda r: r["gather_buffer"]):
             pairs.append(("SP gather buffer", gather, worst(lambda r: r["gather_buffer"])))
+        zero3 = next((v for k, v in stage.buffers.items() if k.startswith("ZeRO-3 gathered")), 0)
+        if zero3 or worst(lambda r: r["gathered"]):
+            pairs.append(("ZeRO-3 gathered params at peak", zero3, worst(lambda r: r["gathered"])))
         predicted: dict[str, float] = {}
         for ops in stage.comm.values():
             for op, nbytes in ops.items():

@@ -11,16 +11,18 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from megatron_sp.config.schema import Config
+from megatron_sp.model.gpt import param_unit
 from megatron_sp.model.moe import Experts, Router
 from megatron_sp.model.transformer import arch_spec
 from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.optim import DistributedOptimizer, named_trainable
+from megatron_sp.optim.zero3 import Entry
 from megatron_sp.pipeline.partition import build_stage
 
 from .dims import DEFAULT_BUCKET_BYTES, dims_of
 
 VOCAB_TABLES = ("embedding.weight", "output_layer.weight")
-_STAGES: dict[tuple[object, ...], list[tuple[str, nn.Parameter]]] = {}
+_STAGES: dict[tuple[object, ...], tuple[list[tuple[str, nn.Parameter]], list[list[Entry]]]] = {}
 
 
 class _NoInitDraws(TorchFunctionMode):
@@ -42,7 +44,7 @@ def stage_parameters(cfg: Config, pp_rank: int = 0) -> list[tuple[str, nn.Parame
     D, p = dims_of(cfg), cfg.parallel
     key = _stage_key(cfg, pp_rank)
     if key in _STAGES:  # a search asks for each stage many times
-        return _STAGES[key]
+        return _STAGES[key][0]
     where = types.SimpleNamespace(pp_size=D.pp, pp_rank=pp_rank, is_first_stage=pp_rank == 0,
                                   is_last_stage=pp_rank == D.pp - 1)
     with torch.device("meta"), _NoInitDraws():
@@ -75,8 +77,18 @@ def stage_parameters(cfg: Config, pp_rank: int = 0) -> list[tuple[str, nn.Parame
             shape[q.partition_dim] = shape[q.partition_dim] * built[id(q)] // D.tp
             q.data = q.new_empty(shape)
         q.sequence_parallel = q.sequence_parallel or (D.sp and id(q) in norms)
-    _STAGES[key] = named
+    last = len(stage.layer_chunks) - 1
+    entries = [stage.unit_plan(c, head=stage.post_process and c == last, mtp=stage.post_process and c == last)
+               for c in range(last + 1)]
+    _STAGES[key] = named, entries
     return named
+
+
+def stage_entries(cfg: Config, pp_rank: int = 0) -> list[list[Entry]]:
+    """Per model chunk of stage ``pp_rank``, the entries its training forward runs in order (``GPTModel.unit_plan``:
+    the embedding, each layer, the head, each MTP module's embedding lookup and layer + head)."""
+    stage_parameters(cfg, pp_rank)
+    return _STAGES[_stage_key(cfg, pp_rank)][1]
 
 
 def _expert_tp_tags(cfg: Config) -> dict[str, dict[str, object]]:
@@ -103,6 +115,8 @@ class StateBytes:
     vocab_tables: int  # embedding / output layer on this stage: each has ``padded_vocab − vocab`` padding rows
     param_dtype: str
     master: bool
+    staged: list[int]  # ZeRO-2/3: elements of each sharded bucket (its fp32 staging buffer while its gradients arrive)
+    units: dict[str, tuple[int, int]]  # ZeRO-3: elements of each unit's sharded buckets (dense, expert), gathered per use
 
     @property
     def total(self) -> int:
@@ -133,7 +147,8 @@ def _runs(named: list[tuple[str, nn.Parameter]], ep: int) -> list[tuple[bool, li
 def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StateBytes:
     """The sizes of ``DistributedOptimizer``'s ``param_buffer``, ``grad_buffer``, ``exp_avg``/``exp_avg_sq``
     and fp32 masters on data-parallel rank 0 of stage ``pp_rank``: the real optimizer over the meta stage (ZeRO-2: its
-    ``grad_buffer`` is the fp32 shard; the per-micro-batch staging buffers of its buckets are not counted here).
+    ``grad_buffer`` is the fp32 shard; ZeRO-3: ``param_buffer`` too, each bucket one unit's, ``param_unit``); the
+    sharded buckets' sizes go with them for the temporaries (``planner.zero``).
 
     Under expert parallelism (ep > 1) the optimizer puts the expert parameters in buckets of their own, padded,
     reduced and ZeRO-sharded over edp instead of dp·cp; here each run of expert (or other) parameters gets its own
@@ -145,12 +160,20 @@ def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKE
         return _STATE[key]
     named = stage_parameters(cfg, pp_rank)
     sizes = {"params": 0, "grads": 0, "optim": 0, "padded": 0, "shard": 0, "expert": 0, "tp_synced": 0}
+    staged: list[int] = []
+    units: dict[str, tuple[int, int]] = {}
     for expert, run in _runs(named, D.ep):
         size = D.edp if expert else D.dp_cp
         groups = types.SimpleNamespace(dp_cp_group=None, dp_cp_size=size, dp_cp_rank=0, tp_rank=0, tp_size=D.tp,
                                        pp_size=D.pp, is_first_stage=pp_rank == 0)  # read at construction only
-        opt = DistributedOptimizer(run, cfg.train, groups, zero=D.zero, precision=D.precision, bucket_bytes=bucket_bytes)
+        opt = DistributedOptimizer(run, cfg.train, groups, zero=D.zero, precision=D.precision, bucket_bytes=bucket_bytes,
+                                   unit_of=param_unit)
         opt.remove_hooks()
+        staged += [b.numel for b in opt._buckets if b.sharded] if D.zero >= 2 else []
+        for unit, buckets in (opt.units.buckets if opt.units is not None else {}).items():
+            dense, experts = units.get(unit, (0, 0))
+            n = sum(b.numel for b in buckets)
+            units[unit] = (dense, experts + n) if expert else (dense + n, experts)
         moments = [opt.exp_avg, opt.exp_avg_sq] + ([opt._master_local] if opt._master_local is not None else [])
         sizes["params"] += opt.param_buffer.numel() * opt.param_buffer.element_size()
         sizes["grads"] += opt.grad_buffer.numel() * 4
@@ -163,5 +186,5 @@ def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKE
         params=sizes["params"], grads=sizes["grads"], optim=sizes["optim"], param_elements=sum(q.numel() for _, q in named),
         padded_elements=sizes["padded"], shard_elements=sizes["shard"], expert_elements=sizes["expert"],
         tp_synced=sizes["tp_synced"], vocab_tables=sum(n in VOCAB_TABLES for n, _ in named), param_dtype=D.precision,
-        master=D.precision != "fp32")
+        master=D.precision != "fp32", staged=staged, units=units)
     return _STATE[key]

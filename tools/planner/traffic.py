@@ -6,6 +6,7 @@ from megatron_sp.config.schema import Config
 from .activations import cp_algo_of, ulysses_kv
 from .dims import DEFAULT_BUCKET_BYTES, GRAD_BYTES, PlanDims, dims_of, moe_layers_of, stage_layers
 from .state import state_bytes
+from .zero import gathered_per_micro_batch
 
 
 def _add(book: dict[str, dict[str, float]], dim: str, op: str, nbytes: float) -> None:
@@ -136,11 +137,14 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
         _add(book, "ep", "all_to_all", rows + m * moe_layers * forwards * (D.ep - 1) / D.ep * D.experts * 8)
 
     st = state_bytes(cfg, pp_rank, bucket_bytes)
-    for dim, numel, n in (("dp", st.padded_elements - st.expert_elements, D.dp_cp), ("edp", st.expert_elements, D.edp)):
+    gathered = gathered_per_micro_batch(cfg, pp_rank, bucket_bytes)  # ZeRO-3: (dense, expert) elements
+    for dim, numel, n, unit_gathers in (("dp", st.padded_elements - st.expert_elements, D.dp_cp, gathered[0]),
+                                        ("edp", st.expert_elements, D.edp, gathered[1])):
         if n > 1:  # expert buckets (ep > 1) are reduced and ZeRO-sharded over edp, the rest over dp·cp
-            if D.zero:  # ZeRO-2 reduce-scatters every micro-batch's gradients, ZeRO-1 the step's once
-                _add(book, dim, "reduce_scatter", (m if D.zero == 2 else 1) * (n - 1) / n * numel * GRAD_BYTES)
-                _add(book, dim, "all_gather", (n - 1) / n * numel * e)
+            if D.zero:  # ZeRO-2/3 reduce-scatter every micro-batch's gradients, ZeRO-1 the step's once; ZeRO-1/2
+                # all-gather the updated parameters at the step's end, ZeRO-3 its units per forward entry and backward
+                _add(book, dim, "reduce_scatter", (m if D.zero >= 2 else 1) * (n - 1) / n * numel * GRAD_BYTES)
+                _add(book, dim, "all_gather", (n - 1) / n * (m * unit_gathers if D.zero == 3 else numel) * e)
             else:
                 _add(book, dim, "all_reduce", 2 * (n - 1) / n * numel * GRAD_BYTES)
     # the scalars (fp64): the loss over the pipeline, the squared grad norm over the ZeRO shards and over tp·pp,
