@@ -27,7 +27,7 @@ from megatron_sp.model.mla import mla_parameters
 from megatron_sp.model.moe import AuxLossGrad, expert_ffn, is_moe_layer
 from megatron_sp.model.mtp import MTPModule
 from megatron_sp.model.rope import RopeScaling
-from megatron_sp.optim.zero3 import Entry, ParamUnits, UnitRunner
+from megatron_sp.mpu.zero3 import Entry, ParamUnits, UnitRunner
 from megatron_sp.model.transformer import (EAGER, LayerKV, RotaryEmbedding, TransformerLayer, arch_spec, check_model_config,
                                            compiled, head_dim, hidden_dropout, make_norm, norm_args, rotary_dim, scaled_init_std)
 

@@ -1,6 +1,7 @@
 """Model-parallel utilities: the rank grid, process groups and ``ParallelContext`` (``parallel_state``), the collective
 wrappers (``comm``), the paired autograd communication functions (``mappings``), the TP/SP layers and the
-vocab-parallel cross entropy (``layers``) and the gather buffer (``memory``)."""
+vocab-parallel cross entropy (``layers``), the gather buffer (``memory``) and ZeRO-3's per-unit parameter gathers
+(``zero3``)."""
 from . import comm
 from .comm import CommCounter
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tp_attributes, shard,

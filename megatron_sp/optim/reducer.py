@@ -16,7 +16,7 @@ from ..config.schema import Config
 from ..errors import ConfigError
 from ..mpu import ParallelState, comm
 from ..mpu.comm import Pending
-from .zero3 import ParamUnits
+from ..mpu.zero3 import ParamUnits
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ZERO2_INFLIGHT = 2  # ZeRO-2: launched bucket reductions (with their staging buffers) left in flight after a launch
@@ -228,8 +228,7 @@ class GradReducer:
 
             for b in self._buckets:
                 if b.full is not None:
-                    self._param(b.shard_start, b.shard_start + b.shard_numel).copy_(
-                        b.full[b.shard_start - b.start:b.shard_start - b.start + b.shard_numel])
+                    self._keep_own(b)
         self._grad_pieces = [self._grad(b.shard_start, b.shard_start + b.shard_numel) for b in self._buckets]  # owned
         self._sp_params = [i.param for i in self._params if getattr(i.param, "sequence_parallel", False)]
 
@@ -470,7 +469,7 @@ class GradReducer:
     @contextlib.contextmanager
     def full_params(self) -> Iterator[None]:
         """ZeRO-3: the parameters whole on every rank for the duration (to load weights into them); afterwards this
-        rank's part of them is its shard again. Other stages: nothing to do. Collective over dp_cp (and edp)."""
+        rank's part of them is its shard again. Other ZeRO stages: nothing to do. Collective over dp_cp (and edp)."""
         if self.units is None:
             yield
             return
@@ -481,9 +480,13 @@ class GradReducer:
             with torch.no_grad():
                 for buckets in self.units.buckets.values():
                     for b in buckets:
-                        own = b.full[b.shard_start - b.start:b.shard_start - b.start + b.shard_numel]  # type: ignore[index]
-                        self._param(b.shard_start, b.shard_start + b.shard_numel).copy_(own)
+                        self._keep_own(b)
             self.units.free_all()
+
+    def _keep_own(self, b: _Bucket) -> None:
+        """ZeRO-3: this rank's chunk of a bucket's gathered parameters into its shard."""
+        lo = b.shard_start - b.start
+        self._param(b.shard_start, b.shard_start + b.shard_numel).copy_(b.full[lo:lo + b.shard_numel])  # type: ignore[index]
 
     def _gather_global(self, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A full-buffer tensor (``out``) from this rank's shard tensor (collective over dp_cp under ZeRO)."""

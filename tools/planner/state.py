@@ -16,7 +16,7 @@ from megatron_sp.model.moe import Experts, Router
 from megatron_sp.model.transformer import arch_spec
 from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.optim import DistributedOptimizer, named_trainable
-from megatron_sp.optim.zero3 import Entry
+from megatron_sp.mpu.zero3 import Entry
 from megatron_sp.pipeline.partition import build_stage
 
 from .dims import DEFAULT_BUCKET_BYTES, dims_of

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_sp.config.schema import Config
 from megatron_sp.optim.reducer import ZERO2_INFLIGHT
-from megatron_sp.optim.zero3 import Entry
+from megatron_sp.mpu.zero3 import Entry
 
 from .dims import DEFAULT_BUCKET_BYTES, GRAD_BYTES, dims_of
 from .state import stage_entries, state_bytes

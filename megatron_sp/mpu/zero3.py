@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..mpu import comm
+from . import comm
 
 Entry = tuple[str, ...]  # the units one call of the model's forward reads, gathered together
 
