@@ -10,7 +10,7 @@ def _import_config_checks() -> None:
     from .mpu import cp_layout  # noqa: F401  parallel.cp*, attention dropout
     from .model import moe  # noqa: F401  model.num_experts, model.moe_*
     from . import device  # noqa: F401  parallel.device, parallel.backend
-    from .optim import reducer  # noqa: F401  parallel.zero, train.precision
+    from .optim import reducer, muon  # noqa: F401  parallel.zero, train.precision, train.optimizer, train.muon_*
     from .data import gpt_dataset, blending  # noqa: F401  data.split, data.paths
 
 

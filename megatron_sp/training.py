@@ -205,7 +205,8 @@ def build_model(cfg: Config, state: ParallelState, dev: torch.device,
     if compiled:
         model.compile_regions()
     optimizer = DistributedOptimizer(named_trainable(model), cfg.train, state, zero=p.zero,
-                                     precision=cfg.train.precision, unit_of=param_unit, prefetch=p.zero3_prefetch)
+                                     precision=cfg.train.precision, unit_of=param_unit, prefetch=p.zero3_prefetch,
+                                     model_cfg=cfg.model)
     model.param_units = optimizer.units  # (ZeRO-3; else None)
     return model, optimizer
 

@@ -196,6 +196,15 @@ class TrainConfig:
     adam_beta1: float = doc(0.9, "AdamW beta1.")
     adam_beta2: float = doc(0.95, "AdamW beta2.")
     adam_eps: float = doc(1e-8, "AdamW epsilon.")
+    optimizer: str = doc("adamw", "adamw | muon: Muon for the 2-D weights of attention, MLPs and experts, AdamW (with "
+                                  "the adam_* keys) for the rest (docs/optimizer.md, \"Muon\").")
+    muon_momentum: float = doc(0.95, "Muon: momentum μ of buf = μ·buf + (1-μ)·grad.")
+    muon_nesterov: bool = doc(True, "Muon: orthogonalise (1-μ)·grad + μ·buf instead of buf.")
+    muon_ns_steps: int = doc(5, "Muon: Newton–Schulz iterations.")
+    muon_update_scale: str = doc("moonlight", "Muon: the orthogonalised m×n update times moonlight 0.2·sqrt(max(m, "
+                                              "n)) (AdamW's update RMS: its lr and weight decay carry over) | spectral "
+                                              "sqrt(max(1, m/n)) | none.")
+    muon_split_heads: bool = doc(False, "Muon: orthogonalise q, k and v per head instead of per projection.")
     clip_grad: float = doc(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
     label_smoothing: float = doc(0.0, "ε in [0, 1) of the cross entropy over the full (unpadded) vocabulary (Megatron "
                                       "--label-smoothing); the logged loss and val_loss are the smoothed loss.")
@@ -275,6 +284,8 @@ class CheckpointConfig:
     allow_data_change: bool = doc(False, "Resume although model.seq_length or the tokenizer differs from the "
                                          "checkpoint's (refused when off): the sample index goes on from its "
                                          "consumed_samples in the new data order (docs/checkpoints.md).")
+    allow_optimizer_change: bool = doc(False, "Resume a checkpoint of another train.optimizer (refused when off): "
+                                              "the weights load, the optimizer state starts fresh.")
 
 
 @dataclass

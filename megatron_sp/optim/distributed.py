@@ -9,31 +9,44 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import ModelConfig, TrainConfig
 from ..errors import DataError
-from ..mpu import ParallelState
+from ..mpu import ParallelState, comm
+from ..mpu.layers import shard
+from ..mpu.sharding import is_sharded
 from .adamw import AdamGroup, NormBatches, adamw_, clip_, global_norm
+from .muon import is_muon_param, orthogonalised
 from .reducer import GradReducer
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class DistributedOptimizer(GradReducer):
-    """``GradReducer`` plus AdamW on flat buffers (ZeRO-1/2 also shard the moments); ``cfg``: AdamW betas, eps, weight
-    decay, default ``clip_grad``. Per step: ``zero_grad()``; per micro-batch ``sync_grads = is_last`` (or
-    ``no_sync()``) and backward; ``step(lr, clip)``."""
+    """``GradReducer`` plus AdamW on flat buffers (ZeRO-1/2/3 also shard the moments); ``cfg``: AdamW betas, eps,
+    weight decay, default ``clip_grad``, ``optimizer`` (``muon``: Muon for ``muon.is_muon_param`` weights, its momentum
+    in ``exp_avg``; ``model_cfg`` then names their logical matrices). Per step: ``zero_grad()``; per micro-batch
+    ``sync_grads = is_last`` (or ``no_sync()``) and backward; ``step(lr, clip)``."""
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], cfg: TrainConfig,
                  state: ParallelState | None, zero: int = 0, precision: str = "fp32",
-                 bucket_bytes: int = 25 * 2**20, unit_of: Callable[[str], str] | None = None, prefetch: int = 1) -> None:
+                 bucket_bytes: int = 25 * 2**20, unit_of: Callable[[str], str] | None = None, prefetch: int = 1,
+                 model_cfg: ModelConfig | None = None) -> None:
         super().__init__(named_params, state, zero, precision, bucket_bytes, unit_of, prefetch)
         self.cfg = cfg
+        self.model_cfg = model_cfg
+        self._muon = [i for i in self._params if cfg.optimizer == "muon" and is_muon_param(i.name, i.param)]
+        if self._muon and model_cfg is None:
+            raise ValueError("train.optimizer=muon needs model_cfg (the logical matrices of the fused weights)")
+        muon_ids = {i.index for i in self._muon}
         self.step_count = 0
         n_local = self.shard_numel
         self.exp_avg = torch.zeros(n_local, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros(n_local, dtype=torch.float32, device=self.device)
         # AdamW's two weight-decay groups as runs of owned elements, and the runs the norm reads
-        self._adam = {decays: self._views(self._runs(lambda i, d=decays: i.decay == d)) for decays in (True, False)}
+        self._adam = {decays: self._views(self._runs(lambda i, d=decays: i.decay == d and i.index not in muon_ids))
+                      for decays in (True, False)}
+        self._muon_spans = self._runs(lambda i: i.index in muon_ids)
+        self._muon_views = self._views(self._muon_spans)
         self._norm = NormBatches([self._grad(a, b) for a, b in self._runs(lambda i: i.in_norm and not i.expert)],
                                  self.device)
         self._expert_norm = None if self._ep == 1 else (  # ep > 1: every rank of the stage takes part
@@ -67,8 +80,36 @@ class DistributedOptimizer(GradReducer):
         clip_(self._grad_pieces, norm, clip)
         self.step_count += 1
         adamw_(self.cfg, lr, self.step_count, self._adam)
+        if self._muon:
+            self._muon_step(lr)
         self.publish_params()
         return norm_value, True
+
+    def _muon_step(self, lr: float) -> None:
+        """Muon on the owned elements' momentum, each logical matrix orthogonalised whole: the updates of the owned
+        elements are all-gathered over ZeRO's groups, each TP-split weight over TP, and every rank orthogonalises
+        the weights of its stage (the same full matrices as one rank's run), keeping its own elements. Collective."""
+        t = self.cfg
+        masters, grads, bufs, _ = self._muon_views
+        torch._foreach_lerp_(bufs, grads, 1.0 - t.muon_momentum)  # buf = μ·buf + (1-μ)·g
+        local = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        for (a, b), grad, buf in zip(self._muon_spans, grads, bufs):
+            lo, hi = self._to_local(a, b)
+            torch.lerp(grad, buf, t.muon_momentum, out=local[lo:hi]) if t.muon_nesterov else local[lo:hi].copy_(buf)
+        full = self._gather_global(local)
+        tp, tp_rank = (self.state.tp_size, self.state.tp_rank) if self.state is not None else (1, 0)
+        for info in self._muon:
+            p = info.param
+            update = full[info.start:info.end].view(p.shape)
+            split = tp > 1 and is_sharded(p)
+            if split:
+                update = comm.all_gather(update.contiguous(), self.state.tp_group, dim=p.partition_dim)  # type: ignore[union-attr]
+            update = orthogonalised(info.name, update, self.model_cfg, t)  # type: ignore[arg-type]
+            if split:
+                update = shard(update, p.partition_dim, tp_rank, tp)
+            if info.own_end > info.own_start:
+                own = update.reshape(-1)[info.own_start - info.start:info.own_end - info.start]
+                self._master_view(info.own_start, info.own_end).mul_(1.0 - lr * t.weight_decay).add_(own, alpha=-lr)
 
     def main_grads_by_name(self) -> dict[str, torch.Tensor]:
         """{name: full reduced fp32 main grad, this TP rank's parameter shape} (collective over dp_cp under ZeRO).

@@ -44,6 +44,11 @@ MOE_CP = LLAMA + ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.
 # multi-token prediction modules (MoE layers too; their losses are compared as well)
 DEEPSEEK = MLA + MOE_CP[4:] + ["model.moe_first_dense_layers=1", "model.mtp_layers=2", "model.mtp_loss_coeff=0.3"]
 
+# Muon (train.optimizer=muon): the update of each logical matrix assembled whole under every layout (split heads on the
+# MoE model's fused QKV)
+MUON = LLAMA + ["train.optimizer=muon"]
+MUON_MOE = MOE + ["train.optimizer=muon", "train.muon_split_heads=true"]
+
 # Each row is one train.py run (~10 s): a feature alone once, then in combinations. Rows whose
 # paths a combination already runs were folded into it (dp4 → dp3_zero1_odd, tp4 → tp4_sp and the
 # kv-replicated tp4, tp2_sp_dp2 → dp2_tp2_sp_zero1, pp2_zero_bubble → its tp2_sp / dp2_zero1 rows,
@@ -168,6 +173,13 @@ LAYOUTS = {
                                                       "parallel.ep=2"]),
     "mtp_tied_pp2_interleaved_dp2_zero3": (TIED + L4 + ["model.mtp_layers=1"], ["parallel.pp=2", *INTERLEAVED,
                                                                                 "parallel.dp=2", "parallel.zero=3"]),
+    "muon_tp2_sp": (MUON, ["parallel.tp=2", *SP]),
+    "muon_pp2_interleaved": (MUON + L4, ["parallel.pp=2", *INTERLEAVED]),
+    "muon_dp4_zero1": (MUON, ["parallel.dp=4", "parallel.zero=1"]),
+    "muon_dp2_tp2_zero1": (MUON, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=1"]),
+    "muon_cp2_dp2_zero3": (MUON, ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"]),
+    "muon_moe_ep2": (MUON_MOE, ["parallel.dp=2", "parallel.ep=2"]),
+    "muon_moe_ep2_tp2_sp_zero1": (MUON_MOE, ["parallel.tp=2", *SP, "parallel.dp=2", "parallel.ep=2", "parallel.zero=1"]),
     "mtp_tied_pp2_interleaved_v2": (TIED + L4 + ["model.mtp_layers=1"], ["parallel.pp=2", *INTERLEAVED]),  # tied copy
 }
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_tokens", "moe_tokens_per_expert")
@@ -191,5 +203,6 @@ def test_layout_parity(tmp_path, byte_data, packed_data, reference_run, name):
         for step, row in metrics(tmp_path).items():
             want = metrics(ref.parent)[step]
             assert row["moe_tokens_per_expert"] == want["moe_tokens_per_expert"], (name, step)
-            for key in MOE_METRICS[:-1]:
-                assert row[key] == pytest.approx(want[key], rel=1e-6, abs=1e-12), (name, step, key)
+            for key in MOE_METRICS[:-1]:  # (Muon's orthogonalisation spreads the rounding: the losses' tolerance)
+                rel = 5e-6 if "muon" in name else 1e-6
+                assert row[key] == pytest.approx(want[key], rel=rel, abs=1e-12), (name, step, key)
