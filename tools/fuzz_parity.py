@@ -115,6 +115,10 @@ FEATURES: dict[str, Key] = {
     "model.mtp_layers": Key((0, 1, 2)),  # DeepSeek-V3 multi-token prediction (after the MoE keys: its layers may be MoE)
     "model.mtp_loss_coeff": Key((0.1, 1.0), lambda c: c.get("model.mtp_layers", 0) > 0),
     "train.micro_batch_size": Key((1, 2)),  # the reference's (MoE: the aux loss counts loads per micro-batch)
+    "train.optimizer": Key(("adamw", "muon")),
+    "train.muon_nesterov": Key((True, False), _is("train.optimizer", "muon")),
+    "train.muon_split_heads": Key((False, True), _is("train.optimizer", "muon")),
+    "train.muon_update_scale": Key(("moonlight", "spectral"), _is("train.optimizer", "muon")),
 }
 
 # The layout: how the same model and global batch are split. One line per key.

@@ -324,18 +324,19 @@ def _load_optimizer(model: nn.Module, optimizer: DistributedOptimizer, reader: R
 
 def load(ckpt: Path, model: nn.Module, optimizer: DistributedOptimizer, state: ParallelState | None,
          dev: torch.device, seed: int, tracker: RNGTracker | None = None,
-         layout: dict[str, int] | None = None) -> dict[str, Any]:
+         layout: dict[str, int] | None = None, weights_only: bool = False) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG streams (``rng.restore``: those that map from the writer's layout
     to ``layout``, the others reseeded from ``seed`` and the step); return the meta. A converted checkpoint may hold
-    weights only (fresh optimizer)."""
+    weights only (fresh optimizer); ``weights_only``: keep a fresh optimizer anyway (another ``train.optimizer``)."""
     meta = read_meta(ckpt)
     reader = Reader(ckpt)
     with optimizer.full_params():  # (ZeRO-3: the parameters are shards between uses)
         load_model_state(model, ckpt, state, reader)
-    if reader.names("optim/") or not meta.get("converted_from"):
+    if not weights_only and (reader.names("optim/") or not meta.get("converted_from")):
         _load_optimizer(model, optimizer, reader, meta, state)
     else:
-        log.info("%s has no optimizer state (converted weights only): starting with a fresh optimizer", ckpt)
+        log.info("%s: %s: starting with a fresh optimizer", ckpt, "another train.optimizer (checkpoint."
+                 "allow_optimizer_change)" if weights_only else "no optimizer state (converted weights only)")
         optimizer.sync_master_from_params()  # 16-bit parameters: the fp32 masters from the loaded weights
     restore_rng(reader, meta, state, dev, seed, tracker, layout)
     return meta

@@ -36,7 +36,8 @@ def check_muon_config(cfg: Config) -> None:
 def is_muon_param(name: str, param: nn.Parameter) -> bool:
     """Whether Muon updates ``name``: a 2-D (or stacked-expert 3-D) weight inside a transformer layer or an MTP module
     (``eh_proj`` too), not the router; embeddings, the output layer, norms and biases keep AdamW."""
-    return param.ndim >= 2 and name.startswith(("layers.", "mtp.")) and not name.endswith(ADAMW_KEEPS)
+    return (param.ndim >= 2 and name.endswith(".weight") and name.startswith(("layers.", "mtp."))
+            and not name.endswith(ADAMW_KEEPS))  # (stacked experts' biases are 2-D: [E, f])
 
 
 def update_scale(mode: str, rows: int, cols: int) -> float:

@@ -158,3 +158,25 @@ def test_zero3_checkpoint_resumes_at_other_layouts_and_back(tmp_path, byte_data)
                  if "val_loss" in r} for run in (full, one)}
     assert sorted(val[full]) == [2, 4, 5] and sorted(val[one]) == [4, 5]  # (ZeRO-3's eval forward gathers too)
     assert all(abs(val[one][s] - val[full][s]) <= 5e-6 * val[full][s] for s in (4, 5)), val
+
+
+def test_muon_checkpoint_resumes_at_pp2_and_one_rank(tmp_path, byte_data):
+    """A Muon run's checkpoint at dp2·tp2 + ZeRO-1 (its momentum stored by name like Adam's moments) resumes at pp2
+    and at 1 rank on the uninterrupted run's trajectory (reduction order only); AdamW takes its weights when asked."""
+    muon = [*LLAMA, "train.optimizer=muon"]
+    full, pp2, one = tmp_path / "full", tmp_path / "pp2", tmp_path / "one"
+    train(full, byte_data, "train.iters=5", f"checkpoint.save={full}/ckpt", "checkpoint.interval=3", *muon,
+          "parallel.dp=2", "parallel.tp=2", "parallel.zero=1")
+    resume = f"checkpoint.load={full}/ckpt/iter_0000003"
+    train(pp2, byte_data, "train.iters=5", resume, *muon, "parallel.pp=2")
+    train(one, byte_data, "train.iters=5", resume, *muon)
+    switched = train(tmp_path / "adamw", byte_data, "train.iters=4", resume, *LLAMA,
+                     "checkpoint.allow_optimizer_change=true")  # the weights, a fresh AdamW
+    assert "another train.optimizer (checkpoint.allow_optimizer_change): starting with a fresh optimizer" in switched.stdout
+    ref = metrics(full)
+    for run in (pp2, one):
+        got = metrics(run)
+        assert sorted(got) == [4, 5], run
+        for s in got:
+            assert abs(got[s]["loss"] - ref[s]["loss"]) <= 5e-6 * ref[s]["loss"], (run, s)
+            assert abs(got[s]["grad_norm"] - ref[s]["grad_norm"]) <= 1e-6 * ref[s]["grad_norm"], (run, s)

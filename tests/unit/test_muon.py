@@ -54,6 +54,11 @@ def test_muon_matches_torch_muon(monkeypatch, split_heads):
     opt = DistributedOptimizer(named_trainable(model), cfg.train, None, model_cfg=cfg.model)
     assert {i.name for i in opt._muon} == {n for n in start if n.startswith("layers.") and start[n].ndim >= 2
                                           and not n.endswith("router.weight")}
+    neox = config.load(overrides=OVR[:2] + ["model.num_experts=2", "model.num_layers=1"])
+    config.set_vocab(neox, 258)
+    assert [n for n, p in GPTModel(neox.model, seed=3).named_parameters() if muon_mod.is_muon_param(n, p)] == [
+        "layers.0.attention.qkv.weight", "layers.0.attention.out.weight", "layers.0.mlp.experts.fc1.weight",
+        "layers.0.mlp.experts.fc2.weight"]  # not the stacked experts' 2-D biases
     batches = [torch.randint(0, 258, (2, 17), generator=torch.Generator().manual_seed(s)) for s in range(2)]
     grads = list(_steps(cfg, model, opt, batches))
 
@@ -87,3 +92,16 @@ def test_muon_matches_torch_muon(monkeypatch, split_heads):
                 assert (delta - want).abs().max() <= 1e-2 * want.abs().max(), n
         else:
             assert torch.equal(got[n], p), n
+
+
+def test_resuming_another_optimizer_is_refused_unless_asked(tmp_path, caplog):
+    from megatron_sp.errors import ConfigError
+    from megatron_sp.training import check_resume_data
+
+    meta = {"step": 3, "consumed_samples": 12, "config": {"train": {"optimizer": "adamw"}}}
+    cfg = config.load(overrides=OVR)
+    with pytest.raises(ConfigError, match="train.optimizer=adamw.*checkpoint.allow_optimizer_change=true"):
+        check_resume_data(cfg, meta, tmp_path, "sha")
+    cfg = config.load(overrides=OVR + ["checkpoint.allow_optimizer_change=true"])
+    check_resume_data(cfg, meta, tmp_path, "sha")
+    check_resume_data(config.load(overrides=OVR[:-3]), {"step": 3, "consumed_samples": 12}, tmp_path, "sha")  # adamw
