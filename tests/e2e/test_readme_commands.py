@@ -50,7 +50,7 @@ RULES = [  # first match wins
     Rule(r"^python tools/bench/", "a benchmark (minutes); each has its own smoke test in tests/unit", None),
     Rule(r"train\.compile=true", "compiling takes 20-130 s on CPU; tests/e2e/test_compile.py trains compiled", None),
     Rule(r"^python train\.py --help-config$", "prints the keys"),
-    Rule(r"^python train\.py --conf configs/demo\.yml logging\.name=(dp1|pp2|zero_bubble|interleaved|cp2|system_malloc|zero3) ",
+    Rule(r"^python train\.py --conf configs/demo\.yml logging\.name=(dp1|pp2|zero_bubble|interleaved|cp2|system_malloc|zero3|muon) ",
          "a layout or memory variant of the demo run: its keys are checked here (config.load); each layout trains in "
          "tests/e2e/test_layout_parity.py; a 1-rank train.py command line trains in tests/e2e/test_faults.py (Ctrl-C); "
          "cache_host_memory=false only skips device.cache_host_memory "
