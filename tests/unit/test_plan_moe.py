@@ -88,7 +88,8 @@ def test_expert_tp_follows_the_candidate_tp() -> None:
     assert _layout_args(split, (1, 1, 1, 8)) == ["parallel.tp=1", "parallel.dp=8", "parallel.expert_tp=1"]
 
 
-def test_expert_tp_verify_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def tiny_byte_conf(tmp_path: Path, global_batch: int) -> Path:
+    """A 2-layer neox config file over a 60 kB byte-tokenized demo corpus in ``tmp_path`` (for ``--verify`` runs)."""
     from megatron_sp.config import TokenizerConfig
     from megatron_sp.data import build_tokenizer
     from megatron_sp.data.corpus import make_demo_corpus
@@ -99,10 +100,15 @@ def test_expert_tp_verify_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFix
     conf = tmp_path / "tiny.yml"
     conf.write_text(f"""
 model: {{arch: neox, num_layers: 2, hidden_size: 64, num_heads: 4, seq_length: 64, make_vocab_size_divisible_by: 32}}
-train: {{micro_batch_size: 2, global_batch_size: 4}}
+train: {{micro_batch_size: 2, global_batch_size: {global_batch}}}
 tokenizer: {{type: byte}}
 data: {{paths: [{tmp_path / 'byte_text_document'}], cache_dir: {tmp_path / 'cache'}}}
 """)
+    return conf
+
+
+def test_expert_tp_verify_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conf = tiny_byte_conf(tmp_path, 4)
     # neox (expert biases), a shared expert, bf16 under full recompute: the rows all-reduced twice per forward
     assert plan_cli.main(["--conf", str(conf), "--verify", "--steps", "1", "--json", "--set", "model.num_experts=4",
                           "model.moe_top_k=2", "model.moe_ffn_hidden_size=32", "model.moe_shared_experts=1",

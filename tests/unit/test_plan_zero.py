@@ -90,20 +90,10 @@ def test_the_search_and_the_preflight_reach_for_zero3_when_only_it_fits(monkeypa
 
 
 def test_verify_zero3_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from megatron_sp.config import TokenizerConfig
-    from megatron_sp.data import build_tokenizer
-    from megatron_sp.data.corpus import make_demo_corpus
-    from megatron_sp.data.preprocess import preprocess_jsonl
+    from test_plan_moe import tiny_byte_conf
 
-    corpus = make_demo_corpus(tmp_path / "corpus.jsonl", max_bytes=60_000)
-    preprocess_jsonl([corpus], str(tmp_path / "byte"), build_tokenizer(TokenizerConfig(type="byte")))
-    conf = tmp_path / "tiny.yml"
-    conf.write_text(f"""
-model: {{arch: neox, num_layers: 2, hidden_size: 64, num_heads: 4, seq_length: 64, make_vocab_size_divisible_by: 32}}
-train: {{micro_batch_size: 2, global_batch_size: 8}}
-tokenizer: {{type: byte}}
-data: {{paths: [{tmp_path / 'byte_text_document'}], cache_dir: {tmp_path / 'cache'}}}
-""")
+    conf = tiny_byte_conf(tmp_path, 8)
+
     # dp 2, 2 micro-batches, tied embeddings (gathered with the head too), bf16 with fp32 masters, prefetch 1
     assert plan_cli.main(["--conf", str(conf), "--verify", "--steps", "1", "parallel.dp=2", "parallel.zero=3",
                           "model.tie_embeddings=true", "train.precision=bf16", "--json"]) == 0
