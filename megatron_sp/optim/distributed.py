@@ -15,7 +15,7 @@ from ..mpu import ParallelState, comm
 from ..mpu.layers import shard
 from ..mpu.sharding import is_sharded
 from .adamw import AdamGroup, NormBatches, adamw_, clip_, global_norm
-from .muon import is_muon_param, orthogonalised
+from .muon import is_muon_param, muon_owners, orthogonalised
 from .reducer import GradReducer
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -46,6 +46,8 @@ class DistributedOptimizer(GradReducer):
         self._adam = {decays: self._views(self._runs(lambda i, d=decays: i.decay == d and i.index not in muon_ids))
                       for decays in (True, False)}
         self._muon_spans = self._runs(lambda i: i.index in muon_ids)
+        self._muon_owners = muon_owners(self._muon, self._buckets, state.tp_size if state is not None else 1,
+                                        cfg.muon_ns_steps)
         self._muon_views = self._views(self._muon_spans)
         self._norm = NormBatches([self._grad(a, b) for a, b in self._runs(lambda i: i.in_norm and not i.expert)],
                                  self.device)
@@ -86,9 +88,11 @@ class DistributedOptimizer(GradReducer):
         return norm_value, True
 
     def _muon_step(self, lr: float) -> None:
-        """Muon on the owned elements' momentum, each logical matrix orthogonalised whole: the updates of the owned
-        elements are all-gathered over ZeRO's groups, each TP-split weight over TP, and every rank orthogonalises
-        the weights of its stage (the same full matrices as one rank's run), keeping its own elements. Collective."""
+        """Muon on the owned elements' momentum, each logical matrix orthogonalised whole by one owner: the updates of
+        the owned elements are all-gathered over each bucket's group (ZeRO), a TP-split weight over TP; the owner (a
+        rank of the bucket's group, ``_muon_owners``: balanced by Newton–Schulz FLOPs) orthogonalises it (the same
+        full matrix as one rank's run) and the others get their elements back by a reduce-scatter (ZeRO; an
+        all-reduce without) of the owners' results, zeros elsewhere: exact. Collective."""
         t = self.cfg
         masters, grads, bufs, _ = self._muon_views
         torch._foreach_lerp_(bufs, grads, 1.0 - t.muon_momentum)  # buf = μ·buf + (1-μ)·g
@@ -97,18 +101,27 @@ class DistributedOptimizer(GradReducer):
             lo, hi = self._to_local(a, b)
             torch.lerp(grad, buf, t.muon_momentum, out=local[lo:hi]) if t.muon_nesterov else local[lo:hi].copy_(buf)
         full = self._gather_global(local)
+        ortho = torch.zeros(self.numel, dtype=torch.float32, device=self.device)  # the owners' results
         tp, tp_rank = (self.state.tp_size, self.state.tp_rank) if self.state is not None else (1, 0)
         for info in self._muon:
+            if self._muon_owners[info.index] != self._buckets[info.bucket].rank:
+                continue
             p = info.param
             update = full[info.start:info.end].view(p.shape)
             split = tp > 1 and is_sharded(p)
-            if split:
+            if split:  # (every TP rank of the owner's data-parallel rank takes part)
                 update = comm.all_gather(update.contiguous(), self.state.tp_group, dim=p.partition_dim)  # type: ignore[union-attr]
             update = orthogonalised(info.name, update, self.model_cfg, t)  # type: ignore[arg-type]
-            if split:
-                update = shard(update, p.partition_dim, tp_rank, tp)
+            ortho[info.start:info.end] = (shard(update, p.partition_dim, tp_rank, tp) if split else update).reshape(-1)
+        for b in {self._buckets[i.bucket].index: self._buckets[i.bucket] for i in self._muon}.values():
+            region = ortho[b.start:b.start + b.numel]
+            if b.sharded:  # this rank's chunk, where its own elements are
+                ortho[b.shard_start:b.shard_start + b.shard_numel] = comm.reduce_scatter(region, b.group)
+            else:
+                comm.all_reduce(region, b.group)
+        for info in self._muon:
             if info.own_end > info.own_start:
-                own = update.reshape(-1)[info.own_start - info.start:info.own_end - info.start]
+                own = ortho[info.own_start:info.own_end]
                 self._master_view(info.own_start, info.own_end).mul_(1.0 - lr * t.weight_decay).add_(own, alpha=-lr)
 
     def main_grads_by_name(self) -> dict[str, torch.Tensor]:

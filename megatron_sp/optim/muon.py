@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from ..config import ModelConfig, TrainConfig
 from ..config.registry import check, choice
 from ..config.schema import Config
 from ..errors import ConfigError
+from ..mpu.sharding import full_shape
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's default)
 NS_EPS = 1e-7
@@ -38,6 +40,28 @@ def is_muon_param(name: str, param: nn.Parameter) -> bool:
     (``eh_proj`` too), not the router; embeddings, the output layer, norms and biases keep AdamW."""
     return (param.ndim >= 2 and name.endswith(".weight") and name.startswith(("layers.", "mtp."))
             and not name.endswith(ADAMW_KEEPS))  # (stacked experts' biases are 2-D: [E, f])
+
+
+def ns_flops(shape: tuple[int, ...], steps: int) -> float:
+    """Newton–Schulz FLOPs of a weight of (full) ``shape`` (stacked experts: each), as if one matrix."""
+    *stack, m, n = shape
+    a, b = min(m, n), max(m, n)
+    return math.prod(stack) * steps * (4.0 * a * a * b + 2.0 * a ** 3)
+
+
+def muon_owners(infos: list[Any], buckets: list[Any], tp: int, steps: int) -> dict[int, int]:
+    """{parameter index: the rank of its bucket's group that orthogonalises it}: largest first to the least loaded
+    rank of that group (by ``ns_flops`` of the full shape), so every rank of a group computes a similar share.
+    Deterministic: every rank derives the same owners."""
+    load: dict[int, list[float]] = {}
+    owners = {}
+    for info in sorted(infos, key=lambda i: (-ns_flops(full_shape(i.param, tp), steps), i.index)):
+        b = buckets[info.bucket]
+        ranks = load.setdefault(id(b.group), [0.0] * b.size)
+        owner = min(range(b.size), key=lambda r: (ranks[r], r))
+        ranks[owner] += ns_flops(full_shape(info.param, tp), steps)
+        owners[info.index] = owner
+    return owners
 
 
 def update_scale(mode: str, rows: int, cols: int) -> float:

@@ -105,3 +105,16 @@ def test_resuming_another_optimizer_is_refused_unless_asked(tmp_path, caplog):
     cfg = config.load(overrides=OVR + ["checkpoint.allow_optimizer_change=true"])
     check_resume_data(cfg, meta, tmp_path, "sha")
     check_resume_data(config.load(overrides=OVR[:-3]), {"step": 3, "consumed_samples": 12}, tmp_path, "sha")  # adamw
+
+
+def test_owners_balance_newton_schulz_flops():
+    from types import SimpleNamespace as NS
+
+    group = object()
+    buckets = [NS(group=group, size=2), NS(group=group, size=2)]
+    shapes = [(64, 32), (64, 32), (32, 32), (16, 16), (4, 64, 32)]  # the stacked experts: 4 matrices
+    infos = [NS(index=k, bucket=k % 2, param=torch.empty(s)) for k, s in enumerate(shapes)]
+    owners = muon_mod.muon_owners(infos, buckets, 1, 5)
+    load = [sum(muon_mod.ns_flops(shapes[k], 5) for k, r in owners.items() if r == rank) for rank in (0, 1)]
+    assert owners[4] == 0 and owners[0] == 1 and owners[1] == 1  # the experts alone outweigh the two largest
+    assert max(load) / sum(load) < 0.6 and owners == muon_mod.muon_owners(infos[::-1], buckets, 1, 5)
