@@ -140,7 +140,8 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
     rows: list[tuple[str, list[str]]] = [
         (f"parameters ({D.precision}{f' /{D.dp_cp}' if D.zero == 3 and D.dp_cp > 1 else ''})", [B(r.state.params) for r in shown]),
         (f"gradients (fp32 main grads{f' /{D.dp_cp}' if D.zero >= 2 and D.dp_cp > 1 else ''})", [B(r.state.grads) for r in shown]),
-        (f"optimizer (Adam m,v fp32{master}{shard})", [B(r.state.optim) for r in shown]),
+        (f"optimizer ({'Muon m + ' if lp.cfg.train.optimizer == 'muon' else ''}Adam m,v fp32{master}{shard})",
+         [B(r.state.optim) for r in shown]),
         ("activations / micro-batch", [B(r.per_micro_batch) for r in shown]),
         ("  micro-batches in flight", [f"{r.schedule.in_flight_micro_batches:g}" for r in shown]),
         ("activations at peak (schedule)", [B(r.activations) for r in shown]),

@@ -31,8 +31,8 @@ class DistributedOptimizer(GradReducer):
                  state: ParallelState | None, zero: int = 0, precision: str = "fp32",
                  bucket_bytes: int = 25 * 2**20, unit_of: Callable[[str], str] | None = None, prefetch: int = 1,
                  model_cfg: ModelConfig | None = None) -> None:
+        self.cfg = cfg  # (read by _bucket_kind while the buckets are laid out)
         super().__init__(named_params, state, zero, precision, bucket_bytes, unit_of, prefetch)
-        self.cfg = cfg
         self.model_cfg = model_cfg
         self._muon = [i for i in self._params if cfg.optimizer == "muon" and is_muon_param(i.name, i.param)]
         if self._muon and model_cfg is None:
@@ -41,29 +41,49 @@ class DistributedOptimizer(GradReducer):
         self.step_count = 0
         n_local = self.shard_numel
         self.exp_avg = torch.zeros(n_local, dtype=torch.float32, device=self.device)
-        self.exp_avg_sq = torch.zeros(n_local, dtype=torch.float32, device=self.device)
+        # exp_avg_sq: AdamW's buckets only (Muon's are buckets of their own: its momentum is exp_avg), compact
+        self._sq_start, n_sq = {}, 0
+        for b in self._buckets:
+            if not b.kind:
+                self._sq_start[b.index], n_sq = n_sq, n_sq + b.shard_numel
+        self.exp_avg_sq = torch.zeros(n_sq, dtype=torch.float32, device=self.device)
         # AdamW's two weight-decay groups as runs of owned elements, and the runs the norm reads
         self._adam = {decays: self._views(self._runs(lambda i, d=decays: i.decay == d and i.index not in muon_ids))
                       for decays in (True, False)}
         self._muon_spans = self._runs(lambda i: i.index in muon_ids)
         self._muon_owners = muon_owners(self._muon, self._buckets, state.tp_size if state is not None else 1,
                                         cfg.muon_ns_steps)
-        self._muon_views = self._views(self._muon_spans)
+        self._muon_views = self._views(self._muon_spans, adam=False)
         self._norm = NormBatches([self._grad(a, b) for a, b in self._runs(lambda i: i.in_norm and not i.expert)],
                                  self.device)
         self._expert_norm = None if self._ep == 1 else (  # ep > 1: every rank of the stage takes part
             NormBatches([self._grad(a, b) for a, b in self._runs(lambda i: i.in_norm and i.expert)], self.device),
             any(b.sharded for b in self._buckets if b.expert))
 
-    def _views(self, runs: list[tuple[int, int]]) -> AdamGroup:
-        """(masters, grads, exp_avg, exp_avg_sq) views of the owned global intervals ``runs``."""
+    def _bucket_kind(self, name: str, param: nn.Parameter) -> bool:
+        return self.cfg.optimizer == "muon" and is_muon_param(name, param)
+
+    def _views(self, runs: list[tuple[int, int]], adam: bool = True) -> AdamGroup:
+        """(masters, grads, exp_avg, exp_avg_sq (``adam``; else none)) views of the owned global intervals ``runs``."""
         group: AdamGroup = ([], [], [], [])
         for a, b in runs:
             lo, hi = self._to_local(a, b)
-            for views, view in zip(group, (self._master_view(a, b), self._grad(a, b), self.exp_avg[lo:hi],
-                                           self.exp_avg_sq[lo:hi])):
+            for views, view in zip(group, (self._master_view(a, b), self._grad(a, b), self.exp_avg[lo:hi])):
                 views.append(view)
+            if adam:
+                bucket = next(k for k in self._buckets if k.local_start <= lo < k.local_start + k.shard_numel)
+                shift = self._sq_start[bucket.index] - bucket.local_start
+                group[3].append(self.exp_avg_sq[lo + shift:hi + shift])
         return group
+
+    def _sq_local(self) -> torch.Tensor:
+        """``exp_avg_sq`` in the local-shard layout (zeros in Muon's buckets)."""
+        out = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        for b in self._buckets:
+            if b.index in self._sq_start:
+                out[b.local_start:b.local_start + b.shard_numel] = self.exp_avg_sq[
+                    self._sq_start[b.index]:self._sq_start[b.index] + b.shard_numel]
+        return out
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm (fp64 scalar) of the reduced gradients, each element counted once (collective)."""
@@ -137,6 +157,7 @@ class DistributedOptimizer(GradReducer):
         Data-parallel rank ``r`` saves chunk ``r`` of every bucket, with or without ZeRO (the writing is spread over
         dp_cp); ``start`` is the part's first element in the flattened parameter."""
         out: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        sq = self._sq_local()
         for info in self._params:
             b = self._buckets[info.bucket]
             chunk = b.numel // b.size  # (expert buckets: edp rank r writes chunk r; the ep ranks hold other experts)
@@ -145,7 +166,7 @@ class DistributedOptimizer(GradReducer):
             if hi == lo:
                 continue
             a, z = self._to_local(lo, hi)
-            parts = {"param": self._param(lo, hi), "exp_avg": self.exp_avg[a:z], "exp_avg_sq": self.exp_avg_sq[a:z]}
+            parts = {"param": self._param(lo, hi), "exp_avg": self.exp_avg[a:z], "exp_avg_sq": sq[a:z]}
             if self._master_local is not None:
                 parts["master_param"] = self._master_local[a:z]
             out[info.name] = (lo - info.start, parts)
@@ -154,7 +175,7 @@ class DistributedOptimizer(GradReducer):
     def state_dict_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         """{name: {"exp_avg", "exp_avg_sq", "step"[, "master_param"]}}: parameter-shaped fp32, same at any dp.
         ``master_param``: the fp32 master (16-bit params only). Collective over dp_cp under ZeRO."""
-        full = {k: self._gather_global(getattr(self, k)) for k in STATE_KEYS}
+        full = {k: self._gather_global(self.exp_avg if k == "exp_avg" else self._sq_local()) for k in STATE_KEYS}
         if self._master_local is not None:
             full["master_param"] = self._gather_global(self._master_local)
         step = torch.tensor(float(self.step_count))
@@ -184,8 +205,12 @@ class DistributedOptimizer(GradReducer):
                     raise DataError(f"optimizer state '{key}' of '{info.name}' has shape {tuple(value.shape)}, "
                                     f"the parameter {tuple(info.param.shape)}")
                 full[key][info.start:info.end].copy_(value.reshape(-1))
-        for key in STATE_KEYS:
-            getattr(self, key).copy_(self._local_of(full[key]))
+        self.exp_avg.copy_(self._local_of(full["exp_avg"]))
+        sq = self._local_of(full["exp_avg_sq"])
+        for b in self._buckets:
+            if b.index in self._sq_start:
+                start = self._sq_start[b.index]
+                self.exp_avg_sq[start:start + b.shard_numel] = sq[b.local_start:b.local_start + b.shard_numel]
         self.step_count = int(steps.pop()) if steps else 0
         if has_master and self._params:
             if self._master_local is not None:

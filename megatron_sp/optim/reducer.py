@@ -70,6 +70,7 @@ class _Bucket:
     params: list[int] = field(default_factory=list)
     expert: bool = False  # holds expert parameters only: reduced over ``group`` = edp (else dp_cp)
     unit: str = ""  # ZeRO-3: the unit (``unit_of`` of its parameters' names) gathered with it
+    kind: Any = None  # ``_bucket_kind`` of its parameters (a subclass's: Muon's buckets apart from AdamW's)
     group: Any = None
     size: int = 1  # the group's size and this rank's place in it
     rank: int = 0
@@ -159,13 +160,13 @@ class GradReducer:
             if expert and getattr(p, "ep_size", 1) != self._ep:
                 raise ValueError(f"'{name}' is split over {getattr(p, 'ep_size', 1)} expert-parallel ranks, the layout "
                                  f"over {self._ep}: build the model with ParallelContext.from_state")
-            unit = self._unit_of(name) if self.zero == 3 else ""
-            if current is not None and (current.expert != expert or current.unit != unit):
+            unit, kind = self._unit_of(name) if self.zero == 3 else "", self._bucket_kind(name, p)
+            if current is not None and (current.expert != expert or current.unit != unit or current.kind != kind):
                 offset += self._close(current)
                 current = None
             if current is None:
                 group, size, rank = self._bucket_groups[expert]
-                current = _Bucket(index=len(self._buckets), start=offset, numel=0, unit=unit, expert=expert,
+                current = _Bucket(index=len(self._buckets), start=offset, numel=0, unit=unit, kind=kind, expert=expert,
                                   group=group, size=size, rank=rank, sharded=self.zero >= 1 and size > 1)
             info = _Param(index=len(self._params), name=name, param=p, start=offset, numel=p.numel(),
                           bucket=current.index, decay=p.ndim >= 2,
@@ -192,6 +193,10 @@ class GradReducer:
                 info = self._params[i]
                 info.own_start = min(max(info.start, b.shard_start), b.shard_start + chunk)
                 info.own_end = max(min(info.end, b.shard_start + chunk), info.own_start)
+
+    def _bucket_kind(self, name: str, param: nn.Parameter) -> Any:
+        """Parameters of different kinds never share a bucket (None here)."""
+        return None
 
     def _close(self, bucket: _Bucket) -> int:
         pad = -bucket.numel % bucket.size

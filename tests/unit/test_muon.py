@@ -59,6 +59,8 @@ def test_muon_matches_torch_muon(monkeypatch, split_heads):
     assert [n for n, p in GPTModel(neox.model, seed=3).named_parameters() if muon_mod.is_muon_param(n, p)] == [
         "layers.0.attention.qkv.weight", "layers.0.attention.out.weight", "layers.0.mlp.experts.fc1.weight",
         "layers.0.mlp.experts.fc2.weight"]  # not the stacked experts' 2-D biases
+    # one momentum buffer for Muon: exp_avg_sq holds AdamW's elements only (Muon's weights are buckets of their own)
+    assert opt.exp_avg_sq.numel() == sum(v.numel() for n, v in start.items() if n not in {i.name for i in opt._muon})
     batches = [torch.randint(0, 258, (2, 17), generator=torch.Generator().manual_seed(s)) for s in range(2)]
     grads = list(_steps(cfg, model, opt, batches))
 

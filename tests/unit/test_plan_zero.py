@@ -101,3 +101,16 @@ def test_verify_zero3_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture
     for exact in ("parameters", "gradients", "optimizer state", "ZeRO-3 gathered params at peak",
                   "sent per step: all_gather", "sent per step: reduce_scatter", "activations at peak (schedule)"):
         assert rows[exact]["measured"] == rows[exact]["predicted"] > 0, rows[exact]
+
+
+def test_muon_keeps_one_state_buffer_per_muon_element() -> None:
+    from megatron_sp.model import GPTModel
+    from megatron_sp.optim.muon import is_muon_param
+
+    cfg = make_config("train.optimizer=muon")
+    named = list(GPTModel(cfg.model, 1).named_parameters())
+    muon = sum(p.numel() for n, p in named if is_muon_param(n, p))
+    adam = sum(p.numel() for _, p in named) - muon
+    st, ref = plan.state_bytes(cfg), plan.state_bytes(make_config())
+    assert muon > 0 and st.optim == 4 * (muon + 2 * adam) + 4 * (muon + adam)  # momentum / m, v; fp32 masters (bf16)
+    assert ref.optim == 12 * (muon + adam)

@@ -103,7 +103,8 @@ def micro_batch_saved_bytes(cfg: Any) -> int:
     tracker = get_tracker()
     init_rng(tracker, 1, 0, 0)
     model = GPTModel(cfg.model, 1, parallel=ParallelContext(recompute=cfg.model.recompute, tracker=tracker)).train()
-    opt = DistributedOptimizer(named_trainable(model), cfg.train, None, precision=cfg.train.precision)
+    opt = DistributedOptimizer(named_trainable(model), cfg.train, None, precision=cfg.train.precision,
+                               model_cfg=cfg.model)
     g, s, b = cfg.train.global_batch_size, cfg.model.seq_length, cfg.train.micro_batch_size
     tokens = torch.randint(0, cfg.model.vocab_size, (g, s + 1), generator=torch.Generator().manual_seed(0))
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),

@@ -155,7 +155,7 @@ def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKE
     optimizer over a stand-in group of that size (edp or dp·cp). The buckets are the same as the real optimizer's
     (it closes a bucket where the kind changes), so the sums are exact."""
     D = dims_of(cfg)
-    key = (*_stage_key(cfg, pp_rank), D.dp_cp, D.edp, D.zero, D.precision, bucket_bytes)
+    key = (*_stage_key(cfg, pp_rank), D.dp_cp, D.edp, D.zero, D.precision, bucket_bytes, cfg.train.optimizer)
     if key in _STATE:
         return _STATE[key]
     named = stage_parameters(cfg, pp_rank)
@@ -167,7 +167,7 @@ def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKE
         groups = types.SimpleNamespace(dp_cp_group=None, dp_cp_size=size, dp_cp_rank=0, tp_rank=0, tp_size=D.tp,
                                        pp_size=D.pp, is_first_stage=pp_rank == 0)  # read at construction only
         opt = DistributedOptimizer(run, cfg.train, groups, zero=D.zero, precision=D.precision, bucket_bytes=bucket_bytes,
-                                   unit_of=param_unit)
+                                   unit_of=param_unit, model_cfg=cfg.model)
         opt.remove_hooks()
         staged += [b.numel for b in opt._buckets if b.sharded] if D.zero >= 2 else []
         for unit, buckets in (opt.units.buckets if opt.units is not None else {}).items():
