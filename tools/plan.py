@@ -170,6 +170,9 @@ def print_breakdown(lp: plan.LayoutPlan, memory: int | None) -> None:
         ops = sorted({op for r in shown for op in r.comm.get(dim, {})})
         for op in ops:
             print(f"  {label + ' ' + op:<43}" + "".join(f"{B(r.comm.get(dim, {}).get(op, 0)):>{width}}" for r in shown))
+    if first.state.muon_flops:  # each weight's owner: balanced over dp·cp (the TP ranks of an owner compute alike)
+        print(f"  {'Muon Newton–Schulz GFLOP / step (owner share)':<43}"
+              + "".join(f"{r.state.muon_flops / D.dp_cp / 1e9:>{width}.2f}" for r in shown))
     chunk = first.chunks[0]
     dense = chunk.layers - chunk.moe_layers
     print(f"\none layer's activations per micro-batch (stage 0, {chunk.layers} layers on its first chunk"

@@ -120,7 +120,7 @@ class DistributedOptimizer(GradReducer):
         for (a, b), grad, buf in zip(self._muon_spans, grads, bufs):
             lo, hi = self._to_local(a, b)
             torch.lerp(grad, buf, t.muon_momentum, out=local[lo:hi]) if t.muon_nesterov else local[lo:hi].copy_(buf)
-        full = self._gather_global(local)
+        full = self._gather_global(local, kind=True)  # (Muon's buckets only)
         ortho = torch.zeros(self.numel, dtype=torch.float32, device=self.device)  # the owners' results
         tp, tp_rank = (self.state.tp_size, self.state.tp_rank) if self.state is not None else (1, 0)
         for info in self._muon:

@@ -493,14 +493,17 @@ class GradReducer:
         lo = b.shard_start - b.start
         self._param(b.shard_start, b.shard_start + b.shard_numel).copy_(b.full[lo:lo + b.shard_numel])  # type: ignore[index]
 
-    def _gather_global(self, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A full-buffer tensor (``out``) from this rank's shard tensor (collective over dp_cp under ZeRO)."""
+    def _gather_global(self, local: torch.Tensor, out: torch.Tensor | None = None,
+                       kind: Any = ...) -> torch.Tensor:
+        """A full-buffer tensor (``out``) from this rank's shard tensor (collective over dp_cp under ZeRO); ``kind``:
+        of the buckets of that ``_bucket_kind`` only (the others' regions left as they are)."""
         if not self._sharded:
             return local
         out = torch.empty(self.numel, dtype=local.dtype, device=local.device) if out is None else out
+        buckets = [b for b in self._buckets if kind is ... or b.kind == kind]
         pending = [comm.all_gather_async(local[b.local_start:b.local_start + b.shard_numel], b.group,
-                                         out=out[b.start:b.start + b.numel]) for b in self._buckets if b.sharded]
-        for b in self._buckets:
+                                         out=out[b.start:b.start + b.numel]) for b in buckets if b.sharded]
+        for b in buckets:
             if not b.sharded:  # an expert bucket whose edp group is one rank: this rank holds all of it
                 out[b.start:b.start + b.numel].copy_(local[b.local_start:b.local_start + b.numel])
         for p in pending:

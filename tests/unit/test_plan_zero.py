@@ -114,3 +114,9 @@ def test_muon_keeps_one_state_buffer_per_muon_element() -> None:
     st, ref = plan.state_bytes(cfg), plan.state_bytes(make_config())
     assert muon > 0 and st.optim == 4 * (muon + 2 * adam) + 4 * (muon + adam)  # momentum / m, v; fp32 masters (bf16)
     assert ref.optim == 12 * (muon + adam)
+    # dp2 ZeRO-1: the Muon matrices gathered for their owners and their results reduce-scattered back, fp32, beside the
+    # gradients' reduce-scatter and the bf16 parameters' all-gather (measured equal by tools/plan.py --verify)
+    dp2 = make_config("train.optimizer=muon", "parallel.dp=2", "parallel.zero=1", "train.global_batch_size=4")
+    n = plan.state_bytes(dp2).padded_elements
+    book = plan.comm_per_step(dp2)["dp"]
+    assert book["all_gather"] == n / 2 * 2 + muon / 2 * 4 and book["reduce_scatter"] == (n + muon) / 2 * 4

@@ -16,7 +16,9 @@ from megatron_sp.model.moe import Experts, Router
 from megatron_sp.model.transformer import arch_spec
 from megatron_sp.mpu.parallel_state import ParallelContext
 from megatron_sp.optim import DistributedOptimizer, named_trainable
+from megatron_sp.mpu.sharding import full_shape, is_sharded
 from megatron_sp.mpu.zero3 import Entry
+from megatron_sp.optim.muon import ns_flops
 from megatron_sp.pipeline.partition import build_stage
 
 from .dims import DEFAULT_BUCKET_BYTES, dims_of
@@ -117,6 +119,9 @@ class StateBytes:
     master: bool
     staged: list[int]  # ZeRO-2/3: elements of each sharded bucket (its fp32 staging buffer while its gradients arrive)
     units: dict[str, tuple[int, int]]  # ZeRO-3: elements of each unit's sharded buckets (dense, expert), gathered per use
+    muon: tuple[int, int] = (0, 0)  # train.optimizer=muon: elements of Muon's buckets (dense, expert), padded
+    muon_tp_split: int = 0  # of Muon's weights, this rank's elements of those split over TP (gathered by the owner)
+    muon_flops: float = 0.0  # Newton–Schulz FLOPs of the stage's Muon weights (whole), shared by the owners
 
     @property
     def total(self) -> int:
@@ -162,6 +167,7 @@ def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKE
     sizes = {"params": 0, "grads": 0, "optim": 0, "padded": 0, "shard": 0, "expert": 0, "tp_synced": 0}
     staged: list[int] = []
     units: dict[str, tuple[int, int]] = {}
+    muon, muon_tp, flops = (0, 0), 0, 0.0
     for expert, run in _runs(named, D.ep):
         size = D.edp if expert else D.dp_cp
         groups = types.SimpleNamespace(dp_cp_group=None, dp_cp_size=size, dp_cp_rank=0, tp_rank=0, tp_size=D.tp,
@@ -182,9 +188,13 @@ def state_bytes(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKE
         sizes["shard"] += opt.shard_numel
         sizes["expert"] += opt.numel if expert else 0
         sizes["tp_synced"] += sum(i.own_end - i.own_start for i in (opt._info_of(q) for _, q in run if q.sequence_parallel))
+        muon_numel = sum(b.numel for b in opt._buckets if b.kind)
+        muon = (muon[0], muon[1] + muon_numel) if expert else (muon[0] + muon_numel, muon[1])
+        muon_tp += sum(i.numel for i in opt._muon if is_sharded(i.param)) if D.tp > 1 else 0
+        flops += sum(ns_flops(full_shape(i.param, D.tp), cfg.train.muon_ns_steps) for i in opt._muon)
     _STATE[key] = StateBytes(
         params=sizes["params"], grads=sizes["grads"], optim=sizes["optim"], param_elements=sum(q.numel() for _, q in named),
         padded_elements=sizes["padded"], shard_elements=sizes["shard"], expert_elements=sizes["expert"],
         tp_synced=sizes["tp_synced"], vocab_tables=sum(n in VOCAB_TABLES for n, _ in named), param_dtype=D.precision,
-        master=D.precision != "fp32", staged=staged, units=units)
+        master=D.precision != "fp32", staged=staged, units=units, muon=muon, muon_tp_split=muon_tp, muon_flops=flops)
     return _STATE[key]

@@ -147,6 +147,15 @@ def comm_per_step(cfg: Config, pp_rank: int = 0, bucket_bytes: int = DEFAULT_BUC
                 _add(book, dim, "all_gather", (n - 1) / n * (m * unit_gathers if D.zero == 3 else numel) * e)
             else:
                 _add(book, dim, "all_reduce", 2 * (n - 1) / n * numel * GRAD_BYTES)
+            muon = st.muon[dim == "edp"]  # Muon: the momentum-updated matrices gathered for their owners (ZeRO), the
+            if muon:  # owners' orthogonalised results reduce-scattered back (ZeRO) or all-reduced (fp32)
+                if D.zero:
+                    _add(book, dim, "all_gather", (n - 1) / n * muon * GRAD_BYTES)
+                    _add(book, dim, "reduce_scatter", (n - 1) / n * muon * GRAD_BYTES)
+                else:
+                    _add(book, dim, "all_reduce", 2 * (n - 1) / n * muon * GRAD_BYTES)
+    if st.muon_tp_split and t > 1:  # an owner gathers each TP-split Muon weight over TP: this rank's share of them
+        _add(book, "tp", "all_gather", (t - 1) * st.muon_tp_split * GRAD_BYTES / D.dp_cp)
     # the scalars (fp64): the loss over the pipeline, the squared grad norm over the ZeRO shards and over tp·pp,
     # the step's token count and loss over dp·cp (training._global_sum); zero-bubble's agree_costs: 8 sums, broadcast
     scalars = _ar(D.pp) * 8 + (_ar(D.dp_cp) * 8 if D.zero else 0) + _ar(D.tp * D.pp) * 8 + 2 * _ar(D.dp_cp) * 8
