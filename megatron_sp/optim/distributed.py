@@ -34,7 +34,7 @@ class DistributedOptimizer(GradReducer):
         self.cfg = cfg  # (read by _bucket_kind while the buckets are laid out)
         super().__init__(named_params, state, zero, precision, bucket_bytes, unit_of, prefetch)
         self.model_cfg = model_cfg
-        self._muon = [i for i in self._params if cfg.optimizer == "muon" and is_muon_param(i.name, i.param)]
+        self._muon = [i for i in self._params if self._buckets[i.bucket].kind]  # (Muon's buckets: _bucket_kind)
         if self._muon and model_cfg is None:
             raise ValueError("train.optimizer=muon needs model_cfg (the logical matrices of the fused weights)")
         muon_ids = {i.index for i in self._muon}
