@@ -57,7 +57,7 @@ def test_deepy_path_is_torch_free_and_finalize_runs_every_part(repo_root):
     owners = {name.rsplit(".", 1)[0] for name in out["checks"]}
     assert owners == {"megatron_sp.pipeline.partition", "megatron_sp.mpu.cp_layout", "megatron_sp.device",
                       "megatron_sp.optim.reducer", "megatron_sp.data.blending", "megatron_sp.data.gpt_dataset",
-                      "megatron_sp.model.moe"}
+                      "megatron_sp.model.moe", "megatron_sp.optim.muon"}
 
 
 @pytest.mark.parametrize("override, needle", [

@@ -18,8 +18,8 @@ from common import gpt_config, parser, print_json
 from megatron_sp.model import GPTModel
 from megatron_sp.mpu import ParallelContext, ParallelDims, comm, initialize
 from megatron_sp.mpu.sharding import full_shape
-from megatron_sp.optim import DistributedOptimizer, distributed, named_trainable
-from megatron_sp.optim.muon import ns_flops
+from megatron_sp.optim import DistributedOptimizer, named_trainable
+from megatron_sp.optim.muon import ns_flops, orthogonalised
 from megatron_sp.testing import run_distributed
 
 OPTIMIZERS = ("adamw", "muon")
@@ -39,15 +39,6 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
     """Both optimizers on this rank: their step times, Muon's orthogonalisation time and owned FLOPs."""
     torch.set_num_threads(1)
     state = initialize(ParallelDims(tp=args.tp, dp=args.dp))
-    ns_time = [0.0]
-    inner = distributed.orthogonalised
-
-    def timed_ns(*a: Any, **k: Any) -> torch.Tensor:
-        t = time.perf_counter()
-        result = inner(*a, **k)
-        ns_time[0] += time.perf_counter() - t
-        return result
-    distributed.orthogonalised = timed_ns  # (this rank's process only)
     gen = torch.Generator().manual_seed(args.seed + state.dp_rank)  # each data-parallel rank its own batch
     data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()  # [b, s]
@@ -67,18 +58,29 @@ def rank_run(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
             loss.backward()
             opt.finish_grad_sync()
             comm.barrier()
-            ns_time[0] = 0.0
             t = time.perf_counter()
             opt.step(lr=1e-4, clip=1.0)
             if i >= args.warmup:
                 times[name]["step_s"].append(time.perf_counter() - t)
-                times[name]["ns_s"].append(ns_time[0])
+                times[name]["ns_s"].append(_owned_ns_seconds(opt, args.tp))
     out: dict[str, Any] = {"rank": rank}
     for name, (_, opt) in setups.items():
         owned = [i for i in opt._muon if opt._muon_owners[i.index] == opt._buckets[i.bucket].rank]
         out[name] = {**times[name], "matrices": len(opt._muon), "owned": len(owned),
                      "owned_flops": sum(ns_flops(full_shape(i.param, args.tp), args.ns_steps) for i in owned)}
     return out
+
+
+def _owned_ns_seconds(opt: DistributedOptimizer, tp: int) -> float:
+    """This rank's owner share of the Newton–Schulz work, timed on its own: ``orthogonalised`` of the whole (TP-gathered)
+    shape of every Muon weight it owns (the step's TP gather not included); 0 for AdamW."""
+    if not opt._muon:
+        return 0.0
+    t = time.perf_counter()
+    for info in opt._muon:
+        if opt._muon_owners[info.index] == opt._buckets[info.bucket].rank:
+            orthogonalised(info.name, torch.randn(full_shape(info.param, tp)), opt.model_cfg, opt.cfg)
+    return time.perf_counter() - t
 
 
 def combine(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,8 +120,8 @@ def print_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
               f"{spread(r['flop_spread']):>19}")
     print("step = the slowest rank's optimizer.step (norm, clip, AdamW, Muon's gathers, Newton–Schulz and scatter, the "
           "ZeRO parameter all-gather); rank max/min = the spread of the ranks' median steps (a step ends in "
-          "collectives, so every rank waits for the slowest). NS = time inside the orthogonalisation on each rank (the "
-          "owner's TP gather and Newton–Schulz), mean over ranks; owned = the matrices each rank orthogonalises, "
+          "collectives, so every rank waits for the slowest). NS = each rank's owned orthogonalisations (Newton–Schulz "
+          "on the whole shapes, timed apart from the step), median over steps; owned = the matrices each rank orthogonalises, "
           "GFLOP = their Newton–Schulz FLOPs (both TP ranks of an owner run the full matrix).")
     if args.verbose:
         for r in rows:
