@@ -133,9 +133,9 @@ def setup(cfg: Config) -> Runtime:
     if ckpt is not None:
         if cfg.checkpoint.auto_resume and (Path(cfg.checkpoint.save) / "latest").is_file():  # type: ignore[arg-type]
             log.info("checkpoint.auto_resume: resuming from %s", ckpt)
-        fresh = saved.get("config", {}).get("train", {}).get("optimizer", "adamw") != cfg.train.optimizer
         meta = checkpointing.load(ckpt, model, optimizer, state, dev, cfg.train.seed, tracker,
-                                  layout=checkpointing.writer_layout(cfg), weights_only=fresh)
+                                  layout=checkpointing.writer_layout(cfg),
+                                  weights_only=trained_optimizer(saved) != cfg.train.optimizer)
         rt.step, rt.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
         rt.skipped_steps = int(meta.get("skipped_steps", 0))
         moe.load_expert_bias(model, meta.get("moe_expert_bias"))
@@ -173,6 +173,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
+def trained_optimizer(meta: dict[str, Any]) -> str:
+    """The ``train.optimizer`` a checkpoint's run used (its meta.json's config; adamw before the key existed)."""
+    return meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
+
+
 def check_resume_data(cfg: Config, meta: dict[str, Any], ckpt: Path, tokenizer_sha256: str) -> None:
     """Refuse to resume from ``ckpt`` when its ``consumed_samples`` would index other samples than those it trained
     on: another ``model.seq_length`` (once samples were consumed) or another tokenizer (its meta.json's
@@ -185,7 +190,7 @@ def check_resume_data(cfg: Config, meta: dict[str, Any], ckpt: Path, tokenizer_s
         was = old.get("tokenizer", {})
         changes.append(f"another tokenizer ({cfg.tokenizer.type} {cfg.tokenizer.model}; it trained with "
                        f"{was.get('type')} {was.get('model')}, same name or not: the file's sha256 differs)")
-    optimizer = old.get("train", {}).get("optimizer", "adamw")
+    optimizer = trained_optimizer(meta)
     if optimizer != cfg.train.optimizer and not cfg.checkpoint.allow_optimizer_change:
         raise ConfigError(f"resuming from {ckpt}: it trained with train.optimizer={optimizer}, this run has "
                           f"{cfg.train.optimizer}: restore it, or set checkpoint.allow_optimizer_change=true to load "

@@ -24,15 +24,14 @@ class ParamUnits:
         self.buckets = buckets
         self.local_chunk = local_chunk
         self.prefetch = prefetch
-        self._pending: dict[int, comm.Pending] = {}  # bucket index -> its gather in flight
-        self._gathered: set[int] = set()
+        self._pending: dict[int, comm.Pending] = {}  # bucket index -> its gather in flight (its storage allocated)
 
     def launch(self, keys: Sequence[str]) -> None:
-        """Start gathering the units ``keys`` that are neither gathered nor on the way."""
+        """Start gathering the units ``keys`` that are neither gathered nor on the way (their storage is empty)."""
         for b in self._of(keys):
-            if b.index in self._gathered or b.index in self._pending:
-                continue
             storage = b.full.untyped_storage()
+            if storage.nbytes():
+                continue
             storage.resize_(b.numel * b.full.element_size())
             self._pending[b.index] = comm.all_gather_async(self.local_chunk(b), b.group, out=b.full)
 
@@ -43,14 +42,12 @@ class ParamUnits:
             pending = self._pending.pop(b.index, None)
             if pending is not None:
                 pending.wait()
-                self._gathered.add(b.index)
 
     def free_bucket(self, b: Any) -> None:
         """Give back a bucket's gathered storage (waiting for a gather in flight first)."""
         pending = self._pending.pop(b.index, None)
         if pending is not None:
             pending.wait()
-        self._gathered.discard(b.index)
         b.full.untyped_storage().resize_(0)
 
     def free(self, keys: Sequence[str]) -> None:

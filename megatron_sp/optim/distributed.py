@@ -47,6 +47,7 @@ class DistributedOptimizer(GradReducer):
             if not b.kind:
                 self._sq_start[b.index], n_sq = n_sq, n_sq + b.shard_numel
         self.exp_avg_sq = torch.zeros(n_sq, dtype=torch.float32, device=self.device)
+        self._sq_shift = {i: start - self._buckets[i].local_start for i, start in self._sq_start.items()}
         # AdamW's two weight-decay groups as runs of owned elements, and the runs the norm reads
         self._adam = {decays: self._views(self._runs(lambda i, d=decays: i.decay == d and i.index not in muon_ids))
                       for decays in (True, False)}
@@ -71,18 +72,21 @@ class DistributedOptimizer(GradReducer):
             for views, view in zip(group, (self._master_view(a, b), self._grad(a, b), self.exp_avg[lo:hi])):
                 views.append(view)
             if adam:
-                bucket = next(k for k in self._buckets if k.local_start <= lo < k.local_start + k.shard_numel)
-                shift = self._sq_start[bucket.index] - bucket.local_start
+                shift = self._sq_shift[self._bucket_at(a).index]
                 group[3].append(self.exp_avg_sq[lo + shift:hi + shift])
         return group
+
+    def _sq_pairs(self, local: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(``exp_avg_sq`` chunk, the same bucket's chunk of the local-shard layout tensor ``local``) per AdamW bucket."""
+        return [(self.exp_avg_sq[start:start + self._buckets[i].shard_numel],
+                 local[start - self._sq_shift[i]:start - self._sq_shift[i] + self._buckets[i].shard_numel])
+                for i, start in self._sq_start.items()]
 
     def _sq_local(self) -> torch.Tensor:
         """``exp_avg_sq`` in the local-shard layout (zeros in Muon's buckets)."""
         out = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
-        for b in self._buckets:
-            if b.index in self._sq_start:
-                out[b.local_start:b.local_start + b.shard_numel] = self.exp_avg_sq[
-                    self._sq_start[b.index]:self._sq_start[b.index] + b.shard_numel]
+        for compact, part in self._sq_pairs(out):
+            part.copy_(compact)
         return out
 
     def grad_norm(self) -> torch.Tensor:
@@ -206,11 +210,8 @@ class DistributedOptimizer(GradReducer):
                                     f"the parameter {tuple(info.param.shape)}")
                 full[key][info.start:info.end].copy_(value.reshape(-1))
         self.exp_avg.copy_(self._local_of(full["exp_avg"]))
-        sq = self._local_of(full["exp_avg_sq"])
-        for b in self._buckets:
-            if b.index in self._sq_start:
-                start = self._sq_start[b.index]
-                self.exp_avg_sq[start:start + b.shard_numel] = sq[b.local_start:b.local_start + b.shard_numel]
+        for compact, part in self._sq_pairs(self._local_of(full["exp_avg_sq"])):
+            compact.copy_(part)
         self.step_count = int(steps.pop()) if steps else 0
         if has_master and self._params:
             if self._master_local is not None:

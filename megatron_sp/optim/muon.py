@@ -4,7 +4,6 @@ is assembled over ZeRO (dp·cp, edp) and TP first. Theory and choices: docs/opti
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +13,7 @@ from ..config import ModelConfig, TrainConfig
 from ..config.registry import check, choice
 from ..config.schema import Config
 from ..errors import ConfigError
+from ..model.transformer import head_dim
 from ..mpu.sharding import full_shape
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's default)
@@ -55,11 +55,12 @@ def muon_owners(infos: list[Any], buckets: list[Any], tp: int, steps: int) -> di
     Deterministic: every rank derives the same owners."""
     load: dict[int, list[float]] = {}
     owners = {}
-    for info in sorted(infos, key=lambda i: (-ns_flops(full_shape(i.param, tp), steps), i.index)):
+    cost = {info.index: ns_flops(full_shape(info.param, tp), steps) for info in infos}
+    for info in sorted(infos, key=lambda i: (-cost[i.index], i.index)):
         b = buckets[info.bucket]
         ranks = load.setdefault(id(b.group), [0.0] * b.size)
         owner = min(range(b.size), key=lambda r: (ranks[r], r))
-        ranks[owner] += ns_flops(full_shape(info.param, tp), steps)
+        ranks[owner] += cost[info.index]
         owners[info.index] = owner
     return owners
 
@@ -88,22 +89,20 @@ def newton_schulz(u: torch.Tensor, steps: int, dtype: torch.dtype = torch.float3
     return x.T if tall else x
 
 
-def orthogonalised(name: str, u: torch.Tensor, cfg: ModelConfig, t: TrainConfig,
-                   orth: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def orthogonalised(name: str, u: torch.Tensor, cfg: ModelConfig, t: TrainConfig) -> torch.Tensor:
     """The scaled orthogonalised update of the whole (stored-shape) tensor ``u`` of parameter ``name``: each logical
     matrix on its own: each expert of a stacked ``[E, m, n]``; the fused QKV as q, k and v (``muon_split_heads``: every
     head of each); latent attention's up projections per head with ``muon_split_heads`` (its key and value parts apart);
     any other weight whole."""
-    if orth is None:
-        def orth(m: torch.Tensor) -> torch.Tensor:
-            return newton_schulz(m, t.muon_ns_steps).mul_(update_scale(t.muon_update_scale, *m.shape))
+    def orth(m: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(m, t.muon_ns_steps).mul_(update_scale(t.muon_update_scale, *m.shape))
+
     if u.ndim == 3:
-        return torch.stack([orthogonalised(name, e, cfg, t, orth) for e in u])
+        return torch.stack([orthogonalised(name, e, cfg, t) for e in u])
     module = name.rsplit(".", 2)[-2]
     out = torch.empty_like(u, dtype=torch.float32)
     if module == "qkv":
-        d = cfg.head_dim or cfg.hidden_size // cfg.num_heads
-        g, r = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        d, g, r = head_dim(cfg), cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
         x, o = u.view(g, r + 2, d, -1), out.view(g, r + 2, d, -1)
         if t.muon_split_heads:
             for i in range(g):

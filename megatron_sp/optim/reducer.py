@@ -253,23 +253,28 @@ class GradReducer:
         """Local-shard offsets of an owned global interval (inside one bucket's chunk)."""
         if end == start:
             return 0, 0
-        b = next(b for b in self._buckets if b.start <= start < b.start + b.numel)
+        b = self._bucket_at(start)
         lo = b.local_start + start - b.shard_start
         return lo, lo + end - start
 
+    def _bucket_at(self, start: int) -> _Bucket:
+        """The bucket holding global offset ``start``."""
+        return next(b for b in self._buckets if b.start <= start < b.start + b.numel)
+
+    def _in(self, buffer: torch.Tensor, local: bool, start: int, end: int) -> torch.Tensor:
+        """``buffer``'s part for an owned global interval: ``buffer`` is full-size, or (``local``) this rank's shard."""
+        if not local:
+            return buffer[start:end]
+        lo, hi = self._to_local(start, end)
+        return buffer[lo:hi]
+
     def _grad(self, start: int, end: int) -> torch.Tensor:
         """The main grads of an owned global interval (ZeRO-2: in the local shard ``grad_buffer``)."""
-        if not self._zero2:
-            return self.grad_buffer[start:end]
-        lo, hi = self._to_local(start, end)
-        return self.grad_buffer[lo:hi]
+        return self._in(self.grad_buffer, self._zero2, start, end)
 
     def _param(self, start: int, end: int) -> torch.Tensor:
         """The parameters of an owned global interval (ZeRO-3: in the local shard ``param_buffer``)."""
-        if not self._zero3:
-            return self.param_buffer[start:end]
-        lo, hi = self._to_local(start, end)
-        return self.param_buffer[lo:hi]
+        return self._in(self.param_buffer, self._zero3, start, end)
 
     def _master_view(self, start: int, end: int) -> torch.Tensor:
         """The fp32 master weights of an owned global interval."""
