@@ -190,12 +190,20 @@ def expert_capacity(factor: float, seq_len: int, top_k: int, num_experts: int) -
     return min(seq_len, math.ceil(Fraction(repr(float(factor))) * seq_len * top_k / num_experts))
 
 
+RANK_BITS = 12
+"""Significant bits of the selection score that rank a capacity contest (``capacity_keep``)."""
+
+
 def capacity_keep(experts: torch.Tensor, top_scores: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
     """Which assignments ``[s, b, k]`` stay: per sequence and expert the ``capacity`` tokens of highest selection
-    score, ties to the earlier position; the others are dropped (their output for that expert is 0)."""
+    score rounded to ``RANK_BITS`` significant bits, ties to the earlier position; the others are dropped (their
+    output for that expert is 0). The rounding makes scores a few fp32 ulps apart (a run of repeated tokens, whose
+    order is rounding noise that differs between layouts) a tie that position breaks the same on every layout."""
     s, b, k = experts.shape
     by_seq = experts.permute(1, 0, 2)  # [b, s, k]
-    dense = top_scores.new_full((b, s, num_experts), -1.0).scatter_(2, by_seq, top_scores.permute(1, 0, 2))
+    drop = 23 - RANK_BITS + 1  # fp32 mantissa bits below the kept ones; positive floats order as their bit patterns
+    key = (top_scores.detach().float().view(torch.int32) + (1 << drop - 1)) >> drop
+    dense = key.new_full((b, s, num_experts), -1).scatter_(2, by_seq, key.permute(1, 0, 2))
     order = dense.argsort(dim=1, descending=True, stable=True)  # [b, s, E]: positions by decreasing score
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(s, device=order.device).view(1, s, 1).expand_as(order))
     return (rank < capacity).gather(2, by_seq).permute(1, 0, 2)  # [s, b, k]

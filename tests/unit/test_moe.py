@@ -175,6 +175,20 @@ def test_combine_stays_in_bf16_under_autocast() -> None:
     assert not [t.shape for t in saved if t.dtype == torch.float32 and t.numel() >= S * B * 2 * H]
 
 
+def test_capacity_ranks_scores_a_few_ulps_apart_by_position() -> None:
+    """Repeated tokens give scores a few fp32 ulps apart whose order is rounding noise (a tp2 run ranked them
+    otherwise than 1 rank: fuzzer seed 338). Ranked on ``RANK_BITS`` significant bits they tie, and the earlier
+    position stays whichever is the larger; scores further apart still rank by value."""
+    a = torch.tensor(0.130601078, dtype=torch.float32)
+    up = torch.nextafter(a, torch.tensor(1.0))
+    experts = torch.zeros(3, 1, 1, dtype=torch.long)
+    for scores in ((a, up, a * 0.5), (up, a, a * 0.5)):
+        keep = moe.capacity_keep(experts, torch.stack(scores).view(3, 1, 1), 2, 1)
+        assert keep.view(-1).tolist() == [True, False, False]
+    keep = moe.capacity_keep(experts, torch.stack((a, a * (1 + 2.0 ** -moe.RANK_BITS * 2), a)).view(3, 1, 1), 2, 1)
+    assert keep.view(-1).tolist() == [False, True, False]
+
+
 def test_capacity_drops_the_lowest_scores_per_sequence() -> None:
     """Two experts, top-1, capacity factor 0.5 over 4 tokens: ceil(0.5·4·1/2) = 1 token per expert and sequence.
     Sequence 0 sends every token to expert 0 with scores ordered 1 = 3 > 2 > 0: only token 1 stays (the tie goes to
