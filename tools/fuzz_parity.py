@@ -61,6 +61,15 @@ def _mla(c: dict[str, Any]) -> bool:
     return c.get("model.kv_lora_rank", 0) > 0
 
 
+def _gate_normalised_away(c: dict[str, Any]) -> bool:
+    """Top-1 without shared experts under post-sublayer norms: ``x + norm(p·E(x))`` does not depend on the gate ``p``
+    but through the norm's eps, so the router's gradient from the LM loss is rounding noise, which differs between
+    layouts and which Adam turns into full-size steps. Such a model keeps its aux loss (a real router gradient); the
+    z-loss may still be drawn too."""
+    return c.get("model.norm_placement") == "post_sublayer" and c.get("model.moe_top_k") == 1 \
+        and not c.get("model.moe_shared_experts")
+
+
 def _more(key: str) -> Callable[[dict[str, Any]], bool]:
     return lambda c: c.get(key, 1) > 1
 
@@ -108,7 +117,7 @@ FEATURES: dict[str, Key] = {
     "model.moe_router_groups": Key((1, 2), _moe),  # DeepSeek-V3 group-limited routing (2 or 4 experts a group)
     "model.moe_router_group_topk": Key((1, 2), _more("model.moe_router_groups")),
     "model.moe_routed_scaling": Key((1.0, 2.5), _moe),
-    "model.moe_aux_loss_coeff": Key((0.01, 0.0), _moe),
+    "model.moe_aux_loss_coeff": Key(lambda c: (0.01,) if _gate_normalised_away(c) else (0.01, 0.0), _moe),
     "model.moe_z_loss_coeff": Key((0.0, 1e-3), _moe),
     "model.moe_bias_update_rate": Key((0.0, 1e-2), _moe),
     "model.moe_capacity_factor": Key((None, 1.0, 1.5), _moe),
