@@ -445,14 +445,22 @@ def count_parameters(cfg: ModelConfig, exclude_embeddings: bool = True, active: 
     return total
 
 
+def attended_keys(seq: int, window: int | None) -> float:
+    """Keys a query meets on average, in the MFU's continuous count: ``s/2`` causal (the half of ``s²``), and under a
+    sliding window ``W < s`` the band ``(W·s − W²/2)/s`` (equal to ``s/2`` at ``W = s``)."""
+    return seq / 2 if not window or window >= seq else window - window * window / (2 * seq)
+
+
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token for MFU, ``6·N + 6·L·h·s``: PaLM appendix B with the attention term over the
     causal half; N excludes the input embedding and, in MoE layers, counts the active parameters only (router,
     top-k experts, shared experts: what a token computes with; docs/metrics.md, docs/moe.md). The attention term is
-    ``3·L·n·(d_qk + d_v)·s`` (``h = n·d`` when both are the head dim; latent attention's values are ``v_head_dim``
-    wide, the kernels' zero padding not counted). Multi-token prediction adds its modules' parameters, their layers'
-    attention and one more pass through the output layer each."""
+    ``6·L·n·(d_qk + d_v)·k`` with ``k = attended_keys`` (``s/2``, less under a sliding window; ``h = n·d`` when both
+    are the head dim; latent attention's values are ``v_head_dim`` wide, the kernels' zero padding not counted).
+    Multi-token prediction adds its modules' parameters, their layers' attention and one more pass through the
+    output layer each."""
     n = count_parameters(cfg, exclude_embeddings=True, active=True) + cfg.mtp_layers * parameter_parts(cfg)["output_layer"]
     d_v = cfg.v_head_dim if cfg.kv_lora_rank else head_dim(cfg)
     layers = cfg.num_layers + cfg.mtp_layers
-    return 6.0 * n + 3.0 * layers * cfg.num_heads * (head_dim(cfg) + d_v) * cfg.seq_length
+    keys = attended_keys(cfg.seq_length, cfg.sliding_window)
+    return 6.0 * n + 6.0 * layers * cfg.num_heads * (head_dim(cfg) + d_v) * keys

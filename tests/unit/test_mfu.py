@@ -55,6 +55,15 @@ def test_flops_per_token_by_hand_counts_the_causal_half() -> None:
     assert flops_per_token(gqa) == 6 * count_parameters(gqa) + 6 * 2 * 8 * 4
 
 
+def test_flops_per_token_counts_the_sliding_windows_band() -> None:
+    """A window of W < s: a query meets (W·s − W²/2)/s keys on average (s = 4, W = 2: 1.5 instead of 2), so the
+    attention term is 6·L·h·2·1.5 = 288 instead of 384; a window of s or more counts the causal half as without one."""
+    cfg = tiny()
+    windowed = tiny(sliding_window=2)
+    assert flops_per_token(windowed) == flops_per_token(cfg) - 384 + 288
+    assert flops_per_token(tiny(sliding_window=4)) == flops_per_token(tiny(sliding_window=64)) == flops_per_token(cfg)
+
+
 # ------------------------------------------------------------------------------------------ peak cache
 
 

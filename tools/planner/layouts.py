@@ -9,7 +9,7 @@ from typing import Any
 
 from megatron_sp.config.schema import Config
 from megatron_sp.errors import ConfigError
-from megatron_sp.model.gpt import mlp_parameters, parameter_parts
+from megatron_sp.model.gpt import attended_keys, mlp_parameters, parameter_parts
 from megatron_sp.pipeline.schedules import theory_bubble
 
 from .activations import ChunkActivations, SchedulePeak, buffer_terms, chunk_activations, schedule_peak
@@ -73,8 +73,9 @@ class LayoutPlan:
 
 def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None, executed: bool = False) -> float:
     """Model FLOPs per step on one rank of stage ``pp_rank``: ``6·N_stage + 6·L_stage·h·s`` per token
-    (``model.flops_per_token``: PaLM, attention over the causal half), N without the input embedding and, in MoE
-    layers, the active parameters only (router E·h, top-k experts, shared experts), divided over TP and CP;
+    (``model.flops_per_token``: PaLM, attention over the causal half or the sliding window's band), N without the
+    input embedding and, in MoE layers, the active parameters only (router E·h, top-k experts, shared experts),
+    divided over TP and CP;
     ``recompute`` (default the config's) adds the recomputed forward: ``2·N + 2·L·h·s`` (full) or ``2·L·h·s``
     (selective). ``executed``: what the rank computes rather than its share of the model's FLOPs: without
     sequence parallelism every TP rank runs the router and the routed experts on all its tokens (replicated
@@ -89,7 +90,8 @@ def stage_flops(cfg: Config, pp_rank: int, recompute: str | None = None, execute
     n = (main - main_moe) * parts["layer"] + main_moe * parts.get("moe_layer_active", 0) + \
         (parts["final_norm"] + (1 + len(mtp)) * parts["output_layer"] + parts["mtp_active"] if last else 0)
     layers, moe = main + len(mtp), main_moe + moe_layers_of(cfg, mtp)
-    attention = 3 * layers * D.heads * (D.head_dim + (D.mla[3] or D.head_dim)) * D.seq  # as gpt.flops_per_token
+    keys = attended_keys(D.seq, cfg.model.sliding_window)  # as gpt.flops_per_token
+    attention = 6 * layers * D.heads * (D.head_dim + (D.mla[3] or D.head_dim)) * keys
     per_token = 6 * n + attention
     if recompute == "full":
         per_token += 2 * n + attention / 3
