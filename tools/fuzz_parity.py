@@ -170,6 +170,8 @@ def _ep_fold(c: dict[str, Any]) -> int:
 RULES: dict[str, Callable[[dict[str, Any]], bool]] = {
     "parallel.ep divides the ranks it folds over and model.num_experts":
         lambda c: _ep_fold(c) % c.get("parallel.ep", 1) == 0 and c.get("model.num_experts", 0) % c.get("parallel.ep", 1) == 0,
+    "model.moe_capacity_factor needs parallel.cp=1 (docs/moe.md)":
+        lambda c: c.get("model.moe_capacity_factor") is None or c.get("parallel.cp", 1) == 1,
 }
 
 # Derived by ``derive_dims`` so that every layout of the model divides them.
