@@ -62,12 +62,12 @@ def _mla(c: dict[str, Any]) -> bool:
 
 
 def _gate_normalised_away(c: dict[str, Any]) -> bool:
-    """Top-1 without shared experts under post-sublayer norms: ``x + norm(p·E(x))`` does not depend on the gate ``p``
-    but through the norm's eps, so the router's gradient from the LM loss is rounding noise, which differs between
-    layouts and which Adam turns into full-size steps. Such a model keeps its aux loss (a real router gradient); the
-    z-loss may still be drawn too."""
-    return c.get("model.norm_placement") == "post_sublayer" and c.get("model.moe_top_k") == 1 \
-        and not c.get("model.moe_shared_experts")
+    """A top-1 router whose gate the output does not depend on, so that its gradient from the LM loss is noise that
+    differs between layouts: renormalised (the weight ``p/(p + 1e-20)`` is 1, a gradient of ~1e-20), or, without
+    shared experts, under post-sublayer norms (``x + norm(p·E(x))`` sees ``p`` only through the norm's eps: rounding
+    noise, which Adam turns into full-size steps). Such a model keeps its aux loss, a real router gradient."""
+    return c.get("model.moe_top_k") == 1 and (c.get("model.moe_renormalize") is True or (
+        c.get("model.norm_placement") == "post_sublayer" and not c.get("model.moe_shared_experts")))
 
 
 def _more(key: str) -> Callable[[dict[str, Any]], bool]:
