@@ -6,22 +6,36 @@ training run with the overrides of ``QUICK`` appended) or it is skipped for a st
 no rule fails the test, so a new command in the docs gets classified when it is written. The runs share one copy
 of the tracked files (no data/, runs/, checkpoints/), so a command that needs another's output (convert_checkpoint
 needs checkpoints/demo) must come after it in the docs. A command repeated word for word runs once.
+
+Each command runs in a child forked from a server process (this file run with ``--serve`` in the copy, under the
+commands' environment) that has imported torch and megatron_sp once: the child takes the command's argv, cwd and
+environment and runs the script (or ``-m`` module) as ``__main__``, so no command pays the ~3 s import again; what
+the command starts itself (train.py's ranks, torchrun's workers) are processes of their own, as before.
 """
 from __future__ import annotations
 
+import gc
+import importlib.machinery
+import json
 import os
 import re
+import runpy
+import signal
 import shlex
 import shutil
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from megatron_sp import config
+
+PRELOAD = ("torch", "torch.distributed", "numpy", "megatron_sp.training", "megatron_sp.launcher")
+"""What the server imports before forking a command (from the copy: the server runs there with its PYTHONPATH)."""
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -164,6 +178,47 @@ def fresh_copy(dest: Path) -> Path:
     return dest
 
 
+def serve() -> int:
+    """The command server: per request line (JSON: argv, cwd, stdout and stderr files, timeout) fork a child that
+    runs it as ``python argv...`` would, and answer with its exit code (negative: the signal that killed it). In the
+    child this returns (to ``sys.exit``) only when the command exits by itself: its SystemExit, traceback and atexit
+    handlers are the interpreter's own, as in a process of its own."""
+    environ = dict(os.environ)  # as started (before any import could change it)
+    for name in PRELOAD:
+        __import__(name)
+    gc.freeze()  # the preloaded objects: no collection in a child walks them (nor writes to their pages)
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            os.chdir(req["cwd"])
+            for fd, path in ((0, os.devnull), (1, req["stdout"]), (2, req["stderr"])):
+                opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(opened, fd)
+                os.close(opened)
+            os.environ.clear()
+            os.environ.update(environ)
+            args = req["argv"][1:]
+            if args[0] == "-m":  # python -m MODULE: sys.path[0] is the working directory
+                sys.path[0], sys.argv = os.getcwd(), args[1:]
+                runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            else:  # python SCRIPT: a __main__ of its own with the absolute __file__, argv[0] as given
+                script = os.path.abspath(args[0])
+                sys.path[0], sys.argv = os.path.dirname(script), args
+                main = sys.modules["__main__"] = types.ModuleType("__main__")
+                main.__file__, main.__cached__ = script, None
+                main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
+                exec(compile(Path(script).read_bytes(), script, "exec"), main.__dict__)
+            return 0
+        deadline = time.monotonic() + req["timeout"]
+        while not (status := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        print(json.dumps(os.waitstatus_to_exitcode(status[1])), flush=True)
+    return 0
+
+
 def test_readme_commands_run_in_order(tmp_path: Path) -> None:
     if not (ROOT / ".git").exists():
         pytest.skip("needs the git checkout to know its tracked files")
@@ -174,24 +229,40 @@ def test_readme_commands_run_in_order(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(repo)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    server = subprocess.Popen([sys.executable, str(repo / Path(__file__).relative_to(ROOT)), "--serve"], cwd=repo,
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
     timings, ran = [], set()
-    for command, rule in zip(commands, rules):
-        if rule.append is None or command.argv in ran:  # type: ignore[union-attr]
-            continue  # a command the docs repeat (the quick start's again in Training) ran already, the same way
-        ran.add(command.argv)
-        if rule.config_only:  # type: ignore[union-attr]
-            confs = [str(repo / a) for flag, a in zip(command.argv, command.argv[1:]) if flag == "--conf"]
-            overrides = [a for a in command.argv[2:] if "=" in a and a not in confs]
-            config.load(confs, overrides)  # a key that does not exist or a layout the model refuses raises here
-            continue
-        argv = [*command.argv, *rule.append]  # type: ignore[union-attr]
-        if argv[0] == "python":
-            argv[0] = sys.executable
-        elif argv[0] == "torchrun":
-            argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
-        t0 = time.perf_counter()
-        p = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-        timings.append((time.perf_counter() - t0, command.source))
-        assert p.returncode == 0, (f"{command.source}: `{command.line}` (+ {' '.join(rule.append)}) exited "  # type: ignore[union-attr]
-                                   f"{p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    try:
+        for command, rule in zip(commands, rules):
+            if rule.append is None or command.argv in ran:  # type: ignore[union-attr]
+                continue  # a command the docs repeat (the quick start's again in Training) ran already, the same way
+            ran.add(command.argv)
+            if rule.config_only:  # type: ignore[union-attr]
+                confs = [str(repo / a) for flag, a in zip(command.argv, command.argv[1:]) if flag == "--conf"]
+                overrides = [a for a in command.argv[2:] if "=" in a and a not in confs]
+                config.load(confs, overrides)  # a key that does not exist or a layout the model refuses raises here
+                continue
+            argv = [*command.argv, *rule.append]  # type: ignore[union-attr]
+            if argv[0] == "python":
+                argv[0] = sys.executable
+            elif argv[0] == "torchrun":
+                argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
+            t0 = time.perf_counter()
+            server.stdin.write(json.dumps({"argv": argv, "cwd": str(repo), "stdout": str(out), "stderr": str(err),  # type: ignore[union-attr]
+                                           "timeout": 900}) + "\n")
+            server.stdin.flush()  # type: ignore[union-attr]
+            reply = server.stdout.readline()  # type: ignore[union-attr]
+            assert reply, f"the command server died (exit code {server.wait()}) running {command.source}"
+            code = json.loads(reply)
+            timings.append((time.perf_counter() - t0, command.source))
+            assert code == 0, (f"{command.source}: `{command.line}` (+ {' '.join(rule.append)}) exited "  # type: ignore[union-attr]
+                               f"{code}:\n{out.read_text(errors='replace')[-2000:]}\n{err.read_text(errors='replace')[-3000:]}")
+    finally:
+        server.stdin.close()  # type: ignore[union-attr]  # the server ends at end of input
+        server.wait(timeout=60)
     print("slowest:", ", ".join(f"{s} {t:.1f}s" for t, s in sorted(timings, reverse=True)))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+    sys.exit(serve())
