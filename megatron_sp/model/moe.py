@@ -201,7 +201,7 @@ def capacity_keep(experts: torch.Tensor, top_scores: torch.Tensor, num_experts: 
     order is rounding noise that differs between layouts) a tie that position breaks the same on every layout."""
     s, b, k = experts.shape
     by_seq = experts.permute(1, 0, 2)  # [b, s, k]
-    drop = 23 - RANK_BITS + 1  # fp32 mantissa bits below the kept ones; positive floats order as their bit patterns
+    drop = 24 - RANK_BITS  # fp32's significant bits below the kept ones; positive floats order as their bit patterns
     key = (top_scores.detach().float().view(torch.int32) + (1 << drop - 1)) >> drop
     dense = key.new_full((b, s, num_experts), -1).scatter_(2, by_seq, key.permute(1, 0, 2))
     order = dense.argsort(dim=1, descending=True, stable=True)  # [b, s, E]: positions by decreasing score
